@@ -1,0 +1,171 @@
+use std::collections::BTreeMap;
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::{Secret, Workspace};
+
+/// The agent's lifecycle state, as reported in every heartbeat.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum AgentState {
+    Preparing,
+    Ready,
+    Installing,
+    Confirming,
+    Running,
+    Finishing,
+}
+
+/// Agent → server. Text frames only.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum AgentMessage {
+    Heartbeat {
+        state: AgentState,
+        execution_id: Option<String>,
+    },
+}
+
+impl AgentMessage {
+    pub fn encode(&self) -> String {
+        // A heartbeat holds only strings and enums: serialization cannot fail.
+        serde_json::to_string(self).unwrap_or_default()
+    }
+}
+
+/// Server → agent. [`ServerMessage::decode`] maps a `type` it does not know
+/// to [`ServerMessage::Unknown`] instead of failing, so a newer server can
+/// add message types without breaking older agents.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ServerMessage {
+    Assignment(Assignment),
+    Retired(Retired),
+    Cancel(Cancel),
+    /// A message of a type this version does not know; never encoded.
+    #[serde(skip)]
+    Unknown { type_name: String },
+}
+
+/// Why a text frame could not be turned into a [`ServerMessage`].
+#[derive(Debug, thiserror::Error)]
+pub enum DecodeError {
+    #[error("frame is not a JSON object: {0}")]
+    NotJson(serde_json::Error),
+    #[error("frame has no string field `type`")]
+    NoType,
+    #[error("`{type_name}` message is malformed: {source}")]
+    Malformed {
+        type_name: String,
+        source: serde_json::Error,
+    },
+}
+
+impl ServerMessage {
+    const KNOWN: [&'static str; 3] = ["assignment", "retired", "cancel"];
+
+    pub fn decode(text: &str) -> Result<Self, DecodeError> {
+        let value: serde_json::Value = serde_json::from_str(text).map_err(DecodeError::NotJson)?;
+        let type_name = value
+            .as_object()
+            .and_then(|object| object.get("type"))
+            .and_then(|t| t.as_str())
+            .ok_or(DecodeError::NoType)?
+            .to_owned();
+        if !Self::KNOWN.contains(&type_name.as_str()) {
+            return Ok(Self::Unknown { type_name });
+        }
+        serde_json::from_value(value).map_err(|source| DecodeError::Malformed { type_name, source })
+    }
+
+    /// The JSON text of a known message; `None` for [`ServerMessage::Unknown`].
+    pub fn encode(&self) -> Option<String> {
+        serde_json::to_string(self).ok()
+    }
+}
+
+/// A run committed to this sandbox.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct Assignment {
+    pub execution_id: String,
+    pub run_credential: Secret,
+    pub run: Run,
+}
+
+/// What to run and with what.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct Run {
+    /// Empty is an invalid run: it fails the install, not requeueable.
+    #[serde(default)]
+    pub command: Vec<String>,
+    /// Relative to the workspace; the workspace itself when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cwd: Option<String>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub env: BTreeMap<String, String>,
+    /// Overlaid on each MCP server's spec env when it is restarted.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub mcp_env: BTreeMap<String, String>,
+    /// The workspace the run expects; its fingerprint must match the
+    /// prepared one. When absent the check is skipped.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workspace: Option<Workspace>,
+    #[serde(default)]
+    pub strict_mcp: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct Retired {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct Cancel {
+    pub execution_id: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unknown_type_keeps_its_name() {
+        let message = ServerMessage::decode(r#"{"type":"resize","rows":3}"#).expect("decodes");
+        assert_eq!(message, ServerMessage::Unknown { type_name: "resize".into() });
+    }
+
+    #[test]
+    fn malformed_frames_are_errors() {
+        assert!(matches!(ServerMessage::decode("not json"), Err(DecodeError::NotJson(_))));
+        assert!(matches!(ServerMessage::decode("[1,2]"), Err(DecodeError::NoType)));
+        assert!(matches!(ServerMessage::decode(r#"{"type":7}"#), Err(DecodeError::NoType)));
+        assert!(matches!(
+            ServerMessage::decode(r#"{"type":"cancel"}"#),
+            Err(DecodeError::Malformed { .. })
+        ));
+    }
+
+    #[test]
+    fn malformed_error_does_not_echo_the_credential() {
+        let text = r#"{"type":"assignment","execution_id":"e","run_credential":"sekrit","run":7}"#;
+        let error = ServerMessage::decode(text).expect_err("run is not an object");
+        assert!(!format!("{error} {error:?}").contains("sekrit"));
+    }
+
+    #[test]
+    fn heartbeat_encodes_null_execution_id() {
+        let heartbeat = AgentMessage::Heartbeat { state: AgentState::Preparing, execution_id: None };
+        assert_eq!(
+            heartbeat.encode(),
+            r#"{"type":"heartbeat","state":"preparing","execution_id":null}"#
+        );
+    }
+
+    #[test]
+    fn unknown_fields_are_ignored() {
+        let message = ServerMessage::decode(r#"{"type":"retired","reason":"r","extra":1}"#).expect("decodes");
+        assert_eq!(message, ServerMessage::Retired(Retired { reason: Some("r".into()) }));
+    }
+}

@@ -1,0 +1,85 @@
+use std::collections::BTreeMap;
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+/// What a standby prepares before any run exists: `GET /v1/standby/spec` or
+/// the file named by `STANDBY_SPEC`. Every field but `workspace` may be absent.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct Spec {
+    pub workspace: Workspace,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub mcp_servers: Vec<McpServer>,
+    /// The idle shell's command line; the agent picks a default when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shell: Option<Vec<String>>,
+    /// RFC 3339 time after which a standby with no assignment exits 12.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deadline: Option<String>,
+}
+
+/// The prepared workspace. Its [`fingerprint`](crate::fingerprint) decides
+/// whether a run may use a prepared sandbox.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct Workspace {
+    #[serde(default)]
+    pub repos: Vec<Repo>,
+    #[serde(default)]
+    pub setup: Vec<SetupStep>,
+}
+
+/// A git repository cloned into `<workspace>/<path>`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct Repo {
+    pub url: String,
+    /// Relative to the workspace; a path that leaves it is refused.
+    pub path: String,
+    /// Branch, tag or commit to check out; the remote's default when absent.
+    #[serde(default, rename = "ref")]
+    pub git_ref: Option<String>,
+    /// The commit a run needs; not part of the fingerprint.
+    #[serde(default)]
+    pub expected_sha: Option<String>,
+}
+
+/// One setup command, run in order after the clones.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct SetupStep {
+    pub name: String,
+    pub command: Vec<String>,
+    /// Relative to the workspace; the workspace itself when absent.
+    #[serde(default)]
+    pub cwd: Option<String>,
+    /// Seconds before the step is killed and preparation fails.
+    #[serde(default)]
+    pub timeout_s: Option<u64>,
+}
+
+/// How a run reaches an MCP server.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum McpTransport {
+    /// The server serves MCP over HTTP itself, at `url`.
+    Http,
+    /// The server speaks MCP on stdin/stdout; the agent bridges it to HTTP.
+    Stdio,
+}
+
+/// An MCP server started during preparation and restarted with the run's
+/// `mcp_env` at assignment.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct McpServer {
+    pub name: String,
+    pub command: Vec<String>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub env: BTreeMap<String, String>,
+    /// `host:port` that accepts a TCP connection once the server is up.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ready_tcp: Option<String>,
+    /// Absent: a plain process, not listed in `mcp.json`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub transport: Option<McpTransport>,
+    /// Where an `http` server is reached.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub url: Option<String>,
+}
