@@ -1,1 +1,47 @@
-fn main() {}
+//! `standby`: parse the configuration, set up logging, run one agent life,
+//! exit with its code. Everything else lives in the library.
+
+use std::process::ExitCode;
+
+use clap::Parser;
+use standby_agent::config::Args;
+use standby_agent::exit::Exit;
+use standby_agent::{agent, logging};
+
+fn main() -> ExitCode {
+    // Usage errors exit 2 (clap's own code), `--help`/`--version` exit 0.
+    let args = Args::parse();
+    let format = args.log_format;
+    let filter = match logging::filter(args.log_filter.as_deref()) {
+        Ok(filter) => filter,
+        Err(message) => return usage(&format!("invalid STANDBY_LOG (--log): {message}")),
+    };
+    let config = match args.validate() {
+        Ok(config) => config,
+        Err(error) => return usage(&error.to_string()),
+    };
+    let spec_source = match agent::spec_source(&config) {
+        Ok(source) => source,
+        Err(message) => return usage(&message),
+    };
+    if let Err(message) = logging::init(filter, format) {
+        eprintln!("standby: cannot set up logging: {message}");
+        return Exit::Internal.into();
+    }
+    // One process-wide TLS provider (ring) for both reqwest and tungstenite.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            eprintln!("standby: cannot start the async runtime: {e}");
+            return Exit::Internal.into();
+        }
+    };
+    tracing::info!(version = env!("CARGO_PKG_VERSION"), server = %config.server_url, workspace = %config.workspace.display(), "standby starting");
+    runtime.block_on(agent::run(config, spec_source)).into()
+}
+
+fn usage(message: &str) -> ExitCode {
+    eprintln!("standby: {message}");
+    Exit::Usage.into()
+}

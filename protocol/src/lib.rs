@@ -21,6 +21,27 @@ pub use message::{
 pub use secret::Secret;
 pub use spec::{McpServer, McpTransport, Repo, SetupStep, Spec, Workspace};
 
+/// Describes a JSON error without quoting the input: serde_json's own
+/// messages echo offending values ("invalid type: string \"…\""), and the
+/// value may be a credential or a secret.
+pub fn describe_json_error(error: &serde_json::Error) -> String {
+    let message = error.to_string();
+    if message.starts_with("missing field") || message.starts_with("duplicate field") {
+        return message;
+    }
+    let kind = match error.classify() {
+        serde_json::error::Category::Io => "read error",
+        serde_json::error::Category::Syntax => "syntax error",
+        serde_json::error::Category::Data => "wrong type or value",
+        serde_json::error::Category::Eof => "unexpected end of input",
+    };
+    if error.line() == 0 {
+        kind.to_owned()
+    } else {
+        format!("{kind} at line {} column {}", error.line(), error.column())
+    }
+}
+
 /// Value of the `Standby-Protocol` header every request carries.
 pub const PROTOCOL_VERSION: &str = "1";
 /// Name of the header that carries [`PROTOCOL_VERSION`].

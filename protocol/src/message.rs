@@ -49,24 +49,24 @@ pub enum ServerMessage {
 }
 
 /// Why a text frame could not be turned into a [`ServerMessage`].
+///
+/// Messages never quote the frame's content (it may hold a credential): see
+/// [`describe_json_error`](crate::describe_json_error).
 #[derive(Debug, thiserror::Error)]
 pub enum DecodeError {
-    #[error("frame is not a JSON object: {0}")]
-    NotJson(serde_json::Error),
+    #[error("frame is not JSON: {0}")]
+    NotJson(String),
     #[error("frame has no string field `type`")]
     NoType,
-    #[error("`{type_name}` message is malformed: {source}")]
-    Malformed {
-        type_name: String,
-        source: serde_json::Error,
-    },
+    #[error("`{type_name}` message is malformed: {problem}")]
+    Malformed { type_name: String, problem: String },
 }
 
 impl ServerMessage {
     const KNOWN: [&'static str; 3] = ["assignment", "retired", "cancel"];
 
     pub fn decode(text: &str) -> Result<Self, DecodeError> {
-        let value: serde_json::Value = serde_json::from_str(text).map_err(DecodeError::NotJson)?;
+        let value: serde_json::Value = serde_json::from_str(text).map_err(|e| DecodeError::NotJson(crate::describe_json_error(&e)))?;
         let type_name = value
             .as_object()
             .and_then(|object| object.get("type"))
@@ -76,7 +76,8 @@ impl ServerMessage {
         if !Self::KNOWN.contains(&type_name.as_str()) {
             return Ok(Self::Unknown { type_name });
         }
-        serde_json::from_value(value).map_err(|source| DecodeError::Malformed { type_name, source })
+        serde_json::from_value(value)
+            .map_err(|e| DecodeError::Malformed { type_name, problem: crate::describe_json_error(&e) })
     }
 
     /// The JSON text of a known message; `None` for [`ServerMessage::Unknown`].
@@ -152,6 +153,15 @@ mod tests {
         let text = r#"{"type":"assignment","execution_id":"e","run_credential":"sekrit","run":7}"#;
         let error = ServerMessage::decode(text).expect_err("run is not an object");
         assert!(!format!("{error} {error:?}").contains("sekrit"));
+    }
+
+    #[test]
+    fn wrong_types_do_not_echo_values() {
+        let text = r#"{"type":"assignment","execution_id":"e","run_credential":"c","run":{"command":"sekrit"}}"#;
+        let error = ServerMessage::decode(text).expect_err("command is not a list");
+        assert!(!format!("{error} {error:?}").contains("sekrit"), "{error}");
+        let error = ServerMessage::decode(r#"{"type":"cancel"}"#).expect_err("no execution_id");
+        assert!(error.to_string().contains("missing field `execution_id`"), "{error}");
     }
 
     #[test]

@@ -1,1 +1,9 @@
+//! End-to-end testing of the `standby` agent: [`server::TestServer`], a
+//! faithful server half of the contract, and [`harness`], which runs the
+//! real binary against it with real processes, git repos and sockets.
 
+pub mod harness;
+pub mod server;
+
+pub use harness::{AgentBuilder, AgentProcess, GitRepo, standby_bin};
+pub use server::TestServer;

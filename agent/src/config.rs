@@ -1,0 +1,306 @@
+//! Configuration: command-line flags with the contract's environment
+//! variables as fallbacks. Everything is validated here, before any IO, so a
+//! bad setting exits 2 with a message naming the setting and the value.
+
+use std::net::IpAddr;
+use std::path::PathBuf;
+use std::time::{Duration, SystemTime};
+
+use clap::{Parser, ValueEnum};
+use reqwest::Url;
+use standby_protocol::Secret;
+
+use crate::exit;
+
+/// `standby`: the pre-warmed sandbox agent.
+///
+/// Launched as a sandbox image's entrypoint, it prepares the workspace
+/// (clones, setup commands, MCP servers, an idle shell) before any run
+/// exists, holds a control WebSocket to the server with heartbeats, and when
+/// an assignment arrives installs the run credential, installs the run in
+/// parallel groups, confirms delivery and starts the run on the prepared
+/// terminal. A failure before the run starts is reported as requeueable so
+/// the server can dispatch the run on a cold sandbox instead.
+#[derive(Debug, Parser)]
+#[command(name = "standby", version, about, long_about, after_help = exit::HELP)]
+pub struct Args {
+    /// Base URL of the server, `http(s)://host:port[/prefix]`. The control
+    /// socket is the same URL with `ws(s)` and `/ws` appended.
+    #[arg(long, env = "STANDBY_SERVER_URL", value_name = "URL")]
+    pub server_url: String,
+
+    /// The standby credential identifying this sandbox. Never logged.
+    #[arg(long, env = "STANDBY_TOKEN", value_name = "TOKEN", hide_env_values = true,
+          value_parser = parse_secret)]
+    pub token: Secret,
+
+    /// Directory the workspace is prepared in.
+    #[arg(long, env = "STANDBY_WORKSPACE", value_name = "DIR", default_value = "/workspace")]
+    pub workspace: PathBuf,
+
+    /// Path of a spec file (JSON). When unset the spec is fetched from
+    /// `GET /v1/standby/spec`.
+    #[arg(long, env = "STANDBY_SPEC", value_name = "FILE")]
+    pub spec: Option<PathBuf>,
+
+    /// How often a heartbeat is sent on the control socket (e.g. 250ms, 15s, 2m).
+    #[arg(long, env = "STANDBY_HEARTBEAT_INTERVAL", value_name = "DURATION", default_value = "15s",
+          value_parser = parse_duration)]
+    pub heartbeat_interval: Duration,
+
+    /// With no assignment by then, exit 12. An RFC 3339 time or a duration
+    /// from start. The earlier of this and the spec's `deadline` applies.
+    #[arg(long, env = "STANDBY_DEADLINE", value_name = "TIME|DURATION", value_parser = parse_deadline)]
+    pub deadline: Option<Deadline>,
+
+    /// How long delivery confirmation retries transient failures.
+    #[arg(long, env = "STANDBY_CONFIRM_TIMEOUT", value_name = "DURATION", default_value = "5m",
+          value_parser = parse_duration)]
+    pub confirm_timeout: Duration,
+
+    /// Bound on installing the run, retries included.
+    #[arg(long, env = "STANDBY_INSTALL_TIMEOUT", value_name = "DURATION", default_value = "5m",
+          value_parser = parse_duration)]
+    pub install_timeout: Duration,
+
+    /// After a cancel or SIGTERM, how long the run has between SIGTERM and SIGKILL.
+    #[arg(long, env = "STANDBY_CANCEL_GRACE", value_name = "DURATION", default_value = "10s",
+          value_parser = parse_duration)]
+    pub cancel_grace: Duration,
+
+    /// How long each MCP server has to become ready.
+    #[arg(long, env = "STANDBY_MCP_READY_TIMEOUT", value_name = "DURATION", default_value = "20s",
+          value_parser = parse_duration)]
+    pub mcp_ready_timeout: Duration,
+
+    /// How long an event (started, exited, ...) is retried before it is given up.
+    #[arg(long, env = "STANDBY_EVENT_TIMEOUT", value_name = "DURATION", default_value = "10m",
+          value_parser = parse_duration)]
+    pub event_timeout: Duration,
+
+    /// Log filter in `tracing` EnvFilter syntax; `RUST_LOG` is read when unset.
+    #[arg(long = "log", env = "STANDBY_LOG", value_name = "FILTER")]
+    pub log_filter: Option<String>,
+
+    /// Log line format: `text` for people, `json` for log collectors.
+    #[arg(long, env = "STANDBY_LOG_FORMAT", value_name = "FORMAT", default_value = "text")]
+    pub log_format: LogFormat,
+
+    /// Allow plain `http://`/`ws://` to a host that is not a loopback address.
+    #[arg(long, env = "STANDBY_INSECURE")]
+    pub insecure: bool,
+
+    /// Run the install steps one after another (benchmarking only).
+    #[arg(long, value_name = "PLAN", default_value = "parallel", hide = true)]
+    pub install_plan: InstallPlan,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum InstallPlan {
+    Parallel,
+    Sequential,
+}
+
+/// A deadline as configured: absolute, or relative to the agent's start.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Deadline {
+    At(SystemTime),
+    After(Duration),
+}
+
+fn parse_secret(text: &str) -> Result<Secret, String> {
+    if text.trim().is_empty() {
+        return Err("the credential is empty".into());
+    }
+    Ok(Secret::new(text))
+}
+
+fn parse_duration(text: &str) -> Result<Duration, String> {
+    humantime::parse_duration(text.trim())
+        .map_err(|e| format!("`{text}` is not a duration such as 250ms, 15s or 2m ({e})"))
+}
+
+fn parse_deadline(text: &str) -> Result<Deadline, String> {
+    if let Ok(at) = parse_time(text) {
+        return Ok(Deadline::At(at));
+    }
+    humantime::parse_duration(text.trim())
+        .map(Deadline::After)
+        .map_err(|_| format!("`{text}` is neither an RFC 3339 time (2026-11-30T14:00:00Z) nor a duration (90s)"))
+}
+
+/// Parses an RFC 3339 time, with `Z` or a numeric offset.
+pub fn parse_time(text: &str) -> Result<SystemTime, String> {
+    let timestamp: jiff::Timestamp = text
+        .trim()
+        .parse()
+        .map_err(|e| format!("`{text}` is not an RFC 3339 time: {e}"))?;
+    SystemTime::try_from(timestamp).map_err(|e| format!("`{text}` is out of range: {e}"))
+}
+
+/// Validated configuration.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub server_url: Url,
+    pub socket_url: Url,
+    pub token: Secret,
+    pub workspace: PathBuf,
+    pub spec: Option<PathBuf>,
+    pub heartbeat_interval: Duration,
+    pub deadline: Option<Deadline>,
+    pub confirm_timeout: Duration,
+    pub install_timeout: Duration,
+    pub cancel_grace: Duration,
+    pub mcp_ready_timeout: Duration,
+    pub event_timeout: Duration,
+    pub install_plan: InstallPlan,
+}
+
+/// A setting that failed validation; the agent exits 2 with this message.
+#[derive(Debug, thiserror::Error)]
+#[error("invalid {setting}: {problem}")]
+pub struct ConfigError {
+    pub setting: &'static str,
+    pub problem: String,
+}
+
+impl Args {
+    pub fn validate(self) -> Result<Config, ConfigError> {
+        let server_url = parse_server_url(&self.server_url, self.insecure)?;
+        let socket_url = socket_url(&server_url);
+        if self.heartbeat_interval.is_zero() {
+            return Err(ConfigError {
+                setting: "STANDBY_HEARTBEAT_INTERVAL (--heartbeat-interval)",
+                problem: "`0s`: the interval must be positive".into(),
+            });
+        }
+        Ok(Config {
+            server_url,
+            socket_url,
+            token: self.token,
+            workspace: self.workspace,
+            spec: self.spec,
+            heartbeat_interval: self.heartbeat_interval,
+            deadline: self.deadline,
+            confirm_timeout: self.confirm_timeout,
+            install_timeout: self.install_timeout,
+            cancel_grace: self.cancel_grace,
+            mcp_ready_timeout: self.mcp_ready_timeout,
+            event_timeout: self.event_timeout,
+            install_plan: self.install_plan,
+        })
+    }
+}
+
+const URL_SETTING: &str = "STANDBY_SERVER_URL (--server-url)";
+
+fn parse_server_url(text: &str, insecure: bool) -> Result<Url, ConfigError> {
+    let bad = |problem: String| ConfigError { setting: URL_SETTING, problem };
+    let mut url = Url::parse(text.trim()).map_err(|e| bad(format!("`{text}` is not a URL: {e}")))?;
+    let host = url.host_str().ok_or_else(|| bad(format!("`{text}` has no host")))?.to_owned();
+    match url.scheme() {
+        "https" => {}
+        "http" if insecure || is_loopback(&host) => {}
+        "http" => {
+            return Err(bad(format!(
+                "`{text}` is plain http to `{host}`, which is not a loopback address; use https or pass --insecure"
+            )));
+        }
+        other => return Err(bad(format!("`{text}` has scheme `{other}`; expected http or https"))),
+    }
+    if !url.username().is_empty() || url.password().is_some() {
+        return Err(bad("the URL must not carry credentials; use STANDBY_TOKEN".into()));
+    }
+    if url.query().is_some() || url.fragment().is_some() {
+        return Err(bad(format!("`{text}` has a query or fragment")));
+    }
+    // Paths are appended to the base, so keep it without a trailing slash.
+    let trimmed = url.path().trim_end_matches('/').to_owned();
+    url.set_path(&trimmed);
+    Ok(url)
+}
+
+fn is_loopback(host: &str) -> bool {
+    let bare = host.trim_start_matches('[').trim_end_matches(']');
+    bare.eq_ignore_ascii_case("localhost") || bare.parse::<IpAddr>().is_ok_and(|ip| ip.is_loopback())
+}
+
+fn socket_url(server_url: &Url) -> Url {
+    let mut url = server_url.clone();
+    let scheme = if server_url.scheme() == "https" { "wss" } else { "ws" };
+    // Switching between the special schemes http(s) and ws(s) is allowed.
+    let _ = url.set_scheme(scheme);
+    let path = format!("{}{}", server_url.path().trim_end_matches('/'), standby_protocol::SOCKET_PATH);
+    url.set_path(&path);
+    url
+}
+
+impl Config {
+    /// `path` appended to the server URL, keeping any prefix it has.
+    pub fn endpoint(&self, path: &str) -> String {
+        format!("{}{}", self.server_url.as_str().trim_end_matches('/'), path)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(extra: &[&str]) -> Result<Config, String> {
+        let mut argv = vec!["standby", "--token", "t"];
+        argv.extend_from_slice(extra);
+        let args = Args::try_parse_from(argv).map_err(|e| e.to_string())?;
+        args.validate().map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn socket_url_keeps_prefix_and_switches_scheme() {
+        let config = args(&["--server-url", "https://cp.example/base/"]).expect("valid");
+        assert_eq!(config.socket_url.as_str(), "wss://cp.example/base/ws");
+        assert_eq!(config.endpoint("/v1/standby/spec"), "https://cp.example/base/v1/standby/spec");
+        let config = args(&["--server-url", "http://127.0.0.1:8080"]).expect("valid");
+        assert_eq!(config.socket_url.as_str(), "ws://127.0.0.1:8080/ws");
+    }
+
+    #[test]
+    fn plain_http_needs_loopback_or_insecure() {
+        for ok in ["http://localhost:1", "http://127.0.0.2:1", "http://[::1]:1"] {
+            args(&["--server-url", ok]).unwrap_or_else(|e| panic!("{ok}: {e}"));
+        }
+        let error = args(&["--server-url", "http://10.1.2.3:80"]).expect_err("refused");
+        assert!(error.contains("STANDBY_SERVER_URL") && error.contains("10.1.2.3"), "{error}");
+        args(&["--server-url", "http://10.1.2.3:80", "--insecure"]).expect("allowed with --insecure");
+    }
+
+    #[test]
+    fn bad_values_name_setting_and_value() {
+        let error = args(&["--server-url", "http://127.0.0.1:1", "--heartbeat-interval", "abc"])
+            .expect_err("refused");
+        assert!(error.contains("--heartbeat-interval") && error.contains("abc"), "{error}");
+        let error = args(&["--server-url", "ftp://x"]).expect_err("refused");
+        assert!(error.contains("ftp"), "{error}");
+    }
+
+    #[test]
+    fn deadline_accepts_times_and_durations() {
+        assert!(matches!(parse_deadline("2026-11-30T14:00:00Z"), Ok(Deadline::At(_))));
+        assert!(matches!(parse_deadline("2026-11-30T15:00:00+01:00"), Ok(Deadline::At(_))));
+        assert_eq!(parse_deadline("90s"), Ok(Deadline::After(Duration::from_secs(90))));
+        assert!(parse_deadline("tomorrow").is_err());
+    }
+
+    #[test]
+    fn token_is_hidden_from_debug() {
+        let parsed = Args::try_parse_from(["standby", "--token", "tok3n", "--server-url", "http://127.0.0.1:1"])
+            .expect("valid");
+        assert!(!format!("{parsed:?}").contains("tok3n"));
+        let config = parsed.validate().expect("valid");
+        assert!(!format!("{config:?}").contains("tok3n"));
+    }
+}

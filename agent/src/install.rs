@@ -1,0 +1,431 @@
+//! Installing a run into a prepared sandbox: everything between the
+//! assignment and the start, except delivery confirmation (which the
+//! control socket does concurrently).
+//!
+//! The plan, in dependency order (`docs/protocol.md` shows it as a chart):
+//!
+//! 1. *MCP restart* starts at once: its only input is the assignment. It is
+//!    joined last.
+//! 2. *check*: the run is valid (a command, a `cwd` inside the workspace)
+//!    and the assignment's workspace has the prepared fingerprint. Local and
+//!    instant, so it runs before any secret is fetched: a sandbox that
+//!    cannot take the run never receives the run's secrets.
+//! 3. *network*, concurrently: secrets, attachments, metadata, cloud
+//!    credentials, and git credentials followed by the repo refresh that
+//!    needs them. The first error cancels the rest.
+//! 4. *terminal*: the idle shell must be alive, idle and writable.
+//! 5. join the MCP restart: a failure degrades the run, or fails the install
+//!    under `strict_mcp`.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use sha2::{Digest, Sha256};
+use standby_protocol::{
+    Attachment, AttachmentsResponse, CloudCredentialsResponse, Fingerprint, GitCredential, GitCredentialsResponse,
+    Run, Secret, SecretsResponse, Spec, fingerprint, paths,
+};
+use tokio::time::Instant;
+
+use crate::api::{Api, ApiError, call_backoff, retry};
+use crate::config::InstallPlan;
+use crate::lifecycle::InstallFailure;
+use crate::mcp::McpSupervisor;
+use crate::paths::{check_file_name, resolve_inside, write_atomic};
+use crate::shell::IdleShell;
+
+/// Largest attachment accepted.
+pub const MAX_ATTACHMENT_BYTES: u64 = 256 << 20;
+
+/// The agent's directory inside the workspace.
+pub const STATE_DIR: &str = ".standby";
+
+/// What preparation leaves for the install: the idle shell, the MCP
+/// servers, and the fingerprint they were prepared under.
+#[derive(Debug)]
+pub struct Prepared {
+    /// `None` once the run has replaced it.
+    pub shell: Option<IdleShell>,
+    pub mcp: McpSupervisor,
+    pub fingerprint: Fingerprint,
+}
+
+/// Everything the install needs besides the prepared sandbox.
+#[derive(Debug, Clone)]
+pub struct InstallInput {
+    pub api: Api,
+    pub credential: Secret,
+    pub execution_id: String,
+    pub run: Run,
+    pub root: PathBuf,
+    pub spec: Spec,
+    pub plan: InstallPlan,
+    /// Retries of every call stop here (`STANDBY_INSTALL_TIMEOUT`).
+    pub deadline: Instant,
+}
+
+/// A run ready to start.
+#[derive(Debug)]
+pub struct Installed {
+    pub argv: Vec<String>,
+    pub cwd: PathBuf,
+    /// The run's complete environment (holds secret values: never log it).
+    pub env: BTreeMap<String, String>,
+    /// Every secret value the run received, for redaction of its output.
+    pub secrets: Vec<Secret>,
+    /// Duration of each step, in the order they finished.
+    pub steps: Vec<(&'static str, Duration)>,
+    /// Why MCP servers failed to restart, one message each (the run is degraded).
+    pub degraded: Vec<String>,
+}
+
+/// The results of the network group.
+#[derive(Debug, Default)]
+struct Fetched {
+    secrets: BTreeMap<String, Secret>,
+    cloud: BTreeMap<String, Secret>,
+    git_env: BTreeMap<String, String>,
+    git_passwords: Vec<Secret>,
+}
+
+struct Steps(Mutex<Vec<(&'static str, Duration)>>);
+
+impl Steps {
+    async fn time<T>(&self, name: &'static str, step: impl Future<Output = T>) -> T {
+        let start = Instant::now();
+        let value = step.await;
+        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push((name, start.elapsed()));
+        value
+    }
+
+    fn into_inner(self) -> Vec<(&'static str, Duration)> {
+        self.0.into_inner().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+fn network(stage: &'static str) -> impl Fn(ApiError) -> InstallFailure {
+    move |error| InstallFailure::new(stage, error.to_string(), true)
+}
+
+/// Installs the run. Cancel-safe in the sense that matters: dropping the
+/// future stops every call and leaves no child behind (git runs with
+/// `kill_on_drop`), and nothing the run would do has happened.
+pub async fn install(input: &InstallInput, prepared: &mut Prepared) -> Result<Installed, InstallFailure> {
+    let steps = Steps(Mutex::new(Vec::new()));
+    let state_dir = input.root.join(STATE_DIR);
+    // `.standby/` holds credentials; a repo checked out at the workspace
+    // root must never pick them up with `git add -A`.
+    write_atomic(&state_dir.join(".gitignore"), b"*\n", 0o644)
+        .await
+        .map_err(|e| InstallFailure::new("check", format!("writing {}: {e}", state_dir.display()), true))?;
+
+    let Prepared { shell, mcp, fingerprint: prepared_fingerprint } = prepared;
+    let mcp_restart = steps.time("mcp", restart_mcp(mcp, &input.run.mcp_env));
+    let rest = async {
+        let cwd = steps.time("check", async { check(input, prepared_fingerprint) }).await?;
+        let fetched = match input.plan {
+            InstallPlan::Parallel => fetch_parallel(input, &steps).await?,
+            InstallPlan::Sequential => fetch_sequential(input, &steps).await?,
+        };
+        steps
+            .time("terminal", async {
+                let shell =
+                    shell.as_mut().ok_or_else(|| InstallFailure::new("terminal", "the idle shell is gone", true))?;
+                shell.check_replaceable().map_err(|e| InstallFailure::new("terminal", e.to_string(), true))
+            })
+            .await?;
+        Ok::<_, InstallFailure>((cwd, fetched))
+    };
+    let (cwd, fetched, failed_mcp) = match input.plan {
+        InstallPlan::Parallel => {
+            let (rest, failed_mcp) = tokio::join!(rest, mcp_restart);
+            let (cwd, fetched) = rest?;
+            (cwd, fetched, failed_mcp)
+        }
+        InstallPlan::Sequential => {
+            let (cwd, fetched) = rest.await?;
+            (cwd, fetched, mcp_restart.await)
+        }
+    };
+    if !failed_mcp.is_empty() {
+        let message = failed_mcp.join("; ");
+        if input.run.strict_mcp {
+            return Err(InstallFailure::new("mcp", message, true));
+        }
+        tracing::warn!(execution_id = %input.execution_id, failures = message, "MCP servers failed to restart; the run is degraded");
+    }
+    let mcp_config = mcp
+        .write_config(&input.root)
+        .map_err(|e| InstallFailure::new("mcp", e.to_string(), true))?;
+    let env = run_env(input, &fetched, mcp_config.as_deref());
+    let secrets = fetched
+        .secrets
+        .into_values()
+        .chain(fetched.cloud.into_values())
+        .chain(fetched.git_passwords)
+        .chain([input.credential.clone()])
+        .collect();
+    Ok(Installed {
+        argv: input.run.command.clone(),
+        cwd,
+        env,
+        secrets,
+        steps: steps.into_inner(),
+        degraded: failed_mcp,
+    })
+}
+
+async fn restart_mcp(mcp: &mut McpSupervisor, mcp_env: &BTreeMap<String, String>) -> Vec<String> {
+    mcp.restart(mcp_env).await.iter().map(ToString::to_string).collect()
+}
+
+/// The run is valid and this sandbox was prepared for it.
+fn check(input: &InstallInput, prepared: &Fingerprint) -> Result<PathBuf, InstallFailure> {
+    let run = &input.run;
+    if run.command.is_empty() || run.command[0].is_empty() {
+        return Err(InstallFailure::new("check", "the run has no command", false));
+    }
+    let cwd = match run.cwd.as_deref() {
+        None | Some("") => input.root.clone(),
+        Some(cwd) => resolve_inside(&input.root, cwd)
+            .map_err(|e| InstallFailure::new("check", format!("run cwd: {e}"), false))?,
+    };
+    if !cwd.is_dir() {
+        return Err(InstallFailure::new(
+            "check",
+            format!("run cwd `{}` is not a directory in the workspace", run.cwd.as_deref().unwrap_or(".")),
+            false,
+        ));
+    }
+    if let Some(workspace) = &run.workspace {
+        let wanted = fingerprint(workspace);
+        if wanted != *prepared {
+            return Err(InstallFailure::new(
+                "same_preparation",
+                format!("the run's workspace has fingerprint {wanted}, this sandbox was prepared as {prepared}"),
+                true,
+            ));
+        }
+    }
+    Ok(cwd)
+}
+
+async fn fetch_parallel(input: &InstallInput, steps: &Steps) -> Result<Fetched, InstallFailure> {
+    let (secrets, (), (), cloud, (git_env, git_passwords)) = futures::try_join!(
+        steps.time("secrets", secrets(input)),
+        steps.time("attachments", attachments(input)),
+        steps.time("metadata", metadata(input)),
+        steps.time("cloud_credentials", cloud_credentials(input)),
+        git_then_refresh(input, steps),
+    )?;
+    Ok(Fetched { secrets, cloud, git_env, git_passwords })
+}
+
+async fn fetch_sequential(input: &InstallInput, steps: &Steps) -> Result<Fetched, InstallFailure> {
+    let secrets = steps.time("secrets", secrets(input)).await?;
+    steps.time("attachments", attachments(input)).await?;
+    steps.time("metadata", metadata(input)).await?;
+    let cloud = steps.time("cloud_credentials", cloud_credentials(input)).await?;
+    let (git_env, git_passwords) = git_then_refresh(input, steps).await?;
+    Ok(Fetched { secrets, cloud, git_env, git_passwords })
+}
+
+async fn git_then_refresh(
+    input: &InstallInput,
+    steps: &Steps,
+) -> Result<(BTreeMap<String, String>, Vec<Secret>), InstallFailure> {
+    let (git_env, passwords) = steps.time("git_credentials", git_credentials(input)).await?;
+    steps.time("refresh", refresh(input, &git_env)).await?;
+    Ok((git_env, passwords))
+}
+
+async fn secrets(input: &InstallInput) -> Result<BTreeMap<String, Secret>, InstallFailure> {
+    let path = paths::secrets(&input.execution_id);
+    let response: SecretsResponse = retry(&format!("GET {path}"), input.deadline, call_backoff(), || {
+        input.api.get_json(&input.credential, &path)
+    })
+    .await
+    .map_err(network("secrets"))?;
+    Ok(response.secrets)
+}
+
+async fn cloud_credentials(input: &InstallInput) -> Result<BTreeMap<String, Secret>, InstallFailure> {
+    let path = paths::cloud_credentials(&input.execution_id);
+    let response: CloudCredentialsResponse = retry(&format!("POST {path}"), input.deadline, call_backoff(), || {
+        input.api.post_json::<(), _>(&input.credential, &path, None)
+    })
+    .await
+    .map_err(network("cloud_credentials"))?;
+    Ok(response.env)
+}
+
+async fn metadata(input: &InstallInput) -> Result<(), InstallFailure> {
+    let path = paths::metadata(&input.execution_id);
+    let value: serde_json::Value = retry(&format!("GET {path}"), input.deadline, call_backoff(), || {
+        input.api.get_json(&input.credential, &path)
+    })
+    .await
+    .map_err(network("metadata"))?;
+    let file = metadata_file(&input.root);
+    let bytes = serde_json::to_vec_pretty(&value).unwrap_or_default();
+    write_atomic(&file, &bytes, 0o600)
+        .await
+        .map_err(|e| InstallFailure::new("metadata", format!("writing {}: {e}", file.display()), true))
+}
+
+pub fn metadata_file(root: &Path) -> PathBuf {
+    root.join(STATE_DIR).join("metadata.json")
+}
+
+pub fn attachments_dir(root: &Path) -> PathBuf {
+    root.join(STATE_DIR).join("attachments")
+}
+
+fn git_credentials_file(root: &Path) -> PathBuf {
+    root.join(STATE_DIR).join("git-credentials")
+}
+
+async fn attachments(input: &InstallInput) -> Result<(), InstallFailure> {
+    let path = paths::attachments(&input.execution_id);
+    let response: AttachmentsResponse = retry(&format!("GET {path}"), input.deadline, call_backoff(), || {
+        input.api.get_json(&input.credential, &path)
+    })
+    .await
+    .map_err(network("attachments"))?;
+    // Every name is checked before anything is downloaded or written.
+    for attachment in &response.attachments {
+        check_file_name(&attachment.name)
+            .map_err(|e| InstallFailure::new("attachments", format!("attachment name: {e}"), false))?;
+    }
+    let dir = attachments_dir(&input.root);
+    tokio::fs::create_dir_all(&dir)
+        .await
+        .map_err(|e| InstallFailure::new("attachments", format!("creating {}: {e}", dir.display()), true))?;
+    futures::future::try_join_all(response.attachments.iter().map(|a| download(input, &dir, a))).await?;
+    Ok(())
+}
+
+async fn download(input: &InstallInput, dir: &Path, attachment: &Attachment) -> Result<(), InstallFailure> {
+    let call = format!("GET {}", attachment.url);
+    let bytes = retry(&call, input.deadline, call_backoff(), || {
+        input.api.get_bytes(&input.credential, &attachment.url, MAX_ATTACHMENT_BYTES)
+    })
+    .await
+    .map_err(network("attachments"))?;
+    let actual: String = Sha256::digest(&bytes).iter().map(|b| format!("{b:02x}")).collect();
+    if !actual.eq_ignore_ascii_case(attachment.sha256.trim()) {
+        return Err(InstallFailure::new(
+            "attachments",
+            format!("attachment `{}`: SHA-256 is {actual}, expected {}", attachment.name, attachment.sha256),
+            true,
+        ));
+    }
+    let file = dir.join(&attachment.name);
+    write_atomic(&file, &bytes, 0o600)
+        .await
+        .map_err(|e| InstallFailure::new("attachments", format!("writing {}: {e}", file.display()), true))
+}
+
+/// Fetches git credentials, writes them in git's credential-store format
+/// (mode 0600) and returns the `GIT_CONFIG_*` variables that point git at
+/// that file, extending any such configuration already in the environment.
+async fn git_credentials(input: &InstallInput) -> Result<(BTreeMap<String, String>, Vec<Secret>), InstallFailure> {
+    let path = paths::git_credentials(&input.execution_id);
+    let response: GitCredentialsResponse = retry(&format!("POST {path}"), input.deadline, call_backoff(), || {
+        input.api.post_json::<(), _>(&input.credential, &path, None)
+    })
+    .await
+    .map_err(network("git_credentials"))?;
+    if response.credentials.is_empty() {
+        return Ok((BTreeMap::new(), Vec::new()));
+    }
+    let file = git_credentials_file(&input.root);
+    let lines: String = response.credentials.iter().map(store_line).collect();
+    write_atomic(&file, lines.as_bytes(), 0o600)
+        .await
+        .map_err(|e| InstallFailure::new("git_credentials", format!("writing {}: {e}", file.display()), true))?;
+    let index = std::env::var("GIT_CONFIG_COUNT").ok().and_then(|n| n.parse::<usize>().ok()).unwrap_or(0);
+    let env = BTreeMap::from([
+        ("GIT_CONFIG_COUNT".to_owned(), (index + 1).to_string()),
+        (format!("GIT_CONFIG_KEY_{index}"), "credential.helper".to_owned()),
+        (format!("GIT_CONFIG_VALUE_{index}"), format!("store --file={}", file.display())),
+    ]);
+    let passwords = response.credentials.into_iter().map(|c| c.password).collect();
+    Ok((env, passwords))
+}
+
+/// One line of git's credential store: `protocol://user:password@host`,
+/// user and password percent-encoded.
+fn store_line(credential: &GitCredential) -> String {
+    format!(
+        "{}://{}:{}@{}\n",
+        credential.protocol,
+        percent_encode(&credential.username),
+        percent_encode(credential.password.expose()),
+        credential.host
+    )
+}
+
+fn percent_encode(text: &str) -> String {
+    text.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'.' | b'_' | b'~' => (b as char).to_string(),
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
+/// Moves every repo to the commit the run needs: the assignment's workspace
+/// when it has one (it carries `expected_sha`), else the spec's.
+async fn refresh(input: &InstallInput, git_env: &BTreeMap<String, String>) -> Result<(), InstallFailure> {
+    let repos = input.run.workspace.as_ref().map_or(&input.spec.workspace.repos, |w| &w.repos);
+    let refreshes = repos.iter().map(|repo| async move {
+        let dest = resolve_inside(&input.root, &repo.path)
+            .map_err(|e| InstallFailure::new("refresh", format!("repo path: {e}"), false))?;
+        let sha = tokio::time::timeout_at(input.deadline, crate::git::refresh(repo, &dest, git_env))
+            .await
+            .map_err(|_| InstallFailure::new("refresh", format!("refreshing `{}` timed out", repo.path), true))?
+            .map_err(|e| InstallFailure::new("refresh", e.to_string(), true))?;
+        tracing::debug!(path = repo.path, sha, "repo refreshed");
+        Ok::<_, InstallFailure>(())
+    });
+    futures::future::try_join_all(refreshes).await.map(drop)
+}
+
+/// The run's environment, in the contract's order: the agent's own (minus
+/// its credential), the run's `env`, the secrets, the cloud credentials, then
+/// the variables that locate what the install wrote.
+fn run_env(input: &InstallInput, fetched: &Fetched, mcp_config: Option<&Path>) -> BTreeMap<String, String> {
+    let mut env = crate::process::child_env();
+    env.entry("TERM".to_owned()).or_insert_with(|| "xterm-256color".to_owned());
+    env.extend(input.run.env.clone());
+    env.extend(fetched.secrets.iter().map(|(k, v)| (k.clone(), v.expose().to_owned())));
+    env.extend(fetched.cloud.iter().map(|(k, v)| (k.clone(), v.expose().to_owned())));
+    env.extend(fetched.git_env.clone());
+    env.insert("STANDBY_EXECUTION_ID".into(), input.execution_id.clone());
+    env.insert("STANDBY_METADATA_FILE".into(), metadata_file(&input.root).display().to_string());
+    env.insert("STANDBY_ATTACHMENTS_DIR".into(), attachments_dir(&input.root).display().to_string());
+    if let Some(path) = mcp_config {
+        env.insert("STANDBY_MCP_CONFIG".into(), path.display().to_string());
+    }
+    env
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn credential_store_line_is_percent_encoded() {
+        let credential = GitCredential {
+            protocol: "https".into(),
+            host: "git.example".into(),
+            username: "x-access-token".into(),
+            password: Secret::new("p@ss:w/rd"),
+        };
+        assert_eq!(store_line(&credential), "https://x-access-token:p%40ss%3Aw%2Frd@git.example\n");
+    }
+}

@@ -1,0 +1,65 @@
+//! Log setup: `tracing` to stderr, as text or JSON.
+//!
+//! Dependencies that handle frames and headers (tungstenite, hyper, reqwest,
+//! h2, rustls) are capped at `info` whatever the filter says: at `debug` and
+//! `trace` they print frame payloads and request headers, which carry the
+//! run credential and the assignment.
+
+use tracing_subscriber::EnvFilter;
+
+use crate::config::LogFormat;
+
+const CAPPED_DEPENDENCIES: &[&str] = &[
+    "tungstenite",
+    "tokio_tungstenite",
+    "hyper",
+    "hyper_util",
+    "reqwest",
+    "h2",
+    "rustls",
+    "axum",
+];
+
+/// The filter the agent logs with: `filter` (from `STANDBY_LOG`), else
+/// `RUST_LOG`, else `info`, with the dependency caps appended last so they
+/// win over a broad user directive.
+pub fn filter(filter: Option<&str>) -> Result<EnvFilter, String> {
+    let requested = filter
+        .map(str::to_owned)
+        .or_else(|| std::env::var("RUST_LOG").ok())
+        .filter(|f| !f.trim().is_empty())
+        .unwrap_or_else(|| "info".to_owned());
+    let caps = CAPPED_DEPENDENCIES.iter().map(|target| format!("{target}=info"));
+    let directives = std::iter::once(requested.clone()).chain(caps).collect::<Vec<_>>().join(",");
+    EnvFilter::builder()
+        .parse(&directives)
+        .map_err(|e| format!("`{requested}` is not a valid log filter: {e}"))
+}
+
+/// Installs the global subscriber. Fails only if one is already installed.
+pub fn init(filter: EnvFilter, format: LogFormat) -> Result<(), String> {
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let result = match format {
+        LogFormat::Text => builder.try_init(),
+        LogFormat::Json => builder.json().flatten_event(true).with_current_span(false).try_init(),
+    };
+    result.map_err(|e| e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dependency_caps_follow_the_user_filter() {
+        let filter = filter(Some("trace")).expect("valid").to_string();
+        assert!(filter.starts_with("trace"), "{filter}");
+        assert!(filter.contains("tungstenite=info"), "{filter}");
+    }
+
+    #[test]
+    fn bad_filter_is_named() {
+        let error = filter(Some("standby=lots")).expect_err("invalid");
+        assert!(error.contains("standby=lots"), "{error}");
+    }
+}

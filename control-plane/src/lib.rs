@@ -1,0 +1,16 @@
+//! The reference control plane: the server half of the standby contract.
+//!
+//! Modules, one job each:
+//! - [`dispatch`]: the server's rules as a pure state machine.
+//! - [`store`]: durable records behind a trait; SQLite by default.
+//! - [`engine`]: drives the state machine: store first, then effects.
+//! - [`server`]: HTTP and the control socket on one listener.
+//! - [`provider`]: where sandboxes come from; the `local` provider.
+//! - [`metrics`]: the Prometheus text of `/metrics`.
+//! - [`demo`]: `standby-server demo`.
+
+pub mod credential;
+pub mod dispatch;
+pub mod model;
+pub mod provider;
+pub mod store;

@@ -1,0 +1,382 @@
+//! Durable records behind a trait, and the default implementation: an
+//! embedded SQLite file (WAL, `synchronous=FULL`), no external service.
+//!
+//! Records are kept as JSON documents keyed by id; a [`Step`]'s writes are
+//! applied in one transaction, so a crash leaves either all of a decision
+//! or none of it. Credentials are stored only as hashes (see
+//! [`crate::credential`]). The secrets a run was submitted with are stored
+//! as given, since they must be served to its agent: protect the file.
+//!
+//! Calls block; the engine runs them on the blocking pool.
+//!
+//! [`Step`]: crate::dispatch::Step
+
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, PoisonError};
+
+use rusqlite::{Connection, OptionalExtension, params};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use crate::dispatch::{Snapshot, Write};
+use crate::model::{CredentialRecord, RunRecord, RunRequest, SandboxRecord, StoredEvent};
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("store {path}: {operation}: {source}")]
+    Sqlite {
+        path: String,
+        operation: &'static str,
+        #[source]
+        source: rusqlite::Error,
+    },
+    #[error("store {path}: record `{id}` in `{table}` is unreadable: {problem}")]
+    Corrupt { path: String, table: &'static str, id: String, problem: String },
+    #[error("store {path}: cannot create the directory {dir}: {source}")]
+    Directory {
+        path: String,
+        dir: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Where the server keeps runs, sandboxes, credentials, events and logs.
+pub trait Store: Send + Sync + 'static {
+    /// Everything the dispatch state machine needs after a restart.
+    fn load(&self) -> Result<Snapshot, StoreError>;
+    /// Applies `writes` in one transaction: all or nothing.
+    fn apply(&self, writes: &[Write]) -> Result<(), StoreError>;
+    /// What a run was submitted with (secrets included).
+    fn request(&self, run_id: &str) -> Result<Option<RunRequest>, StoreError>;
+    /// The run's events, in arrival order.
+    fn events(&self, run_id: &str) -> Result<Vec<StoredEvent>, StoreError>;
+    /// The run's log as received (redacted by the agent).
+    fn log(&self, run_id: &str) -> Result<Vec<u8>, StoreError>;
+}
+
+const SCHEMA: &str = "
+CREATE TABLE IF NOT EXISTS runs (id TEXT PRIMARY KEY, doc TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS run_requests (run_id TEXT PRIMARY KEY, doc TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS sandboxes (id TEXT PRIMARY KEY, doc TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS credentials (id TEXT PRIMARY KEY, doc TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS events (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    run_id TEXT NOT NULL,
+    event_id TEXT NOT NULL,
+    doc TEXT NOT NULL,
+    UNIQUE (run_id, event_id)
+);
+CREATE TABLE IF NOT EXISTS log_chunks (
+    run_id TEXT NOT NULL,
+    start INTEGER NOT NULL,
+    data BLOB NOT NULL,
+    PRIMARY KEY (run_id, start)
+);
+";
+
+/// The SQLite [`Store`].
+#[derive(Debug)]
+pub struct SqliteStore {
+    path: String,
+    connection: Mutex<Connection>,
+}
+
+impl SqliteStore {
+    /// Opens (creating if needed) the store file at `path`.
+    pub fn open(path: &Path) -> Result<Self, StoreError> {
+        let name = path.display().to_string();
+        if let Some(dir) = path.parent().filter(|dir| !dir.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir)
+                .map_err(|source| StoreError::Directory { path: name.clone(), dir: dir.to_owned(), source })?;
+        }
+        let connection = Connection::open(path).map_err(|source| sqlite(&name, "open", source))?;
+        Self::init(name, connection)
+    }
+
+    /// A store that lives only as long as the process (tests, the demo).
+    pub fn in_memory() -> Result<Self, StoreError> {
+        let connection = Connection::open_in_memory().map_err(|source| sqlite(":memory:", "open", source))?;
+        Self::init(":memory:".into(), connection)
+    }
+
+    fn init(path: String, connection: Connection) -> Result<Self, StoreError> {
+        // WAL: readers do not block the writer and a crash mid-write
+        // leaves the last committed state; FULL: a committed transaction
+        // survives a power loss too.
+        connection
+            .execute_batch("PRAGMA journal_mode = WAL; PRAGMA synchronous = FULL; PRAGMA busy_timeout = 5000;")
+            .map_err(|source| sqlite(&path, "configure", source))?;
+        connection.execute_batch(SCHEMA).map_err(|source| sqlite(&path, "create the schema", source))?;
+        Ok(Self { path, connection: Mutex::new(connection) })
+    }
+
+    fn connection(&self) -> std::sync::MutexGuard<'_, Connection> {
+        // A panic while holding the lock cannot leave a transaction open:
+        // rusqlite rolls back an unfinished transaction when it is dropped.
+        self.connection.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn docs<T: DeserializeOwned>(&self, connection: &Connection, table: &'static str) -> Result<Vec<T>, StoreError> {
+        let sql = format!("SELECT id, doc FROM {table} ORDER BY id");
+        let mut statement = connection.prepare(&sql).map_err(|source| sqlite(&self.path, "read", source))?;
+        let rows = statement
+            .query_map([], |row| Ok((row.get::<_, String>(0)?, row.get::<_, String>(1)?)))
+            .map_err(|source| sqlite(&self.path, "read", source))?;
+        let mut docs = Vec::new();
+        for row in rows {
+            let (id, doc) = row.map_err(|source| sqlite(&self.path, "read", source))?;
+            docs.push(self.decode(table, &id, &doc)?);
+        }
+        Ok(docs)
+    }
+
+    fn decode<T: DeserializeOwned>(&self, table: &'static str, id: &str, doc: &str) -> Result<T, StoreError> {
+        serde_json::from_str(doc).map_err(|error| StoreError::Corrupt {
+            path: self.path.clone(),
+            table,
+            id: id.to_owned(),
+            problem: standby_protocol::describe_json_error(&error),
+        })
+    }
+}
+
+fn sqlite(path: &str, operation: &'static str, source: rusqlite::Error) -> StoreError {
+    StoreError::Sqlite { path: path.to_owned(), operation, source }
+}
+
+fn encode(value: &impl Serialize) -> String {
+    // The records hold strings, numbers, maps and lists only.
+    serde_json::to_string(value).unwrap_or_default()
+}
+
+impl Store for SqliteStore {
+    fn load(&self) -> Result<Snapshot, StoreError> {
+        let connection = self.connection();
+        let runs: Vec<RunRecord> = self.docs(&connection, "runs")?;
+        let sandboxes: Vec<SandboxRecord> = self.docs(&connection, "sandboxes")?;
+        let credentials: Vec<CredentialRecord> = self.docs(&connection, "credentials")?;
+        let read = |source| sqlite(&self.path, "read", source);
+        let mut statement = connection.prepare("SELECT run_id, event_id FROM events ORDER BY seq").map_err(read)?;
+        let event_ids = statement
+            .query_map([], |row| Ok((row.get::<_, String>(0)?, row.get::<_, String>(1)?)))
+            .map_err(read)?
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(read)?;
+        let mut statement =
+            connection.prepare("SELECT run_id, SUM(LENGTH(data)) FROM log_chunks GROUP BY run_id").map_err(read)?;
+        let log_lengths = statement
+            .query_map([], |row| Ok((row.get::<_, String>(0)?, row.get::<_, i64>(1)?)))
+            .map_err(read)?
+            .map(|row| row.map(|(run, len)| (run, u64::try_from(len).unwrap_or(0))))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(read)?;
+        Ok(Snapshot { runs, sandboxes, credentials, event_ids, log_lengths })
+    }
+
+    fn apply(&self, writes: &[Write]) -> Result<(), StoreError> {
+        if writes.is_empty() {
+            return Ok(());
+        }
+        let mut connection = self.connection();
+        let write = |source| sqlite(&self.path, "write", source);
+        let transaction = connection.transaction().map_err(write)?;
+        for change in writes {
+            match change {
+                Write::NewRun(run, request) => {
+                    transaction
+                        .execute("INSERT INTO run_requests (run_id, doc) VALUES (?1, ?2)", params![run.id, encode(request)])
+                        .map_err(write)?;
+                    upsert(&transaction, "runs", &run.id, &encode(run)).map_err(write)?;
+                }
+                Write::Run(run) => upsert(&transaction, "runs", &run.id, &encode(run)).map_err(write)?,
+                Write::Sandbox(sandbox) => upsert(&transaction, "sandboxes", &sandbox.id, &encode(sandbox)).map_err(write)?,
+                Write::Credential(credential) => {
+                    upsert(&transaction, "credentials", &credential.id, &encode(credential)).map_err(write)?;
+                }
+                Write::Event(event) => {
+                    transaction
+                        .execute(
+                            "INSERT OR IGNORE INTO events (run_id, event_id, doc) VALUES (?1, ?2, ?3)",
+                            params![event.run_id, event.event.event_id, encode(event)],
+                        )
+                        .map_err(write)?;
+                }
+                Write::Log { run_id, offset, data } => {
+                    let start = i64::try_from(*offset).unwrap_or(i64::MAX);
+                    transaction
+                        .execute("INSERT INTO log_chunks (run_id, start, data) VALUES (?1, ?2, ?3)", params![run_id, start, data])
+                        .map_err(write)?;
+                }
+            }
+        }
+        transaction.commit().map_err(|source| sqlite(&self.path, "commit", source))
+    }
+
+    fn request(&self, run_id: &str) -> Result<Option<RunRequest>, StoreError> {
+        let connection = self.connection();
+        let doc: Option<String> = connection
+            .query_row("SELECT doc FROM run_requests WHERE run_id = ?1", [run_id], |row| row.get(0))
+            .optional()
+            .map_err(|source| sqlite(&self.path, "read", source))?;
+        doc.map(|doc| self.decode("run_requests", run_id, &doc)).transpose()
+    }
+
+    fn events(&self, run_id: &str) -> Result<Vec<StoredEvent>, StoreError> {
+        let connection = self.connection();
+        let read = |source| sqlite(&self.path, "read", source);
+        let mut statement = connection.prepare("SELECT event_id, doc FROM events WHERE run_id = ?1 ORDER BY seq").map_err(read)?;
+        let rows = statement
+            .query_map([run_id], |row| Ok((row.get::<_, String>(0)?, row.get::<_, String>(1)?)))
+            .map_err(read)?
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(read)?;
+        rows.iter().map(|(id, doc)| self.decode("events", id, doc)).collect()
+    }
+
+    fn log(&self, run_id: &str) -> Result<Vec<u8>, StoreError> {
+        let connection = self.connection();
+        let read = |source| sqlite(&self.path, "read", source);
+        let mut statement = connection.prepare("SELECT data FROM log_chunks WHERE run_id = ?1 ORDER BY start").map_err(read)?;
+        let chunks = statement
+            .query_map([run_id], |row| row.get::<_, Vec<u8>>(0))
+            .map_err(read)?
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(read)?;
+        Ok(chunks.concat())
+    }
+}
+
+fn upsert(transaction: &rusqlite::Transaction<'_>, table: &str, id: &str, doc: &str) -> rusqlite::Result<()> {
+    let sql = format!("INSERT INTO {table} (id, doc) VALUES (?1, ?2) ON CONFLICT (id) DO UPDATE SET doc = excluded.doc");
+    transaction.execute(&sql, params![id, doc]).map(|_| ())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use standby_protocol::{Event, EventKind, Run, Secret, Workspace, fingerprint};
+
+    use super::*;
+    use crate::credential::{CredentialKind, TokenHash};
+    use crate::model::{CredentialState, Millis, RunState};
+
+    fn run(id: &str) -> RunRecord {
+        RunRecord {
+            id: id.into(),
+            submitted_at: Millis(5),
+            state: RunState::Queued,
+            run: Run {
+                command: vec!["true".into()],
+                cwd: None,
+                env: BTreeMap::new(),
+                mcp_env: BTreeMap::new(),
+                workspace: Some(Workspace::default()),
+                strict_mcp: true,
+            },
+            fingerprint: Some(fingerprint(&Workspace::default())),
+            attempts: Vec::new(),
+            exit_code: None,
+            error: None,
+            ended_at: None,
+        }
+    }
+
+    fn request() -> RunRequest {
+        RunRequest {
+            secrets: BTreeMap::from([("TOKEN".into(), Secret::new("s3cret"))]),
+            cloud_env: BTreeMap::new(),
+            git_credentials: Vec::new(),
+            metadata: serde_json::json!({"ticket": 7}),
+            attachments: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn records_survive_reopening_the_file() {
+        let dir = tempfile::tempdir().expect("a temp dir");
+        let path = dir.path().join("nested").join("standby.db");
+        let credential = CredentialRecord {
+            id: "c1".into(),
+            kind: CredentialKind::Standby,
+            hash: TokenHash::of("sby_c1_x"),
+            sandbox_id: "sbx_1".into(),
+            run_id: None,
+            attempt: None,
+            state: CredentialState::Active,
+        };
+        {
+            let store = SqliteStore::open(&path).expect("open");
+            let mut updated = run("exe_1");
+            updated.state = RunState::Exited;
+            let event = StoredEvent {
+                run_id: "exe_1".into(),
+                attempt: 1,
+                received_at: Millis(9),
+                event: Event { event_id: "e1".into(), kind: EventKind::Exited { code: 4 } },
+            };
+            store
+                .apply(&[
+                    Write::NewRun(Box::new(run("exe_1")), Box::new(request())),
+                    Write::Credential(Box::new(credential.clone())),
+                    Write::Run(Box::new(updated)),
+                    Write::Event(Box::new(event.clone())),
+                    Write::Event(Box::new(event)),
+                    Write::Log { run_id: "exe_1".into(), offset: 0, data: b"hel".to_vec() },
+                    Write::Log { run_id: "exe_1".into(), offset: 3, data: b"lo".to_vec() },
+                ])
+                .expect("apply");
+        }
+        let store = SqliteStore::open(&path).expect("reopen");
+        let snapshot = store.load().expect("load");
+        assert_eq!(snapshot.runs.len(), 1);
+        assert_eq!(snapshot.runs[0].state, RunState::Exited);
+        assert_eq!(snapshot.credentials, [credential]);
+        assert_eq!(snapshot.event_ids, [("exe_1".to_owned(), "e1".to_owned())]);
+        assert_eq!(snapshot.log_lengths, [("exe_1".to_owned(), 5)]);
+        assert_eq!(store.log("exe_1").expect("log"), b"hello");
+        assert_eq!(store.request("exe_1").expect("request"), Some(request()));
+        assert_eq!(store.events("exe_1").expect("events").len(), 1);
+        assert_eq!(store.request("exe_2").expect("request"), None);
+    }
+
+    #[test]
+    fn a_failing_write_leaves_nothing_half_written() {
+        let store = SqliteStore::in_memory().expect("open");
+        store.apply(&[Write::NewRun(Box::new(run("exe_1")), Box::new(request()))]).expect("apply");
+        let mut changed = run("exe_1");
+        changed.state = RunState::Failed;
+        // The second NewRun of the same id violates the primary key.
+        let error = store
+            .apply(&[Write::Run(Box::new(changed)), Write::NewRun(Box::new(run("exe_1")), Box::new(request()))])
+            .expect_err("a duplicate run is refused");
+        assert!(error.to_string().contains("write"), "{error}");
+        assert_eq!(store.load().expect("load").runs[0].state, RunState::Queued, "the first write was rolled back");
+    }
+
+    #[test]
+    fn credentials_are_stored_as_hashes() {
+        let dir = tempfile::tempdir().expect("a temp dir");
+        let path = dir.path().join("standby.db");
+        let store = SqliteStore::open(&path).expect("open");
+        let token = "sby_c9_averyrecognisablesecret";
+        let credential = CredentialRecord {
+            id: "c9".into(),
+            kind: CredentialKind::Standby,
+            hash: TokenHash::of(token),
+            sandbox_id: "sbx_1".into(),
+            run_id: None,
+            attempt: None,
+            state: CredentialState::Active,
+        };
+        store.apply(&[Write::Credential(Box::new(credential))]).expect("apply");
+        drop(store);
+        let mut bytes = std::fs::read(&path).expect("read the file");
+        for suffix in ["-wal", "-shm"] {
+            bytes.extend(std::fs::read(format!("{}{suffix}", path.display())).unwrap_or_default());
+        }
+        let text = String::from_utf8_lossy(&bytes);
+        assert!(!text.contains("averyrecognisablesecret"));
+    }
+}

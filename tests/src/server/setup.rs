@@ -1,0 +1,220 @@
+//! What a test hands the server: the data of an execution, scripted
+//! answers and frames to send.
+
+use std::collections::BTreeMap;
+
+use standby_protocol::{GitCredential, Run, Secret, Workspace};
+
+/// One execution as the server commits it: the run sent in the assignment
+/// and the data its HTTP calls answer with.
+#[derive(Debug, Clone)]
+pub struct ExecutionSetup {
+    /// Minted (`exe_<n>`) when absent.
+    pub execution_id: Option<String>,
+    pub run: Run,
+    pub secrets: BTreeMap<String, String>,
+    pub attachments: Vec<AttachmentSetup>,
+    pub git_credentials: Vec<GitCredential>,
+    pub metadata: serde_json::Value,
+    pub cloud_env: BTreeMap<String, String>,
+}
+
+impl ExecutionSetup {
+    /// A run of `command` in the workspace root with no data.
+    pub fn new(command: &[&str]) -> Self {
+        Self {
+            execution_id: None,
+            run: Run {
+                command: command.iter().map(|part| (*part).to_owned()).collect(),
+                cwd: None,
+                env: BTreeMap::new(),
+                mcp_env: BTreeMap::new(),
+                workspace: None,
+                strict_mcp: false,
+            },
+            secrets: BTreeMap::new(),
+            attachments: Vec::new(),
+            git_credentials: Vec::new(),
+            metadata: serde_json::json!({}),
+            cloud_env: BTreeMap::new(),
+        }
+    }
+
+    pub fn execution_id(mut self, id: &str) -> Self {
+        self.execution_id = Some(id.to_owned());
+        self
+    }
+
+    pub fn cwd(mut self, cwd: &str) -> Self {
+        self.run.cwd = Some(cwd.to_owned());
+        self
+    }
+
+    pub fn env(mut self, name: &str, value: &str) -> Self {
+        self.run.env.insert(name.to_owned(), value.to_owned());
+        self
+    }
+
+    pub fn mcp_env(mut self, name: &str, value: &str) -> Self {
+        self.run.mcp_env.insert(name.to_owned(), value.to_owned());
+        self
+    }
+
+    /// The workspace the run expects (checked against the prepared one).
+    pub fn workspace(mut self, workspace: Workspace) -> Self {
+        self.run.workspace = Some(workspace);
+        self
+    }
+
+    pub fn strict_mcp(mut self, strict: bool) -> Self {
+        self.run.strict_mcp = strict;
+        self
+    }
+
+    pub fn secret(mut self, name: &str, value: &str) -> Self {
+        self.secrets.insert(name.to_owned(), value.to_owned());
+        self
+    }
+
+    /// A file served by this server at
+    /// `/v1/executions/{id}/attachments/{name}` with its true SHA-256.
+    pub fn attachment(mut self, name: &str, content: &[u8]) -> Self {
+        self.attachments.push(AttachmentSetup::new(name, content));
+        self
+    }
+
+    pub fn attachment_setup(mut self, attachment: AttachmentSetup) -> Self {
+        self.attachments.push(attachment);
+        self
+    }
+
+    pub fn git_credential(mut self, protocol: &str, host: &str, username: &str, password: &str) -> Self {
+        self.git_credentials.push(GitCredential {
+            protocol: protocol.to_owned(),
+            host: host.to_owned(),
+            username: username.to_owned(),
+            password: Secret::new(password),
+        });
+        self
+    }
+
+    pub fn metadata(mut self, metadata: serde_json::Value) -> Self {
+        self.metadata = metadata;
+        self
+    }
+
+    pub fn cloud_env(mut self, name: &str, value: &str) -> Self {
+        self.cloud_env.insert(name.to_owned(), value.to_owned());
+        self
+    }
+}
+
+/// An attachment, with overrides to make it lie about itself.
+#[derive(Debug, Clone)]
+pub struct AttachmentSetup {
+    pub name: String,
+    pub content: Vec<u8>,
+    /// Listed instead of the true SHA-256 of `content`.
+    pub sha256: Option<String>,
+    /// Listed instead of this server's own path for the file.
+    pub url: Option<String>,
+}
+
+impl AttachmentSetup {
+    pub fn new(name: &str, content: &[u8]) -> Self {
+        Self { name: name.to_owned(), content: content.to_vec(), sha256: None, url: None }
+    }
+
+    pub fn wrong_sha256(mut self, sha256: &str) -> Self {
+        self.sha256 = Some(sha256.to_owned());
+        self
+    }
+
+    pub fn url(mut self, url: &str) -> Self {
+        self.url = Some(url.to_owned());
+        self
+    }
+}
+
+/// An answer to the next upgrade request, given before any credential check.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ScriptedUpgrade {
+    pub status: u16,
+    /// Seconds, sent as `Retry-After`.
+    pub retry_after: Option<u64>,
+    /// Only a request with this kind of credential consumes the answer.
+    pub credential: Option<super::CredentialKind>,
+}
+
+impl ScriptedUpgrade {
+    pub fn status(status: u16) -> Self {
+        Self { status, retry_after: None, credential: None }
+    }
+
+    pub fn retry_after(mut self, seconds: u64) -> Self {
+        self.retry_after = Some(seconds);
+        self
+    }
+
+    pub fn for_credential(mut self, kind: super::CredentialKind) -> Self {
+        self.credential = Some(kind);
+        self
+    }
+}
+
+/// Failing answers of one HTTP endpoint, given after the credential check
+/// (a glitching server still refuses a stranger first).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Failure {
+    pub status: u16,
+    /// How many calls fail before the endpoint answers normally again;
+    /// `None` fails every call.
+    pub remaining: Option<usize>,
+    pub retry_after: Option<u64>,
+}
+
+impl Failure {
+    pub fn times(status: u16, count: usize) -> Self {
+        Self { status, remaining: Some(count), retry_after: None }
+    }
+
+    pub fn always(status: u16) -> Self {
+        Self { status, remaining: None, retry_after: None }
+    }
+
+    pub fn retry_after(mut self, seconds: u64) -> Self {
+        self.retry_after = Some(seconds);
+        self
+    }
+}
+
+/// A frame the test sends on a live connection, legal or not.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Frame {
+    /// Any text, including text that is not JSON.
+    Text(String),
+    Binary(Vec<u8>),
+    Ping(Vec<u8>),
+    Pong(Vec<u8>),
+    /// A close frame; the server then waits for the agent's close reply.
+    Close(Option<(u16, String)>),
+}
+
+/// A request of the test that the contract's state machine refuses.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ServerError {
+    #[error("no standby credential {0:?}")]
+    UnknownStandby(String),
+    #[error("standby {token:?} is {status} and cannot take {action}")]
+    StandbyNotActive { token: String, status: &'static str, action: &'static str },
+    #[error("standby {token:?} already holds execution {execution_id:?}")]
+    AlreadyAssigned { token: String, execution_id: String },
+    #[error("execution {0:?} already exists (one sandbox per execution)")]
+    DuplicateExecution(String),
+    #[error("no execution {0:?}")]
+    UnknownExecution(String),
+    #[error("the run credential of execution {0:?} is already revoked")]
+    AlreadyRevoked(String),
+    #[error("no live connection {0}")]
+    NoSuchConnection(super::ConnectionId),
+}
