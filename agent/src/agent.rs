@@ -51,7 +51,11 @@ pub fn spec_source(config: &Config) -> Result<SpecSource, String> {
     let text = std::fs::read_to_string(path)
         .map_err(|e| format!("invalid STANDBY_SPEC (--spec): cannot read {}: {e}", path.display()))?;
     let spec: Spec = serde_json::from_str(&text).map_err(|e| {
-        format!("invalid STANDBY_SPEC (--spec): {} is not a spec: {}", path.display(), standby_protocol::describe_json_error(&e))
+        format!(
+            "invalid STANDBY_SPEC (--spec): {} is not a spec: {}",
+            path.display(),
+            standby_protocol::describe_json_error(&e)
+        )
     })?;
     Ok(SpecSource::File(Box::new(spec)))
 }
@@ -140,11 +144,14 @@ impl Driver {
         let mut sigterm = signal(SignalKind::terminate()).ok();
         let mut sigint = signal(SignalKind::interrupt()).ok();
 
-        let (login_tx, login_rx) = watch::channel(Login { kind: Credential::Standby, secret: self.config.token.clone() });
+        let (login_tx, login_rx) =
+            watch::channel(Login { kind: Credential::Standby, secret: self.config.token.clone() });
         let (status_tx, status_rx) = watch::channel(self.machine.heartbeat());
         let (control_tx, mut control_rx) = mpsc::channel(16);
-        let control_config =
-            ControlConfig { socket_url: self.config.socket_url.clone(), heartbeat_interval: self.config.heartbeat_interval };
+        let control_config = ControlConfig {
+            socket_url: self.config.socket_url.clone(),
+            heartbeat_interval: self.config.heartbeat_interval,
+        };
         let (control_stop_tx, control_stop_rx) = watch::channel(false);
         let control = control::spawn(control_config, login_rx, status_rx, control_tx, control_stop_rx);
 
@@ -170,17 +177,16 @@ impl Driver {
                     }
                 },
                 Some(PrepEvent::SpecLoaded(spec)) = prep_rx.recv() => {
-                    if let Some(at) = spec.deadline.as_deref() {
-                        match crate::config::parse_time(at) {
-                            Ok(at) => self.machine.tighten_standby_deadline(deadline_instant(Deadline::At(at), Instant::now())),
-                            Err(e) => tracing::warn!(error = e, "the spec's deadline is ignored"),
-                        }
-                    }
-                    self.spec = Some(*spec);
+                    self.spec_loaded(*spec);
                     continue;
                 }
                 result = join(&mut prep) => {
                     prep = None;
+                    // The spec is sent before preparation ends; take it even
+                    // if this branch won the race against the message.
+                    while let Ok(PrepEvent::SpecLoaded(spec)) = prep_rx.try_recv() {
+                        self.spec_loaded(*spec);
+                    }
                     match result.unwrap_or_else(|e| Err(PrepFailure::Failed(format!("preparation task: {e}")))) {
                         Ok(prepared) => {
                             self.prepared = Some(prepared);
@@ -235,6 +241,16 @@ impl Driver {
         let _ = control.await;
         tracing::info!(exit = %exit, "standby exiting");
         exit
+    }
+
+    fn spec_loaded(&mut self, spec: Spec) {
+        if let Some(at) = spec.deadline.as_deref() {
+            match crate::config::parse_time(at) {
+                Ok(at) => self.machine.tighten_standby_deadline(deadline_instant(Deadline::At(at), Instant::now())),
+                Err(e) => tracing::warn!(error = e, "the spec's deadline is ignored"),
+            }
+        }
+        self.spec = Some(spec);
     }
 
     /// Carries out one action; returns what it led to, if anything.
@@ -304,10 +320,12 @@ impl Driver {
     /// path) reports `started` and ships its output.
     fn start_run(&mut self) -> Result<(), InstallFailure> {
         let installed = self.installed.take().ok_or_else(|| InstallFailure::new("start", "nothing installed", true))?;
-        let prepared = self.prepared.as_mut().ok_or_else(|| InstallFailure::new("start", "no prepared terminal", true))?;
+        let prepared =
+            self.prepared.as_mut().ok_or_else(|| InstallFailure::new("start", "no prepared terminal", true))?;
         let (execution_id, credential) =
             self.run_credential.clone().ok_or_else(|| InstallFailure::new("start", "no run credential", true))?;
-        let shell = prepared.shell.take().ok_or_else(|| InstallFailure::new("start", "the idle shell is gone", true))?;
+        let shell =
+            prepared.shell.take().ok_or_else(|| InstallFailure::new("start", "the idle shell is gone", true))?;
         let mut run = shell
             .replace(&installed.argv, &installed.cwd, &installed.env)
             .map_err(|e| InstallFailure::new("start", format!("starting `{}`: {e}", installed.argv[0]), false))?;
@@ -378,7 +396,12 @@ impl Driver {
             }
             let _ = started.started_event.await;
             match tokio::time::timeout(LOG_DRAIN_BOUND, started.shipper).await {
-                Ok(Ok(shipped)) => tracing::info!(bytes = shipped.bytes, chunks = shipped.chunks, lost = shipped.lost_bytes, "run output shipped"),
+                Ok(Ok(shipped)) => tracing::info!(
+                    bytes = shipped.bytes,
+                    chunks = shipped.chunks,
+                    lost = shipped.lost_bytes,
+                    "run output shipped"
+                ),
                 _ => tracing::warn!("run output was not fully shipped"),
             }
         }
@@ -409,10 +432,18 @@ fn event_name(kind: &EventKind) -> &'static str {
 
 /// Posts an event until it is acknowledged, keeping its `event_id` across
 /// retries, for at most `timeout`.
-pub async fn report(api: &Api, credential: &Secret, execution_id: &str, kind: EventKind, timeout: Duration) -> Result<(), ApiError> {
-    let event = Event { event_id: format!("{execution_id}-{}-{:016x}", event_name(&kind), rand::random::<u64>()), kind };
+pub async fn report(
+    api: &Api,
+    credential: &Secret,
+    execution_id: &str,
+    kind: EventKind,
+    timeout: Duration,
+) -> Result<(), ApiError> {
+    let event =
+        Event { event_id: format!("{execution_id}-{}-{:016x}", event_name(&kind), rand::random::<u64>()), kind };
     let path = paths::events(execution_id);
-    retry(&format!("POST {path}"), Instant::now() + timeout, call_backoff(), || api.post(credential, &path, &event)).await
+    retry(&format!("POST {path}"), Instant::now() + timeout, call_backoff(), || api.post(credential, &path, &event))
+        .await
 }
 
 /// Loads the spec, prepares the workspace, starts the MCP servers and opens
@@ -451,13 +482,15 @@ async fn fetch_spec(api: &Api, token: &Secret) -> Result<Spec, PrepFailure> {
     let path = standby_protocol::SPEC_PATH;
     let forever = Instant::now() + Duration::from_secs(100 * 365 * 24 * 3600);
     tracing::info!("fetching the spec");
-    retry(&format!("GET {path}"), forever, call_backoff().with_max_delay(control::BACKOFF_CAP), || api.get_json(token, path))
-        .await
-        .map_err(|e| match e.class() {
-            Class::Unauthorized => PrepFailure::Refused(401),
-            Class::Gone => PrepFailure::Refused(410),
-            Class::Transient | Class::Fatal => PrepFailure::Failed(format!("fetching the spec: {e}")),
-        })
+    retry(&format!("GET {path}"), forever, call_backoff().with_max_delay(control::BACKOFF_CAP), || {
+        api.get_json(token, path)
+    })
+    .await
+    .map_err(|e| match e.class() {
+        Class::Unauthorized => PrepFailure::Refused(401),
+        Class::Gone => PrepFailure::Refused(410),
+        Class::Transient | Class::Fatal => PrepFailure::Failed(format!("fetching the spec: {e}")),
+    })
 }
 
 fn deadline_instant(deadline: Deadline, start: Instant) -> Instant {
@@ -482,7 +515,9 @@ async fn join<T>(task: &mut Option<JoinHandle<T>>) -> Result<T, tokio::task::Joi
 /// prepared sandbox back whether it finished or was aborted.
 type InstallTask = (Option<oneshot::Sender<()>>, JoinHandle<(Prepared, Option<Result<Installed, InstallFailure>>)>);
 
-async fn join_install(task: &mut Option<InstallTask>) -> Result<(Prepared, Option<Result<Installed, InstallFailure>>), tokio::task::JoinError> {
+async fn join_install(
+    task: &mut Option<InstallTask>,
+) -> Result<(Prepared, Option<Result<Installed, InstallFailure>>), tokio::task::JoinError> {
     match task {
         Some((_, handle)) => handle.await,
         None => std::future::pending().await,

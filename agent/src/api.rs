@@ -69,6 +69,15 @@ impl ApiError {
         }
     }
 
+    /// The HTTP status the server answered, if it answered.
+    pub fn status(&self) -> Option<u16> {
+        match self {
+            Self::Status { status, .. } => Some(status.as_u16()),
+            Self::Exhausted { last, .. } => last.status(),
+            Self::Transport { .. } | Self::Decode { .. } => None,
+        }
+    }
+
     fn retry_after(&self) -> Option<Duration> {
         match self {
             Self::Status { retry_after, .. } => *retry_after,
@@ -108,11 +117,7 @@ impl Api {
     /// A path (starting with `/`) appended to the base URL, prefix kept; any
     /// other URL as is.
     pub fn url(&self, path_or_url: &str) -> String {
-        if path_or_url.starts_with('/') {
-            format!("{}{path_or_url}", self.base)
-        } else {
-            path_or_url.to_owned()
-        }
+        if path_or_url.starts_with('/') { format!("{}{path_or_url}", self.base) } else { path_or_url.to_owned() }
     }
 
     async fn send(
@@ -131,10 +136,10 @@ impl Api {
         if let Some(body) = body {
             request = request.json(body);
         }
-        let response = request.send().await.map_err(|source| ApiError::Transport {
-            call: call.clone(),
-            source: source.without_url(),
-        })?;
+        let response = request
+            .send()
+            .await
+            .map_err(|source| ApiError::Transport { call: call.clone(), source: source.without_url() })?;
         let status = response.status();
         if status.is_success() {
             return Ok(response);
@@ -192,8 +197,7 @@ impl Api {
 
 fn encode<B: Serialize>(path: &str, body: Option<&B>) -> Result<serde_json::Value, ApiError> {
     match body {
-        Some(body) => serde_json::to_value(body)
-            .map_err(|e| ApiError::Decode {
+        Some(body) => serde_json::to_value(body).map_err(|e| ApiError::Decode {
             call: format!("POST {path}"),
             problem: standby_protocol::describe_json_error(&e),
         }),
@@ -222,7 +226,12 @@ pub fn call_backoff() -> ExponentialBuilder {
 /// Runs `op` until it succeeds, fails with a non-transient error, or the
 /// next attempt would start after `deadline`. A `Retry-After` longer than
 /// the backoff's delay is honoured.
-pub async fn retry<T, F, Fut>(call: &str, deadline: Instant, backoff: ExponentialBuilder, mut op: F) -> Result<T, ApiError>
+pub async fn retry<T, F, Fut>(
+    call: &str,
+    deadline: Instant,
+    backoff: ExponentialBuilder,
+    mut op: F,
+) -> Result<T, ApiError>
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Result<T, ApiError>>,

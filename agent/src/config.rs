@@ -137,10 +137,8 @@ fn parse_deadline(text: &str) -> Result<Deadline, String> {
 
 /// Parses an RFC 3339 time, with `Z` or a numeric offset.
 pub fn parse_time(text: &str) -> Result<SystemTime, String> {
-    let timestamp: jiff::Timestamp = text
-        .trim()
-        .parse()
-        .map_err(|e| format!("`{text}` is not an RFC 3339 time: {e}"))?;
+    let timestamp: jiff::Timestamp =
+        text.trim().parse().map_err(|e| format!("`{text}` is not an RFC 3339 time: {e}"))?;
     SystemTime::try_from(timestamp).map_err(|e| format!("`{text}` is out of range: {e}"))
 }
 
@@ -280,8 +278,7 @@ mod tests {
 
     #[test]
     fn bad_values_name_setting_and_value() {
-        let error = args(&["--server-url", "http://127.0.0.1:1", "--heartbeat-interval", "abc"])
-            .expect_err("refused");
+        let error = args(&["--server-url", "http://127.0.0.1:1", "--heartbeat-interval", "abc"]).expect_err("refused");
         assert!(error.contains("--heartbeat-interval") && error.contains("abc"), "{error}");
         let error = args(&["--server-url", "ftp://x"]).expect_err("refused");
         assert!(error.contains("ftp"), "{error}");
@@ -297,8 +294,8 @@ mod tests {
 
     #[test]
     fn token_is_hidden_from_debug() {
-        let parsed = Args::try_parse_from(["standby", "--token", "tok3n", "--server-url", "http://127.0.0.1:1"])
-            .expect("valid");
+        let parsed =
+            Args::try_parse_from(["standby", "--token", "tok3n", "--server-url", "http://127.0.0.1:1"]).expect("valid");
         assert!(!format!("{parsed:?}").contains("tok3n"));
         let config = parsed.validate().expect("valid");
         assert!(!format!("{config:?}").contains("tok3n"));

@@ -40,10 +40,16 @@ pub const STABLE_AFTER: Duration = Duration::from_secs(10);
 #[derive(Debug)]
 pub enum ControlEvent {
     Connected(Credential),
-    Message { credential: Credential, message: ServerMessage },
+    Message {
+        credential: Credential,
+        message: ServerMessage,
+    },
     /// `401`, `403` or `410`: this credential will not be retried; the task
     /// waits for another credential.
-    Refused { credential: Credential, status: u16 },
+    Refused {
+        credential: Credential,
+        status: u16,
+    },
 }
 
 /// The credential the task connects with.
@@ -84,7 +90,7 @@ fn backoff() -> impl Iterator<Item = Duration> {
 }
 
 enum Attempt {
-    Connected(Socket),
+    Connected(Box<Socket>),
     Refused(u16),
     Transient { error: String, retry_after: Option<Duration> },
 }
@@ -128,7 +134,8 @@ async fn run(
                     return;
                 }
                 let since = Instant::now();
-                let end = session(socket, &config, current.kind, &mut status, &events, &mut login, &mut shutdown).await;
+                let end =
+                    session(*socket, &config, current.kind, &mut status, &events, &mut login, &mut shutdown).await;
                 if since.elapsed() >= STABLE_AFTER {
                     delays = backoff();
                 }
@@ -192,7 +199,7 @@ async fn connect(url: &Url, secret: &Secret) -> Attempt {
     let connecting = tokio_tungstenite::connect_async_tls_with_config(request, Some(config), true, None);
     match tokio::time::timeout(Duration::from_secs(20), connecting).await {
         Err(_) => Attempt::Transient { error: "connect timed out after 20s".into(), retry_after: None },
-        Ok(Ok((socket, _))) => Attempt::Connected(socket),
+        Ok(Ok((socket, _))) => Attempt::Connected(Box::new(socket)),
         Ok(Err(tungstenite::Error::Http(response))) => {
             let status = response.status();
             match classify_status(status) {

@@ -25,12 +25,12 @@ use std::time::Duration;
 
 use sha2::{Digest, Sha256};
 use standby_protocol::{
-    Attachment, AttachmentsResponse, CloudCredentialsResponse, Fingerprint, GitCredential, GitCredentialsResponse,
-    Run, Secret, SecretsResponse, Spec, fingerprint, paths,
+    Attachment, AttachmentsResponse, CloudCredentialsResponse, Fingerprint, GitCredential, GitCredentialsResponse, Run,
+    Secret, SecretsResponse, Spec, fingerprint, paths,
 };
 use tokio::time::Instant;
 
-use crate::api::{Api, ApiError, call_backoff, retry};
+use crate::api::{Api, ApiError, Class, call_backoff, retry};
 use crate::config::InstallPlan;
 use crate::lifecycle::InstallFailure;
 use crate::mcp::McpSupervisor;
@@ -106,8 +106,13 @@ impl Steps {
     }
 }
 
+/// A failed call fails the install, requeueable; a refused run credential
+/// means the run was withdrawn (cancelled, superseded or requeued).
 fn network(stage: &'static str) -> impl Fn(ApiError) -> InstallFailure {
-    move |error| InstallFailure::new(stage, error.to_string(), true)
+    move |error| match (error.class(), error.status()) {
+        (Class::Unauthorized | Class::Gone, Some(status)) => InstallFailure::refused(stage, error.to_string(), status),
+        _ => InstallFailure::new(stage, error.to_string(), true),
+    }
 }
 
 /// Installs the run. Cancel-safe in the sense that matters: dropping the
@@ -157,9 +162,7 @@ pub async fn install(input: &InstallInput, prepared: &mut Prepared) -> Result<In
         }
         tracing::warn!(execution_id = %input.execution_id, failures = message, "MCP servers failed to restart; the run is degraded");
     }
-    let mcp_config = mcp
-        .write_config(&input.root)
-        .map_err(|e| InstallFailure::new("mcp", e.to_string(), true))?;
+    let mcp_config = mcp.write_config(&input.root).map_err(|e| InstallFailure::new("mcp", e.to_string(), true))?;
     let env = run_env(input, &fetched, mcp_config.as_deref());
     let secrets = fetched
         .secrets
@@ -244,11 +247,10 @@ async fn git_then_refresh(
 
 async fn secrets(input: &InstallInput) -> Result<BTreeMap<String, Secret>, InstallFailure> {
     let path = paths::secrets(&input.execution_id);
-    let response: SecretsResponse = retry(&format!("GET {path}"), input.deadline, call_backoff(), || {
-        input.api.get_json(&input.credential, &path)
-    })
-    .await
-    .map_err(network("secrets"))?;
+    let response: SecretsResponse =
+        retry(&format!("GET {path}"), input.deadline, call_backoff(), || input.api.get_json(&input.credential, &path))
+            .await
+            .map_err(network("secrets"))?;
     Ok(response.secrets)
 }
 
@@ -264,11 +266,10 @@ async fn cloud_credentials(input: &InstallInput) -> Result<BTreeMap<String, Secr
 
 async fn metadata(input: &InstallInput) -> Result<(), InstallFailure> {
     let path = paths::metadata(&input.execution_id);
-    let value: serde_json::Value = retry(&format!("GET {path}"), input.deadline, call_backoff(), || {
-        input.api.get_json(&input.credential, &path)
-    })
-    .await
-    .map_err(network("metadata"))?;
+    let value: serde_json::Value =
+        retry(&format!("GET {path}"), input.deadline, call_backoff(), || input.api.get_json(&input.credential, &path))
+            .await
+            .map_err(network("metadata"))?;
     let file = metadata_file(&input.root);
     let bytes = serde_json::to_vec_pretty(&value).unwrap_or_default();
     write_atomic(&file, &bytes, 0o600)
@@ -290,11 +291,10 @@ fn git_credentials_file(root: &Path) -> PathBuf {
 
 async fn attachments(input: &InstallInput) -> Result<(), InstallFailure> {
     let path = paths::attachments(&input.execution_id);
-    let response: AttachmentsResponse = retry(&format!("GET {path}"), input.deadline, call_backoff(), || {
-        input.api.get_json(&input.credential, &path)
-    })
-    .await
-    .map_err(network("attachments"))?;
+    let response: AttachmentsResponse =
+        retry(&format!("GET {path}"), input.deadline, call_backoff(), || input.api.get_json(&input.credential, &path))
+            .await
+            .map_err(network("attachments"))?;
     // Every name is checked before anything is downloaded or written.
     for attachment in &response.attachments {
         check_file_name(&attachment.name)

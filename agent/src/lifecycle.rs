@@ -26,11 +26,18 @@ pub struct InstallFailure {
     pub stage: String,
     pub message: String,
     pub requeueable: bool,
+    /// The run credential was refused with this status: the run was
+    /// withdrawn, so nothing is reported and the agent exits 14.
+    pub refused: Option<u16>,
 }
 
 impl InstallFailure {
     pub fn new(stage: &str, message: impl Into<String>, requeueable: bool) -> Self {
-        Self { stage: stage.to_owned(), message: message.into(), requeueable }
+        Self { stage: stage.to_owned(), message: message.into(), requeueable, refused: None }
+    }
+
+    pub fn refused(stage: &str, message: impl Into<String>, status: u16) -> Self {
+        Self { refused: Some(status), ..Self::new(stage, message, true) }
     }
 
     fn event(self) -> EventKind {
@@ -45,13 +52,21 @@ pub enum Input {
     /// A control connection was established.
     Connected(Credential),
     /// The upgrade was refused with `401`, `403` or `410`.
-    Refused { credential: Credential, status: u16 },
+    Refused {
+        credential: Credential,
+        status: u16,
+    },
     /// A decoded frame (`Unknown` types are dropped before they get here).
-    Server { credential: Credential, message: ServerMessage },
+    Server {
+        credential: Credential,
+        message: ServerMessage,
+    },
     InstallFinished(Result<(), InstallFailure>),
     /// The run could not be spawned on the terminal.
     RunFailedToStart(InstallFailure),
-    RunExited { code: i32 },
+    RunExited {
+        code: i32,
+    },
     /// SIGTERM or SIGINT to the agent.
     Terminate,
     /// Time has moved on; check the deadlines.
@@ -216,10 +231,9 @@ impl Lifecycle {
     fn on_prepared(&mut self, now: Instant, result: Result<(), String>) -> Vec<Action> {
         if let Err(message) = result {
             return match self.phase {
-                Phase::Installing { .. } => self.finish(
-                    Some(InstallFailure::new("prepare", message, true).event()),
-                    Exit::InstallFailed,
-                ),
+                Phase::Installing { .. } => {
+                    self.finish(Some(InstallFailure::new("prepare", message, true).event()), Exit::InstallFailed)
+                }
                 _ => self.finish(None, Exit::PrepareFailed),
             };
         }
@@ -285,10 +299,8 @@ impl Lifecycle {
         match &mut self.phase {
             Phase::Waiting => {
                 tracing::info!(execution_id = %incoming, prepared = self.prepared, "assignment accepted");
-                let confirm = Action::Confirm {
-                    execution_id: incoming.clone(),
-                    credential: assignment.run_credential.clone(),
-                };
+                let confirm =
+                    Action::Confirm { execution_id: incoming.clone(), credential: assignment.run_credential.clone() };
                 let assignment = Box::new(assignment);
                 let (held, install_by, install) = if self.prepared {
                     (None, Some(now + self.timeouts.install), Some(Action::Install(assignment)))
@@ -333,6 +345,10 @@ impl Lifecycle {
             return Vec::new();
         };
         match result {
+            Err(InstallFailure { refused: Some(status), stage, .. }) => {
+                tracing::warn!(stage, status, "the run credential was refused during the install: withdrawn");
+                self.finish(None, Exit::Withdrawn)
+            }
             Err(failure) => self.finish(Some(failure.event()), Exit::InstallFailed),
             Ok(()) => {
                 *installed = true;
@@ -401,12 +417,16 @@ impl Lifecycle {
                         "delivery was not confirmed within {}",
                         humantime::format_duration(self.timeouts.confirm)
                     );
-                    return self.finish(Some(InstallFailure::new("confirm", message, true).event()), Exit::InstallFailed);
+                    return self
+                        .finish(Some(InstallFailure::new("confirm", message, true).event()), Exit::InstallFailed);
                 }
                 if !*installed && install_by.is_some_and(|by| now >= by) {
-                    let message =
-                        format!("the install did not finish within {}", humantime::format_duration(self.timeouts.install));
-                    return self.finish(Some(InstallFailure::new("install", message, true).event()), Exit::InstallFailed);
+                    let message = format!(
+                        "the install did not finish within {}",
+                        humantime::format_duration(self.timeouts.install)
+                    );
+                    return self
+                        .finish(Some(InstallFailure::new("install", message, true).event()), Exit::InstallFailed);
                 }
                 Vec::new()
             }
@@ -433,8 +453,12 @@ mod tests {
 
     fn machine(deadline: Option<Duration>) -> (Lifecycle, Instant) {
         let start = Instant::now();
-        let timeouts =
-            Timeouts { standby_deadline: deadline.map(|d| start + d), confirm: CONFIRM, install: INSTALL, grace: GRACE };
+        let timeouts = Timeouts {
+            standby_deadline: deadline.map(|d| start + d),
+            confirm: CONFIRM,
+            install: INSTALL,
+            grace: GRACE,
+        };
         (Lifecycle::new(timeouts), start)
     }
 
@@ -565,7 +589,9 @@ mod tests {
         m.handle(now, server(Credential::Standby, assignment("exe_1")));
         let (report, exit) = finish(&m.handle(now, Input::PrepareFinished(Err("boom".into()))));
         assert_eq!(exit, Exit::InstallFailed);
-        assert!(matches!(report, Some(EventKind::InstallFailed { requeueable: true, ref stage, .. }) if stage == "prepare"));
+        assert!(
+            matches!(report, Some(EventKind::InstallFailed { requeueable: true, ref stage, .. }) if stage == "prepare")
+        );
     }
 
     #[test]
@@ -623,7 +649,9 @@ mod tests {
         let actions = m.handle(start + CONFIRM, Input::Tick);
         let (report, exit) = finish(&actions);
         assert_eq!(exit, Exit::InstallFailed);
-        assert!(matches!(report, Some(EventKind::InstallFailed { requeueable: true, ref stage, .. }) if stage == "confirm"));
+        assert!(
+            matches!(report, Some(EventKind::InstallFailed { requeueable: true, ref stage, .. }) if stage == "confirm")
+        );
     }
 
     #[test]
@@ -633,7 +661,9 @@ mod tests {
         assert_eq!(m.next_deadline(), Some(start + INSTALL));
         let actions = m.handle(start + INSTALL, Input::Tick);
         assert_eq!(names(&actions), ["abort", "finish"]);
-        assert!(matches!(finish(&actions).0, Some(EventKind::InstallFailed { requeueable: true, ref stage, .. }) if stage == "install"));
+        assert!(
+            matches!(finish(&actions).0, Some(EventKind::InstallFailed { requeueable: true, ref stage, .. }) if stage == "install")
+        );
     }
 
     #[test]
@@ -644,6 +674,14 @@ mod tests {
         assert_eq!(exit, Exit::InstallFailed);
         assert!(matches!(report, Some(EventKind::InstallFailed { requeueable: false, .. })));
         assert!(m.handle(now, server(Credential::Run, assignment("exe_1"))).is_empty(), "never starts");
+    }
+
+    #[test]
+    fn run_credential_refused_by_an_install_call_is_withdrawn() {
+        let (mut m, now) = installing();
+        let failure = InstallFailure::refused("secrets", "GET /v1/executions/exe_1/secrets: 401", 401);
+        let actions = m.handle(now, Input::InstallFinished(Err(failure)));
+        assert_eq!(finish(&actions), (None, Exit::Withdrawn));
     }
 
     #[test]
@@ -677,7 +715,10 @@ mod tests {
         assert!(m.handle(start + GRACE - Duration::from_millis(1), Input::Tick).is_empty());
         assert_eq!(names(&m.handle(start + GRACE, Input::Tick)), ["kill"]);
         assert_eq!(m.next_deadline(), None);
-        assert_eq!(finish(&m.handle(start, Input::RunExited { code: 137 })), (Some(EventKind::Cancelled), Exit::Success));
+        assert_eq!(
+            finish(&m.handle(start, Input::RunExited { code: 137 })),
+            (Some(EventKind::Cancelled), Exit::Success)
+        );
     }
 
     #[test]
@@ -706,7 +747,10 @@ mod tests {
     #[test]
     fn run_exit_is_reported() {
         let (mut m, now) = running();
-        assert_eq!(finish(&m.handle(now, Input::RunExited { code: 7 })), (Some(EventKind::Exited { code: 7 }), Exit::Success));
+        assert_eq!(
+            finish(&m.handle(now, Input::RunExited { code: 7 })),
+            (Some(EventKind::Exited { code: 7 }), Exit::Success)
+        );
         assert!(m.is_done());
         assert!(m.handle(now, Input::Terminate).is_empty(), "nothing after Finish");
     }

@@ -63,47 +63,23 @@ pub enum McpError {
     #[error("MCP server {server:?} has an empty command")]
     EmptyCommand { server: String },
     #[error("MCP server {server:?}: ready_tcp {addr:?} is not a usable address: {source}")]
-    ReadyAddress {
-        server: String,
-        addr: String,
-        source: io::Error,
-    },
+    ReadyAddress { server: String, addr: String, source: io::Error },
     #[error("MCP server {server:?}: cannot {action} {}: {source}", path.display())]
-    Io {
-        server: String,
-        action: &'static str,
-        path: PathBuf,
-        source: io::Error,
-    },
+    Io { server: String, action: &'static str, path: PathBuf, source: io::Error },
     #[error("MCP server {server:?}: cannot start {program:?}: {source}")]
-    Spawn {
-        server: String,
-        program: String,
-        source: io::Error,
-    },
+    Spawn { server: String, program: String, source: io::Error },
     #[error(
         "MCP server {server:?} never became ready: {addr} accepted no connection within {}; \
          last lines of {}:\n{tail}",
         humantime::format_duration(*timeout),
         log.display()
     )]
-    NeverReady {
-        server: String,
-        addr: String,
-        timeout: Duration,
-        log: PathBuf,
-        tail: String,
-    },
+    NeverReady { server: String, addr: String, timeout: Duration, log: PathBuf, tail: String },
     #[error(
         "MCP server {server:?} exited before it was ready ({status}); last lines of {}:\n{tail}",
         log.display()
     )]
-    ExitedEarly {
-        server: String,
-        status: String,
-        log: PathBuf,
-        tail: String,
-    },
+    ExitedEarly { server: String, status: String, log: PathBuf, tail: String },
     #[error("MCP server {server:?}: cannot wait for it: {source}")]
     Wait { server: String, source: io::Error },
     #[error("cannot write the MCP configuration {}: {source}", path.display())]
@@ -146,11 +122,7 @@ impl McpSupervisor {
     /// without one. A server that exits first fails at once. On any
     /// failure the servers already started are killed and the first error
     /// is returned.
-    pub async fn start(
-        servers: &[McpServer],
-        workspace: &Path,
-        ready_timeout: Duration,
-    ) -> Result<Self, McpError> {
+    pub async fn start(servers: &[McpServer], workspace: &Path, ready_timeout: Duration) -> Result<Self, McpError> {
         check_servers(servers)?;
         if let Some(first) = servers.first() {
             let dir = workspace.join(STATE_DIR);
@@ -163,12 +135,7 @@ impl McpSupervisor {
         }
         // On the first error the other launches are dropped, which kills
         // their servers (see `Running`'s `Drop`).
-        let running = try_join_all(
-            servers
-                .iter()
-                .map(|server| launch(server, workspace, None, ready_timeout)),
-        )
-        .await?;
+        let running = try_join_all(servers.iter().map(|server| launch(server, workspace, None, ready_timeout))).await?;
         Ok(Self {
             workspace: workspace.to_path_buf(),
             ready_timeout,
@@ -176,10 +143,7 @@ impl McpSupervisor {
                 .iter()
                 .cloned()
                 .zip(running)
-                .map(|(spec, running)| Supervised {
-                    spec,
-                    running: Some(running),
-                })
+                .map(|(spec, running)| Supervised { spec, running: Some(running) })
                 .collect(),
         })
     }
@@ -212,21 +176,12 @@ impl McpSupervisor {
 
     /// Stops every server and reaps it. Idempotent.
     pub async fn stop(&mut self) {
-        join_all(
-            self.servers
-                .iter_mut()
-                .filter_map(|server| server.running.take())
-                .map(Running::stop),
-        )
-        .await;
+        join_all(self.servers.iter_mut().filter_map(|server| server.running.take()).map(Running::stop)).await;
     }
 
     /// The pids of the running servers.
     pub fn pids(&self) -> Vec<u32> {
-        self.servers
-            .iter()
-            .filter_map(|server| server.running.as_ref().map(|running| running.pid))
-            .collect()
+        self.servers.iter().filter_map(|server| server.running.as_ref().map(|running| running.pid)).collect()
     }
 
     /// Writes `<workspace>/.standby/mcp.json`, listing the servers with
@@ -247,10 +202,7 @@ impl McpSupervisor {
             .collect();
         let dir = workspace.join(STATE_DIR);
         let path = dir.join(CONFIG_FILE);
-        let config_error = |source| McpError::Config {
-            path: path.clone(),
-            source,
-        };
+        let config_error = |source| McpError::Config { path: path.clone(), source };
         if listed.is_empty() {
             return match std::fs::remove_file(&path) {
                 Err(error) if error.kind() != io::ErrorKind::NotFound => Err(config_error(error)),
@@ -287,9 +239,7 @@ fn check_servers(servers: &[McpServer]) -> Result<(), McpError> {
         let safe = !name.is_empty()
             && name.len() <= MAX_NAME_LEN
             && !name.starts_with('.')
-            && name
-                .bytes()
-                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
+            && name.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
         if !safe {
             return Err(McpError::BadName { name: name.clone() });
         }
@@ -297,9 +247,7 @@ fn check_servers(servers: &[McpServer]) -> Result<(), McpError> {
             return Err(McpError::Duplicate { name: name.clone() });
         }
         if server.command.is_empty() {
-            return Err(McpError::EmptyCommand {
-                server: name.clone(),
-            });
+            return Err(McpError::EmptyCommand { server: name.clone() });
         }
     }
     Ok(())
@@ -315,9 +263,7 @@ async fn launch(
 ) -> Result<Running, McpError> {
     let name = &spec.name;
     let Some((program, args)) = spec.command.split_first() else {
-        return Err(McpError::EmptyCommand {
-            server: name.clone(),
-        });
+        return Err(McpError::EmptyCommand { server: name.clone() });
     };
     let ready_addrs = match &spec.ready_tcp {
         Some(addr) => Some(resolve(name, addr).await?),
@@ -325,15 +271,8 @@ async fn launch(
     };
     let log_path = workspace.join(STATE_DIR).join(format!("mcp-{name}.log"));
     let log_error = |action| io_error(name, action, &log_path);
-    let log = OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(&log_path)
-        .map_err(log_error("open its log"))?;
-    let log_start = log
-        .metadata()
-        .map_err(log_error("read the size of its log"))?
-        .len();
+    let log = OpenOptions::new().create(true).append(true).open(&log_path).map_err(log_error("open its log"))?;
+    let log_start = log.metadata().map_err(log_error("read the size of its log"))?.len();
     let stderr = log.try_clone().map_err(log_error("share its log"))?;
 
     let mut env = child_env();
@@ -352,11 +291,7 @@ async fn launch(
         .process_group(0)
         .kill_on_drop(true)
         .spawn()
-        .map_err(|source| McpError::Spawn {
-            server: name.clone(),
-            program: program.clone(),
-            source,
-        })?;
+        .map_err(|source| McpError::Spawn { server: name.clone(), program: program.clone(), source })?;
     let Some(pid) = child.id() else {
         return Err(McpError::Wait {
             server: name.clone(),
@@ -364,11 +299,7 @@ async fn launch(
         });
     };
     register(pid);
-    let mut running = Running {
-        name: name.clone(),
-        pid,
-        child: Some(child),
-    };
+    let mut running = Running { name: name.clone(), pid, child: Some(child) };
     debug!(server = %name, pid, "MCP server started");
 
     let Some(addrs) = ready_addrs else {
@@ -403,10 +334,7 @@ async fn launch(
         }
         Ready::WaitFailed(source) => {
             running.kill().await;
-            Err(McpError::Wait {
-                server: name.clone(),
-                source,
-            })
+            Err(McpError::Wait { server: name.clone(), source })
         }
     }
 }
@@ -414,26 +342,14 @@ async fn launch(
 fn io_error(server: &str, action: &'static str, path: &Path) -> impl FnOnce(io::Error) -> McpError {
     let server = server.to_owned();
     let path = path.to_path_buf();
-    move |source| McpError::Io {
-        server,
-        action,
-        path,
-        source,
-    }
+    move |source| McpError::Io { server, action, path, source }
 }
 
 /// Resolves `ready_tcp` once, before the server starts: an address that
 /// cannot work should not cost a process and a timeout.
 async fn resolve(server: &str, addr: &str) -> Result<Vec<SocketAddr>, McpError> {
-    let address_error = |source| McpError::ReadyAddress {
-        server: server.to_owned(),
-        addr: addr.to_owned(),
-        source,
-    };
-    let addrs: Vec<SocketAddr> = tokio::net::lookup_host(addr)
-        .await
-        .map_err(address_error)?
-        .collect();
+    let address_error = |source| McpError::ReadyAddress { server: server.to_owned(), addr: addr.to_owned(), source };
+    let addrs: Vec<SocketAddr> = tokio::net::lookup_host(addr).await.map_err(address_error)?.collect();
     if addrs.is_empty() {
         return Err(address_error(io::Error::other("it resolves to no address")));
     }
@@ -563,8 +479,7 @@ impl Drop for Running {
 async fn accepts(addrs: &[SocketAddr]) {
     loop {
         for addr in addrs {
-            if let Ok(Ok(_)) = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(addr)).await
-            {
+            if let Ok(Ok(_)) = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(addr)).await {
                 return;
             }
         }
@@ -598,10 +513,7 @@ while True:
 "#;
 
     fn free_port() -> u16 {
-        TcpListener::bind("127.0.0.1:0")
-            .and_then(|listener| listener.local_addr())
-            .expect("a free port")
-            .port()
+        TcpListener::bind("127.0.0.1:0").and_then(|listener| listener.local_addr()).expect("a free port").port()
     }
 
     fn server(name: &str, command: &[&str]) -> McpServer {
@@ -654,10 +566,7 @@ while True:
     async fn wait_until(what: &str, mut condition: impl FnMut() -> bool) {
         let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
         while !condition() {
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "timed out waiting until {what}"
-            );
+            assert!(tokio::time::Instant::now() < deadline, "timed out waiting until {what}");
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
     }
@@ -669,9 +578,7 @@ while True:
         let dir = tempfile::tempdir().expect("a workspace");
         let port = free_port();
         let spec = python_server("files", &dir.path().join("env.json"), port);
-        let mut supervisor = McpSupervisor::start(&[spec], dir.path(), TIMEOUT)
-            .await
-            .expect("starts");
+        let mut supervisor = McpSupervisor::start(&[spec], dir.path(), TIMEOUT).await.expect("starts");
         std::net::TcpStream::connect(("127.0.0.1", port)).expect("ready means listening");
         let pids = supervisor.pids();
         assert_eq!(pids.len(), 1);
@@ -689,13 +596,9 @@ while True:
         let dir = tempfile::tempdir().expect("a workspace");
         let dump = dir.path().join("env.json");
         let mut spec = python_server("envdump", &dump, free_port());
-        spec.env = BTreeMap::from([
-            ("SPEC_VAR".to_owned(), "spec".to_owned()),
-            ("SHARED".to_owned(), "spec".to_owned()),
-        ]);
-        let mut supervisor = McpSupervisor::start(&[spec], dir.path(), TIMEOUT)
-            .await
-            .expect("starts");
+        spec.env =
+            BTreeMap::from([("SPEC_VAR".to_owned(), "spec".to_owned()), ("SHARED".to_owned(), "spec".to_owned())]);
+        let mut supervisor = McpSupervisor::start(&[spec], dir.path(), TIMEOUT).await.expect("starts");
         let first_pid = supervisor.pids()[0];
         let env = read_env(&dump);
         assert_eq!(env.get("SPEC_VAR").map(String::as_str), Some("spec"));
@@ -704,10 +607,8 @@ while True:
         assert!(!env.contains_key("MCP_VAR"));
         assert!(!env.contains_key("STANDBY_TOKEN"));
 
-        let mcp_env = BTreeMap::from([
-            ("SHARED".to_owned(), "run".to_owned()),
-            ("MCP_VAR".to_owned(), "mcp".to_owned()),
-        ]);
+        let mcp_env =
+            BTreeMap::from([("SHARED".to_owned(), "run".to_owned()), ("MCP_VAR".to_owned(), "mcp".to_owned())]);
         let failures = supervisor.restart(&mcp_env).await;
         assert!(failures.is_empty(), "{failures:?}");
         let second_pid = supervisor.pids()[0];
@@ -739,9 +640,7 @@ while True:
         let dir = tempfile::tempdir().expect("a workspace");
         let dump = dir.path().join("env.json");
         let spec = python_server("envdump", &dump, free_port());
-        let mut supervisor = McpSupervisor::start(&[spec], dir.path(), TIMEOUT)
-            .await
-            .expect("starts");
+        let mut supervisor = McpSupervisor::start(&[spec], dir.path(), TIMEOUT).await.expect("starts");
         assert!(!read_env(&dump).contains_key("STANDBY_TOKEN"));
         let failures = supervisor.restart(&BTreeMap::new()).await;
         assert!(failures.is_empty(), "{failures:?}");
@@ -760,9 +659,7 @@ while True:
         let mut spec = server("stuck", &["python3", "-c", script, &token]);
         let port = free_port();
         spec.ready_tcp = Some(format!("127.0.0.1:{port}"));
-        let error = McpSupervisor::start(&[spec], dir.path(), Duration::from_secs(2))
-            .await
-            .expect_err("never ready");
+        let error = McpSupervisor::start(&[spec], dir.path(), Duration::from_secs(2)).await.expect_err("never ready");
         assert!(matches!(error, McpError::NeverReady { .. }), "{error:?}");
         let message = error.to_string();
         assert!(message.starts_with("MCP server \"stuck\" never became ready"), "{message}");
@@ -780,24 +677,13 @@ while True:
         let dir = tempfile::tempdir().expect("a workspace");
         let token = format!("bystander-{}", rand::random::<u64>());
         let bystander = server("bystander", &["sh", "-c", "sleep 300; :", &token]);
-        let mut failing = server(
-            "failing",
-            &["python3", "-c", "import sys; sys.exit('fatal: no config')"],
-        );
+        let mut failing = server("failing", &["python3", "-c", "import sys; sys.exit('fatal: no config')"]);
         failing.ready_tcp = Some(format!("127.0.0.1:{}", free_port()));
         // Were the exit not noticed, the start would wait for the timeout.
         let error = McpSupervisor::start(&[bystander, failing], dir.path(), Duration::from_secs(600))
             .await
             .expect_err("the server exits");
-        let McpError::ExitedEarly {
-            server,
-            status,
-            tail,
-            ..
-        } = &error
-        else {
-            panic!("{error:?}")
-        };
+        let McpError::ExitedEarly { server, status, tail, .. } = &error else { panic!("{error:?}") };
         assert_eq!(server, "failing");
         assert_eq!(status, "exit status 1");
         assert_eq!(tail, "fatal: no config");
@@ -809,9 +695,7 @@ while True:
     async fn a_failed_restart_is_reported_and_leaves_the_server_stopped() {
         let dir = tempfile::tempdir().expect("a workspace");
         let spec = python_server("flaky", &dir.path().join("env.json"), free_port());
-        let mut supervisor = McpSupervisor::start(&[spec], dir.path(), TIMEOUT)
-            .await
-            .expect("starts");
+        let mut supervisor = McpSupervisor::start(&[spec], dir.path(), TIMEOUT).await.expect("starts");
         let pid = supervisor.pids()[0];
         let mcp_env = BTreeMap::from([("MODE".to_owned(), "broken".to_owned())]);
         let failures = supervisor.restart(&mcp_env).await;
@@ -835,13 +719,9 @@ while True:
             assert!(matches!(error, McpError::BadName { .. }), "{name:?}: {error:?}");
         }
         let twice = [server("a", &["sleep", "300"]), server("a", &["sleep", "300"])];
-        let error = McpSupervisor::start(&twice, dir.path(), TIMEOUT)
-            .await
-            .expect_err("refused");
+        let error = McpSupervisor::start(&twice, dir.path(), TIMEOUT).await.expect_err("refused");
         assert_eq!(error.to_string(), "MCP server \"a\" is listed twice");
-        let error = McpSupervisor::start(&[server("empty", &[])], dir.path(), TIMEOUT)
-            .await
-            .expect_err("refused");
+        let error = McpSupervisor::start(&[server("empty", &[])], dir.path(), TIMEOUT).await.expect_err("refused");
         assert_eq!(error.to_string(), "MCP server \"empty\" has an empty command");
         assert!(!dir.path().join(STATE_DIR).exists(), "nothing was started");
     }
@@ -855,20 +735,12 @@ while True:
         let plain = server("plain", &["sleep", "300"]);
         let mut stdio = server("stdio", &["sleep", "300"]);
         stdio.transport = Some(McpTransport::Stdio);
-        let mut supervisor = McpSupervisor::start(&[http, plain.clone(), stdio], dir.path(), TIMEOUT)
-            .await
-            .expect("starts");
-        let path = supervisor
-            .write_config(dir.path())
-            .expect("written")
-            .expect("one server is listed");
+        let mut supervisor =
+            McpSupervisor::start(&[http, plain.clone(), stdio], dir.path(), TIMEOUT).await.expect("starts");
+        let path = supervisor.write_config(dir.path()).expect("written").expect("one server is listed");
         assert_eq!(path, dir.path().join(".standby/mcp.json"));
-        let config: serde_json::Value =
-            serde_json::from_slice(&std::fs::read(&path).expect("readable")).expect("JSON");
-        assert_eq!(
-            config,
-            json!({"mcpServers": {"web": {"type": "http", "url": "http://127.0.0.1:7001/mcp"}}})
-        );
+        let config: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).expect("readable")).expect("JSON");
+        assert_eq!(config, json!({"mcpServers": {"web": {"type": "http", "url": "http://127.0.0.1:7001/mcp"}}}));
         let mut names: Vec<String> = std::fs::read_dir(dir.path().join(STATE_DIR))
             .expect("listable")
             .map(|entry| entry.expect("an entry").file_name().to_string_lossy().into_owned())
@@ -877,9 +749,7 @@ while True:
         assert_eq!(names, ["mcp-plain.log", "mcp-stdio.log", "mcp-web.log", "mcp.json"]);
         supervisor.stop().await;
 
-        let mut unlisted = McpSupervisor::start(&[plain], dir.path(), TIMEOUT)
-            .await
-            .expect("starts");
+        let mut unlisted = McpSupervisor::start(&[plain], dir.path(), TIMEOUT).await.expect("starts");
         assert_eq!(unlisted.write_config(dir.path()).expect("nothing to write"), None);
         assert!(!path.exists(), "no file when no server is listed");
         unlisted.stop().await;

@@ -17,9 +17,7 @@ const AGENT_ONLY: &[&str] = &["STANDBY_TOKEN"];
 /// The agent's environment minus its own credentials: the base of every
 /// child's environment.
 pub fn child_env() -> BTreeMap<String, String> {
-    std::env::vars()
-        .filter(|(name, _)| !AGENT_ONLY.contains(&name.as_str()))
-        .collect()
+    std::env::vars().filter(|(name, _)| !AGENT_ONLY.contains(&name.as_str())).collect()
 }
 
 static MANAGED: Mutex<Option<HashSet<i32>>> = Mutex::new(None);

@@ -8,8 +8,13 @@
 //! for them (tokio, the terminal's waiter thread); `crate::process` keeps
 //! the list. The reaper waits only for the others, each by pid: a
 //! `waitpid(-1)` would steal exit statuses from their owners.
+//!
+//! An owner registers its child just after spawning it, so a child that
+//! exits at once can be an unregistered zombie for a moment (longer if the
+//! owner's thread is preempted there). The reaper therefore leaves an
+//! unowned zombie alone until it has stayed one for a second.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use nix::errno::Errno;
@@ -34,6 +39,10 @@ const EXIT_POLL: Duration = Duration::from_millis(20);
 /// How long [`kill_remaining_children`] waits for SIGKILL to take effect
 /// before it gives up (a process in uninterruptible sleep).
 const KILL_WAIT: Duration = Duration::from_secs(2);
+/// How long a zombie must have been seen without an owner before the
+/// reaper takes it: the time an owner has between spawning a child and
+/// registering it.
+const ORPHAN_AGE: Duration = Duration::from_secs(1);
 
 /// Makes orphaned descendants children of the agent even when it is not
 /// PID 1, so the agent can reap them and kill them at exit.
@@ -41,8 +50,9 @@ pub fn become_subreaper() -> Result<(), nix::Error> {
     set_child_subreaper(true)
 }
 
-/// Reaps orphaned zombies on every SIGCHLD and every second, until
-/// `shutdown` holds `true` or its sender is dropped.
+/// Looks for orphaned zombies on every SIGCHLD and every second, and reaps
+/// those that have been unowned for a second, until `shutdown` holds `true`
+/// or its sender is dropped.
 pub fn spawn_reaper(mut shutdown: watch::Receiver<bool>) -> JoinHandle<()> {
     tokio::spawn(async move {
         let mut sigchld = match signal(SignalKind::child()) {
@@ -54,6 +64,7 @@ pub fn spawn_reaper(mut shutdown: watch::Receiver<bool>) -> JoinHandle<()> {
         };
         let mut tick = interval(SCAN_INTERVAL);
         tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        let mut orphans = Orphans::default();
         loop {
             if *shutdown.borrow_and_update() {
                 break;
@@ -77,31 +88,49 @@ pub fn spawn_reaper(mut shutdown: watch::Receiver<bool>) -> JoinHandle<()> {
                 }
                 _ = tick.tick() => {}
             }
-            reap_orphans();
+            orphans.reap(ORPHAN_AGE);
         }
         debug!("orphan reaper stopped");
     })
 }
 
-/// Waits for every zombie child of this process that has no owner; returns
-/// how many were reaped.
-pub(crate) fn reap_orphans() -> usize {
-    let me = own_pid();
-    let mut reaped = 0;
-    for process in processes() {
-        if process.ppid != me || process.state != 'Z' || is_managed(process.pid) {
-            continue;
-        }
-        match waitpid(Pid::from_raw(process.pid), Some(WaitPidFlag::WNOHANG)) {
-            Ok(WaitStatus::StillAlive) | Err(Errno::ECHILD) => {}
-            Ok(status) => {
-                debug!(pid = process.pid, ?status, "reaped an orphan");
-                reaped += 1;
+/// Unowned zombie children of this process, by when they were first seen.
+#[derive(Debug, Default)]
+pub(crate) struct Orphans {
+    /// Keyed by pid and start time: a pid can be reused once reaped.
+    first_seen: HashMap<(i32, u64), Instant>,
+}
+
+impl Orphans {
+    /// Waits for every zombie child of this process that has no owner and
+    /// has been one for at least `min_age`; returns how many were reaped.
+    pub(crate) fn reap(&mut self, min_age: Duration) -> usize {
+        let me = own_pid();
+        let now = Instant::now();
+        let mut zombies = HashSet::new();
+        let mut reaped = 0;
+        for process in processes() {
+            if process.ppid != me || process.state != 'Z' || is_managed(process.pid) {
+                continue;
             }
-            Err(error) => warn!(pid = process.pid, %error, "cannot reap an orphan"),
+            let key = (process.pid, process.start);
+            zombies.insert(key);
+            let first_seen = *self.first_seen.entry(key).or_insert(now);
+            if now.duration_since(first_seen) < min_age {
+                continue;
+            }
+            match waitpid(Pid::from_raw(process.pid), Some(WaitPidFlag::WNOHANG)) {
+                Ok(WaitStatus::StillAlive) | Err(Errno::ECHILD) => {}
+                Ok(status) => {
+                    debug!(pid = process.pid, ?status, "reaped an orphan");
+                    reaped += 1;
+                }
+                Err(error) => warn!(pid = process.pid, %error, "cannot reap an orphan"),
+            }
         }
+        self.first_seen.retain(|key, _| zombies.contains(key));
+        reaped
     }
-    reaped
 }
 
 /// Ends every child still running at exit: SIGTERM to each child's process
@@ -147,14 +176,12 @@ pub async fn kill_remaining_children(grace: Duration) {
 }
 
 /// The children of this process that have not exited, after reaping the
-/// unowned ones that have.
+/// unowned ones that have (at exit, without waiting for owners that are
+/// about to register).
 fn live_children() -> Vec<ProcessInfo> {
-    reap_orphans();
+    Orphans::default().reap(Duration::ZERO);
     let me = own_pid();
-    processes()
-        .into_iter()
-        .filter(|process| process.ppid == me && process.state != 'Z')
-        .collect()
+    processes().into_iter().filter(|process| process.ppid == me && process.state != 'Z').collect()
 }
 
 /// Signals a child and its process group, unless that group is the
@@ -179,11 +206,8 @@ pub(crate) fn signal_group(pgid: i32, signal: Signal) {
 
 /// The process groups of the session led by `leader`, its own included.
 pub(crate) fn session_groups(leader: i32) -> HashSet<i32> {
-    let mut groups: HashSet<i32> = processes()
-        .into_iter()
-        .filter(|process| process.session == leader)
-        .map(|process| process.pgrp)
-        .collect();
+    let mut groups: HashSet<i32> =
+        processes().into_iter().filter(|process| process.session == leader).map(|process| process.pgrp).collect();
     groups.insert(leader);
     groups
 }
@@ -201,6 +225,8 @@ pub(crate) struct ProcessInfo {
     pub ppid: i32,
     pub pgrp: i32,
     pub session: i32,
+    /// Clock ticks after boot when it started.
+    pub start: u64,
 }
 
 /// Every process visible in `/proc`; processes that exit while it is read
@@ -222,7 +248,7 @@ pub(crate) fn process_info(pid: i32) -> Option<ProcessInfo> {
     parse_stat(&text)
 }
 
-/// Parses `pid (comm) state ppid pgrp session ...`; `comm` may itself hold
+/// Parses `pid (comm) state ppid pgrp session ... starttime ...`; `comm` may itself hold
 /// spaces and parentheses, so the fields are read after its last `)`.
 fn parse_stat(text: &str) -> Option<ProcessInfo> {
     let (head, rest) = text.rsplit_once(')')?;
@@ -232,13 +258,9 @@ fn parse_stat(text: &str) -> Option<ProcessInfo> {
     let ppid = fields.next()?.parse().ok()?;
     let pgrp = fields.next()?.parse().ok()?;
     let session = fields.next()?.parse().ok()?;
-    Some(ProcessInfo {
-        pid,
-        state,
-        ppid,
-        pgrp,
-        session,
-    })
+    // Field 22 of the line; `session` was field 6.
+    let start = fields.nth(15)?.parse().ok()?;
+    Some(ProcessInfo { pid, state, ppid, pgrp, session, start })
 }
 
 /// Set in a test process started by [`run_in_own_process`].
@@ -297,24 +319,16 @@ mod tests {
 
     fn children() -> Vec<ProcessInfo> {
         let me = own_pid();
-        processes()
-            .into_iter()
-            .filter(|process| process.ppid == me)
-            .collect()
+        processes().into_iter().filter(|process| process.ppid == me).collect()
     }
 
     #[test]
     fn parses_stat_lines_whose_command_has_parentheses() {
-        let line = "4242 (a) (b c)) S 1 4242 4200 34816 4242 4194560 0 0 0 0";
+        let line = "4242 (a) (b c)) S 1 4242 4200 34816 4242 4194560 98 0 0 0 \
+                    1 2 0 0 20 0 1 0 123456 2277376 167 18446744073709551615";
         assert_eq!(
             parse_stat(line),
-            Some(ProcessInfo {
-                pid: 4242,
-                state: 'S',
-                ppid: 1,
-                pgrp: 4242,
-                session: 4200,
-            })
+            Some(ProcessInfo { pid: 4242, state: 'S', ppid: 1, pgrp: 4242, session: 4200, start: 123456 })
         );
         assert_eq!(parse_stat("garbage"), None);
     }
@@ -347,9 +361,25 @@ mod tests {
             process_info(owned_pid).is_some_and(|process| process.state == 'Z')
         })
         .await;
-        assert_eq!(reap_orphans(), 0);
+        assert_eq!(Orphans::default().reap(Duration::ZERO), 0);
         assert!(owned.wait().expect("its owner can still wait").success());
         unregister(owned.id());
+
+        // An unowned zombie is left alone while young (its owner may be
+        // about to register it), then reaped.
+        let unowned = Command::new("true").spawn().expect("`true` starts");
+        let unowned_pid = i32::try_from(unowned.id()).expect("a pid fits in i32");
+        wait_until("the unowned child is a zombie", || {
+            process_info(unowned_pid).is_some_and(|process| process.state == 'Z')
+        })
+        .await;
+        let mut orphans = Orphans::default();
+        assert_eq!(orphans.reap(Duration::from_secs(3600)), 0);
+        assert!(process_info(unowned_pid).is_some(), "a young zombie is left alone");
+        assert_eq!(orphans.reap(Duration::ZERO), 1);
+        assert!(process_info(unowned_pid).is_none(), "reaped");
+        let mut unowned = unowned;
+        assert!(unowned.wait().is_err(), "the reaper took its status");
 
         let (shutdown, shutdown_rx) = watch::channel(false);
         let reaper = spawn_reaper(shutdown_rx);
@@ -365,10 +395,7 @@ mod tests {
         register(parent_pid);
         let output = parent.wait_with_output().expect("sh can be waited for");
         unregister(parent_pid);
-        let orphan: i32 = String::from_utf8_lossy(&output.stdout)
-            .trim()
-            .parse()
-            .expect("sh prints the orphan's pid");
+        let orphan: i32 = String::from_utf8_lossy(&output.stdout).trim().parse().expect("sh prints the orphan's pid");
         let info = process_info(orphan).expect("the orphan is running");
         assert_eq!(info.ppid, own_pid(), "the orphan is reparented to the subreaper");
 
@@ -382,10 +409,7 @@ mod tests {
 
     #[test]
     fn remaining_children_are_killed() {
-        run_in_own_process(
-            "reaper::tests::remaining_children_are_killed_in_own_process",
-            &[],
-        );
+        run_in_own_process("reaper::tests::remaining_children_are_killed_in_own_process", &[]);
     }
 
     #[tokio::test]
@@ -397,18 +421,11 @@ mod tests {
         become_subreaper().expect("prctl(PR_SET_CHILD_SUBREAPER)");
 
         // A child in a process group of its own, with a grandchild in it.
-        let grouped = Command::new("sh")
-            .args(["-c", "sleep 300 & wait"])
-            .process_group(0)
-            .spawn()
-            .expect("sh starts");
+        let grouped = Command::new("sh").args(["-c", "sleep 300 & wait"]).process_group(0).spawn().expect("sh starts");
         // A child in this process's group that ignores SIGTERM (and so do
         // its children): only SIGKILL ends it.
         let mut stubborn = Command::new("sh")
-            .args([
-                "-c",
-                "trap '' TERM; echo ready; while :; do sleep 1; done",
-            ])
+            .args(["-c", "trap '' TERM; echo ready; while :; do sleep 1; done"])
             .stdout(Stdio::piped())
             .spawn()
             .expect("sh starts");
@@ -418,24 +435,18 @@ mod tests {
             .expect("the stubborn child reports it ignores SIGTERM");
         assert_eq!(ready.trim(), "ready");
         // An orphan already reparented to this process.
-        let output = Command::new("sh")
-            .args(["-c", "sleep 300 >/dev/null 2>&1 & echo $!"])
-            .output()
-            .expect("sh runs");
-        let orphan: i32 = String::from_utf8_lossy(&output.stdout)
-            .trim()
-            .parse()
-            .expect("sh prints the orphan's pid");
+        let output = Command::new("sh").args(["-c", "sleep 300 >/dev/null 2>&1 & echo $!"]).output().expect("sh runs");
+        let orphan: i32 = String::from_utf8_lossy(&output.stdout).trim().parse().expect("sh prints the orphan's pid");
         assert!(children().len() >= 3, "children: {:?}", children());
 
         kill_remaining_children(Duration::from_millis(300)).await;
 
         assert!(children().is_empty(), "left: {:?}", children());
         assert!(process_info(orphan).is_none());
+        assert!(stubborn.wait().is_err(), "already reaped");
+        let mut grouped = grouped;
+        assert!(grouped.wait().is_err(), "already reaped");
         let grouped_pid = i32::try_from(grouped.id()).expect("a pid fits in i32");
-        assert!(
-            !processes().iter().any(|process| process.pgrp == grouped_pid),
-            "the child's process group is gone"
-        );
+        assert!(!processes().iter().any(|process| process.pgrp == grouped_pid), "the child's process group is gone");
     }
 }

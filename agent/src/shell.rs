@@ -19,7 +19,9 @@ use std::ffi::OsString;
 use std::fmt;
 use std::fs::{File, OpenOptions};
 use std::io::{self, Read, Write};
-use std::os::fd::BorrowedFd;
+use std::os::fd::AsFd;
+
+use filedescriptor::FileDescriptor;
 use std::os::unix::fs::OpenOptionsExt;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
@@ -35,10 +37,7 @@ use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 use nix::sys::signal::{Signal, killpg};
 use nix::sys::termios::{FlushArg, SetArg, Termios, tcflush, tcgetattr, tcsetattr};
 use nix::unistd::Pid;
-use portable_pty::{
-    Child as PtyChild, CommandBuilder, MasterPty, PtySize, SlavePty,
-    native_pty_system,
-};
+use portable_pty::{Child as PtyChild, CommandBuilder, MasterPty, PtySize, SlavePty, native_pty_system};
 use tokio::sync::{mpsc, watch};
 use tracing::{debug, error, trace, warn};
 
@@ -47,12 +46,7 @@ use crate::process::{register, unregister};
 use crate::reaper::{session_groups, signal_group};
 
 /// The terminal's size: what the run sees until someone resizes it.
-const SIZE: PtySize = PtySize {
-    rows: 40,
-    cols: 120,
-    pixel_width: 0,
-    pixel_height: 0,
-};
+const SIZE: PtySize = PtySize { rows: 40, cols: 120, pixel_width: 0, pixel_height: 0 };
 /// The largest chunk of output [`RunProcess::take_output`] yields.
 pub const MAX_CHUNK: usize = 16 * 1024;
 /// Chunks the output channel holds before the reader waits for its
@@ -95,17 +89,9 @@ pub enum ShellError {
     #[error("the idle shell's terminal is not writable")]
     NotWritable,
     #[error("cannot {action} (pseudo-terminal {}): {source}", tty.display())]
-    Io {
-        action: &'static str,
-        tty: PathBuf,
-        source: io::Error,
-    },
+    Io { action: &'static str, tty: PathBuf, source: io::Error },
     #[error("cannot send {signal} to the run's process group {pgid}: {source}")]
-    Signal {
-        pgid: i32,
-        signal: Signal,
-        source: Errno,
-    },
+    Signal { pgid: i32, signal: Signal, source: Errno },
 }
 
 /// The idle shell: a program kept running on the sandbox's
@@ -129,24 +115,13 @@ impl IdleShell {
     /// exactly `env` (portable-pty adds `SHELL` when `env` has none). A
     /// reader thread drains the terminal from here on; while idle, the
     /// output is discarded.
-    pub fn open(
-        argv: &[String],
-        cwd: &Path,
-        env: &BTreeMap<String, String>,
-    ) -> Result<Self, ShellError> {
+    pub fn open(argv: &[String], cwd: &Path, env: &BTreeMap<String, String>) -> Result<Self, ShellError> {
         let (command, program) = command_line(argv, cwd, env)?;
         let terminal = Terminal::open()?;
         let child = terminal.spawn(command, program)?;
         let pid = child.id();
         debug!(pid, tty = %terminal.tty.display(), "idle shell started");
-        Ok(Self {
-            shell: ShellProcess {
-                pid,
-                child,
-                reaped: false,
-            },
-            terminal,
-        })
+        Ok(Self { shell: ShellProcess { pid, child, reaped: false }, terminal })
     }
 
     pub fn pid(&self) -> u32 {
@@ -159,16 +134,12 @@ impl IdleShell {
     /// backed up).
     pub fn check_replaceable(&mut self) -> Result<(), ShellError> {
         if let Some(status) = self.shell.try_exit(&self.terminal.tty)? {
-            return Err(ShellError::NotAlive {
-                status: describe_status(status),
-            });
+            return Err(ShellError::NotAlive { status: describe_status(status) });
         }
         match self.terminal.master.process_group_leader() {
             Some(pgid) if u32::try_from(pgid).is_ok_and(|pgid| pgid == self.shell.pid) => {}
             Some(pgid) => {
-                return Err(ShellError::Busy {
-                    foreground_pgid: pgid,
-                });
+                return Err(ShellError::Busy { foreground_pgid: pgid });
             }
             None => return Err(ShellError::NoForeground),
         }
@@ -194,25 +165,14 @@ impl IdleShell {
     ) -> Result<RunProcess, ShellError> {
         let (command, program) = command_line(argv, cwd, env)?;
         self.check_replaceable()?;
-        let IdleShell {
-            mut shell,
-            terminal,
-        } = self;
+        let IdleShell { mut shell, terminal } = self;
         shell.kill();
         terminal.reset()?;
         let (output, output_rx) = mpsc::channel(OUTPUT_BACKLOG);
         terminal.expect_run(output)?;
         let child = terminal.spawn(command, program)?;
         let pid = child.id();
-        let Terminal {
-            master,
-            slave,
-            slave_file,
-            tty,
-            sink,
-            reader_done,
-            ..
-        } = terminal;
+        let Terminal { master, slave, slave_file, tty, sink, reader_done, .. } = terminal;
         // Only the run holds the terminal's slave side now: the reader sees
         // the end of the output when the run's side closes.
         drop(slave);
@@ -223,13 +183,7 @@ impl IdleShell {
             source,
         })?;
         debug!(pid, tty = %tty.display(), "run started on the terminal");
-        Ok(RunProcess {
-            pid,
-            tty,
-            _master: master,
-            output: Some(output_rx),
-            exit,
-        })
+        Ok(RunProcess { pid, tty, _master: master, output: Some(output_rx), exit })
     }
 
     /// Ends the shell: SIGHUP to its session's process groups, SIGKILL
@@ -290,11 +244,7 @@ impl RunProcess {
         let pgid = pid_i32(self.pid);
         match killpg(Pid::from_raw(pgid), signal) {
             Ok(()) | Err(Errno::ESRCH) => Ok(()),
-            Err(source) => Err(ShellError::Signal {
-                pgid,
-                signal,
-                source,
-            }),
+            Err(source) => Err(ShellError::Signal { pgid, signal, source }),
         }
     }
 
@@ -432,21 +382,14 @@ struct Terminal {
 
 impl Terminal {
     fn open() -> Result<Self, ShellError> {
-        let pair = native_pty_system()
-            .openpty(SIZE)
-            .map_err(|error| ShellError::OpenPty {
-                source: error.into(),
-            })?;
-        let tty = pair.master.tty_name().ok_or_else(|| ShellError::OpenPty {
-            source: "the new pseudo-terminal has no device name".into(),
-        })?;
+        let pair = native_pty_system().openpty(SIZE).map_err(|error| ShellError::OpenPty { source: error.into() })?;
+        let tty = pair
+            .master
+            .tty_name()
+            .ok_or_else(|| ShellError::OpenPty { source: "the new pseudo-terminal has no device name".into() })?;
         let io_error = |action: &'static str| {
             let tty = tty.clone();
-            move |source| ShellError::Io {
-                action,
-                tty,
-                source,
-            }
+            move |source| ShellError::Io { action, tty, source }
         };
         let slave_file = OpenOptions::new()
             .read(true)
@@ -455,8 +398,7 @@ impl Terminal {
             .custom_flags((OFlag::O_NOCTTY | OFlag::O_NONBLOCK).bits())
             .open(&tty)
             .map_err(io_error("open the terminal's slave side"))?;
-        let termios = tcgetattr(&slave_file)
-            .map_err(|errno| io_error("read the terminal's settings")(errno.into()))?;
+        let termios = tcgetattr(&slave_file).map_err(|errno| io_error("read the terminal's settings")(errno.into()))?;
         let mut reader = pair
             .master
             .try_clone_reader()
@@ -471,28 +413,14 @@ impl Terminal {
                 pump(&mut *reader, &pump_sink);
             })
             .map_err(io_error("start the terminal's reader thread"))?;
-        Ok(Self {
-            master: pair.master,
-            slave: pair.slave,
-            slave_file,
-            tty,
-            termios,
-            sink,
-            reader_done,
-        })
+        Ok(Self { master: pair.master, slave: pair.slave, slave_file, tty, termios, sink, reader_done })
     }
 
     /// Starts `command` as a new session led by it, with the terminal as
     /// its controlling terminal, and registers it as ours to wait for.
     fn spawn(&self, command: CommandBuilder, program: &str) -> Result<Child, ShellError> {
-        let spawn_error = |source: BoxError| ShellError::Spawn {
-            program: program.to_owned(),
-            source,
-        };
-        let child: Box<dyn PtyChild> = self
-            .slave
-            .spawn_command(command)
-            .map_err(|error| spawn_error(error.into()))?;
+        let spawn_error = |source: BoxError| ShellError::Spawn { program: program.to_owned(), source };
+        let child: Box<dyn PtyChild> = self.slave.spawn_command(command).map_err(|error| spawn_error(error.into()))?;
         match child.downcast::<Child>() {
             Ok(child) => {
                 register(child.id());
@@ -510,14 +438,14 @@ impl Terminal {
 
     /// Whether input can be written to the terminal now.
     fn writable(&self) -> Result<bool, ShellError> {
-        let poll_error = |source| ShellError::Io {
-            action: "poll the terminal for writing",
-            tty: self.tty.clone(),
-            source,
-        };
-        let fd = master_fd(&*self.master)
-            .ok_or_else(|| poll_error(io::Error::other("the master has no file descriptor")))?;
-        let mut fds = [PollFd::new(fd, PollFlags::POLLOUT)];
+        let poll_error =
+            |source| ShellError::Io { action: "poll the terminal for writing", tty: self.tty.clone(), source };
+        let raw =
+            self.master.as_raw_fd().ok_or_else(|| poll_error(io::Error::other("the master has no file descriptor")))?;
+        // portable-pty exposes its master only as a raw descriptor; a
+        // duplicate is an owned one that nix's `poll` can borrow safely.
+        let fd = FileDescriptor::dup(&raw).map_err(|e| poll_error(io::Error::other(e)))?;
+        let mut fds = [PollFd::new(fd.as_fd(), PollFlags::POLLOUT)];
         loop {
             match poll(&mut fds, PollTimeout::ZERO) {
                 Ok(_) => break,
@@ -525,9 +453,7 @@ impl Terminal {
                 Err(errno) => return Err(poll_error(errno.into())),
             }
         }
-        Ok(fds[0]
-            .revents()
-            .is_some_and(|events| events.contains(PollFlags::POLLOUT)))
+        Ok(fds[0].revents().is_some_and(|events| events.contains(PollFlags::POLLOUT)))
     }
 
     /// Undoes what the shell left behind: its terminal settings (a line
@@ -535,16 +461,11 @@ impl Terminal {
     /// never read.
     fn reset(&self) -> Result<(), ShellError> {
         let io_error = |action: &'static str| {
-            move |errno: Errno| ShellError::Io {
-                action,
-                tty: self.tty.clone(),
-                source: errno.into(),
-            }
+            move |errno: Errno| ShellError::Io { action, tty: self.tty.clone(), source: errno.into() }
         };
         tcsetattr(&self.slave_file, SetArg::TCSANOW, &self.termios)
             .map_err(io_error("restore the terminal's settings"))?;
-        tcflush(&self.slave_file, FlushArg::TCIFLUSH)
-            .map_err(io_error("discard the idle shell's unread input"))
+        tcflush(&self.slave_file, FlushArg::TCIFLUSH).map_err(io_error("discard the idle shell's unread input"))
     }
 
     /// From now on, output after a fresh marker goes to `output`; the
@@ -553,11 +474,7 @@ impl Terminal {
     fn expect_run(&self, output: mpsc::Sender<Vec<u8>>) -> Result<(), ShellError> {
         let marker = format!("standby-run-starts-{:032x}", rand::random::<u128>()).into_bytes();
         // The sink first: the reader must not take the marker for idle output.
-        *lock(&self.sink) = Sink::Marker {
-            marker: marker.clone(),
-            seen: Vec::new(),
-            run: output,
-        };
+        *lock(&self.sink) = Sink::Marker { marker: marker.clone(), seen: Vec::new(), run: output };
         let mut writer = &self.slave_file;
         writer.write_all(&marker).map_err(|source| ShellError::Io {
             action: "write the run's start marker to the terminal",
@@ -565,18 +482,6 @@ impl Terminal {
             source,
         })
     }
-}
-
-/// The master's descriptor, borrowed for as long as the master is.
-///
-/// portable-pty exposes its master only as a raw descriptor, and nix's
-/// `poll` takes a `BorrowedFd`; nothing safe turns one into the other.
-#[allow(unsafe_code)]
-fn master_fd(master: &(dyn MasterPty + Send)) -> Option<BorrowedFd<'_>> {
-    let raw = master.as_raw_fd()?;
-    // SAFETY: `master` owns `raw` and keeps it open until it is dropped,
-    // which the returned borrow's lifetime (tied to `master`) rules out.
-    Some(unsafe { BorrowedFd::borrow_raw(raw) })
 }
 
 /// Where the terminal's output goes.
@@ -606,11 +511,7 @@ impl Sink {
                 *self = Sink::Run(run.clone());
                 Some((run, data.to_vec()))
             }
-            Sink::Marker {
-                marker,
-                mut seen,
-                run,
-            } => {
+            Sink::Marker { marker, mut seen, run } => {
                 seen.extend_from_slice(data);
                 if let Some(at) = seen.windows(marker.len()).position(|w| w == marker) {
                     trace!(bytes = at, "idle terminal output discarded");
@@ -670,25 +571,23 @@ fn watch_run(
 ) -> io::Result<watch::Receiver<Option<i32>>> {
     let pid = child.id();
     let (exit, exit_rx) = watch::channel(None);
-    let spawned = thread::Builder::new()
-        .name("standby-run".into())
-        .spawn(move || {
-            let mut child = child;
-            let code = match child.wait() {
-                Ok(status) => exit_code(status),
-                Err(error) => {
-                    error!(pid, %error, "cannot wait for the run; its exit status is lost");
-                    STATUS_LOST
-                }
-            };
-            unregister(pid);
-            debug!(pid, code, "run exited");
-            exit.send_replace(Some(code));
-            if let Err(RecvTimeoutError::Timeout) = reader_done.recv_timeout(LINGER) {
-                debug!(pid, "the terminal is still held open after the run exited; its output ends here");
-                *lock(&sink) = Sink::Discard;
+    let spawned = thread::Builder::new().name("standby-run".into()).spawn(move || {
+        let mut child = child;
+        let code = match child.wait() {
+            Ok(status) => exit_code(status),
+            Err(error) => {
+                error!(pid, %error, "cannot wait for the run; its exit status is lost");
+                STATUS_LOST
             }
-        });
+        };
+        unregister(pid);
+        debug!(pid, code, "run exited");
+        exit.send_replace(Some(code));
+        if let Err(RecvTimeoutError::Timeout) = reader_done.recv_timeout(LINGER) {
+            debug!(pid, "the terminal is still held open after the run exited; its output ends here");
+            *lock(&sink) = Sink::Discard;
+        }
+    });
     if let Err(error) = spawned {
         // Nobody would wait for the run: kill it and leave it to the reaper.
         signal_group(pid_i32(pid), Signal::SIGKILL);
@@ -699,10 +598,7 @@ fn watch_run(
 }
 
 fn exit_code(status: ExitStatus) -> i32 {
-    status
-        .code()
-        .or_else(|| status.signal().map(|signal| 128 + signal))
-        .unwrap_or(STATUS_LOST)
+    status.code().or_else(|| status.signal().map(|signal| 128 + signal)).unwrap_or(STATUS_LOST)
 }
 
 /// Checks `argv` and `cwd` and builds the command, with exactly `env`.
@@ -724,10 +620,7 @@ fn command_line<'a>(
             });
         }
         Err(source) => {
-            return Err(ShellError::Cwd {
-                path: cwd.to_path_buf(),
-                source,
-            });
+            return Err(ShellError::Cwd { path: cwd.to_path_buf(), source });
         }
     }
     let mut command = CommandBuilder::from_argv(argv.iter().map(OsString::from).collect());
@@ -826,12 +719,8 @@ mod tests {
     #[tokio::test]
     async fn busy_shell_is_refused_and_close_ends_its_job() {
         let dir = tempdir();
-        let mut shell = IdleShell::open(
-            &argv(&["bash", "--norc", "--noprofile", "-i"]),
-            dir.path(),
-            &env(),
-        )
-        .expect("opens");
+        let mut shell =
+            IdleShell::open(&argv(&["bash", "--norc", "--noprofile", "-i"]), dir.path(), &env()).expect("opens");
         shell.check_replaceable().expect("idle at first");
         shell.type_input("sleep 100\n");
         let pid = shell.pid();
@@ -841,17 +730,9 @@ mod tests {
         })
         .await;
         let error = shell.check_replaceable().expect_err("a busy shell is refused");
-        let Some(job) = foreground(&shell) else {
-            panic!("the terminal has a foreground group")
-        };
-        assert!(
-            matches!(error, ShellError::Busy { foreground_pgid } if foreground_pgid == job),
-            "{error:?}"
-        );
-        assert_eq!(
-            error.to_string(),
-            format!("the idle shell has a foreground job (process group {job})")
-        );
+        let Some(job) = foreground(&shell) else { panic!("the terminal has a foreground group") };
+        assert!(matches!(error, ShellError::Busy { foreground_pgid } if foreground_pgid == job), "{error:?}");
+        assert_eq!(error.to_string(), format!("the idle shell has a foreground job (process group {job})"));
         shell.close().await;
         wait_until("the whole session is gone", || live_in_session(pid).is_empty()).await;
     }
@@ -859,14 +740,12 @@ mod tests {
     #[tokio::test]
     async fn dead_shell_is_refused() {
         let dir = tempdir();
-        let mut shell =
-            IdleShell::open(&argv(&["sh", "-c", "exit 7"]), dir.path(), &env()).expect("opens");
+        let mut shell = IdleShell::open(&argv(&["sh", "-c", "exit 7"]), dir.path(), &env()).expect("opens");
         let mut refusal = None;
         wait_until("the shell is seen dead", || {
-            match shell.check_replaceable() {
-                Err(error @ ShellError::NotAlive { .. }) => refusal = Some(error),
-                // Alive, or exiting: it may already have lost the terminal.
-                Ok(()) | Err(_) => {}
+            // Until then it is alive, or exiting and already off the terminal.
+            if let Err(error @ ShellError::NotAlive { .. }) = shell.check_replaceable() {
+                refusal = Some(error);
             }
             refusal.is_some()
         })
@@ -877,7 +756,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn open_refuses_a_missing_directory_and_an_empty_command() {
+    async fn open_refuses_a_missing_directory_an_empty_command_and_a_missing_program() {
         let dir = tempdir();
         let missing = dir.path().join("missing");
         let error = IdleShell::open(&argv(&["sh"]), &missing, &env()).expect_err("refused");
@@ -885,6 +764,9 @@ mod tests {
         assert!(error.to_string().contains("missing"), "{error}");
         let error = IdleShell::open(&[], dir.path(), &env()).expect_err("refused");
         assert!(matches!(error, ShellError::EmptyCommand), "{error:?}");
+        let error = IdleShell::open(&argv(&["no-such-program-standby"]), dir.path(), &env()).expect_err("refused");
+        assert!(matches!(error, ShellError::Spawn { .. }), "{error:?}");
+        assert!(error.to_string().starts_with("cannot start \"no-such-program-standby\""), "{error}");
     }
 
     #[tokio::test]
@@ -895,8 +777,7 @@ mod tests {
             "i=0; while [ $i -lt 200 ]; do echo idle-noise-$i; i=$((i+1)); done; touch {}; exec sh",
             printed.display()
         );
-        let shell =
-            IdleShell::open(&argv(&["sh", "-c", &idle_script]), dir.path(), &env()).expect("opens");
+        let shell = IdleShell::open(&argv(&["sh", "-c", &idle_script]), dir.path(), &env()).expect("opens");
         let tty = terminal_of(shell.pid());
         wait_until("the idle shell has printed", || printed.exists()).await;
         let mut run_env = env();
@@ -904,9 +785,7 @@ mod tests {
         let script = "tty; test -t 0 && echo stdin-is-a-terminal; \
                       : </dev/tty && echo has-a-controlling-terminal; \
                       pwd; echo \"var=$RUN_VAR\"; exit 3";
-        let mut run = shell
-            .replace(&argv(&["sh", "-c", script]), dir.path(), &run_env)
-            .expect("replaces");
+        let mut run = shell.replace(&argv(&["sh", "-c", script]), dir.path(), &run_env).expect("replaces");
         let text = text_of(&mut run).await;
         assert_eq!(run.wait().await, 3);
         let cwd = dir.path().canonicalize().expect("the directory exists");
@@ -924,9 +803,7 @@ mod tests {
     async fn run_output_arrives_in_order() {
         let dir = tempdir();
         let shell = IdleShell::open(&argv(&["sh"]), dir.path(), &env()).expect("opens");
-        let mut run = shell
-            .replace(&argv(&["seq", "1", "30000"]), dir.path(), &env())
-            .expect("replaces");
+        let mut run = shell.replace(&argv(&["seq", "1", "30000"]), dir.path(), &env()).expect("replaces");
         let chunks = output_of(&mut run).await;
         assert_eq!(run.wait().await, 0);
         assert!(chunks.iter().all(|chunk| !chunk.is_empty() && chunk.len() <= MAX_CHUNK));
@@ -946,9 +823,7 @@ mod tests {
     async fn killed_run_exits_with_128_plus_the_signal() {
         let dir = tempdir();
         let shell = IdleShell::open(&argv(&["sh"]), dir.path(), &env()).expect("opens");
-        let mut run = shell
-            .replace(&argv(&["sh", "-c", "kill -TERM $$"]), dir.path(), &env())
-            .expect("replaces");
+        let mut run = shell.replace(&argv(&["sh", "-c", "kill -TERM $$"]), dir.path(), &env()).expect("replaces");
         assert_eq!(run.wait().await, 128 + 15);
         assert_eq!(run.wait().await, 128 + 15, "wait can be called again");
         output_of(&mut run).await;
@@ -958,13 +833,8 @@ mod tests {
     async fn signal_group_ends_the_run_and_its_children() {
         let dir = tempdir();
         let shell = IdleShell::open(&argv(&["sh"]), dir.path(), &env()).expect("opens");
-        let mut run = shell
-            .replace(
-                &argv(&["sh", "-c", "sleep 300 & sleep 300 & wait"]),
-                dir.path(),
-                &env(),
-            )
-            .expect("replaces");
+        let mut run =
+            shell.replace(&argv(&["sh", "-c", "sleep 300 & sleep 300 & wait"]), dir.path(), &env()).expect("replaces");
         let pgid = run.pid();
         wait_until("the run and its two children run", || live_in_group(pgid).len() == 3).await;
         run.signal_group(Signal::SIGTERM).expect("signalled");
@@ -979,11 +849,7 @@ mod tests {
         let dir = tempdir();
         let shell = IdleShell::open(&argv(&["sh"]), dir.path(), &env()).expect("opens");
         let mut run = shell
-            .replace(
-                &argv(&["sh", "-c", "setsid sleep 300 & echo holder=$!"]),
-                dir.path(),
-                &env(),
-            )
+            .replace(&argv(&["sh", "-c", "setsid sleep 300 & echo holder=$!"]), dir.path(), &env())
             .expect("replaces");
         let text = text_of(&mut run).await;
         assert_eq!(run.wait().await, 0);

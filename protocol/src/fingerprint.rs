@@ -94,9 +94,6 @@ mod tests {
                 "setup":[{"name":"deps","command":["npm","ci"],"cwd":"app","timeout_s":900}]}"#,
         )
         .expect("a workspace");
-        assert_eq!(
-            fingerprint(&parsed).as_str(),
-            "f8560f4b30d21ea699a613a76f9d0a16b02f4c38df2fb551d386540417374fbb"
-        );
+        assert_eq!(fingerprint(&parsed).as_str(), "f8560f4b30d21ea699a613a76f9d0a16b02f4c38df2fb551d386540417374fbb");
     }
 }

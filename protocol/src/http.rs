@@ -61,15 +61,9 @@ pub struct Event {
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum EventKind {
     Started,
-    Exited {
-        code: i32,
-    },
+    Exited { code: i32 },
     Cancelled,
-    InstallFailed {
-        requeueable: bool,
-        stage: String,
-        message: String,
-    },
+    InstallFailed { requeueable: bool, stage: String, message: String },
 }
 
 /// `POST /v1/executions/{id}/log`: a chunk of the run's redacted terminal

@@ -12,12 +12,10 @@ mod spec;
 
 pub use fingerprint::{Fingerprint, fingerprint};
 pub use http::{
-    Attachment, AttachmentsResponse, CloudCredentialsResponse, ErrorBody, Event, EventKind,
-    GitCredential, GitCredentialsResponse, LogChunk, SecretsResponse,
+    Attachment, AttachmentsResponse, CloudCredentialsResponse, ErrorBody, Event, EventKind, GitCredential,
+    GitCredentialsResponse, LogChunk, SecretsResponse,
 };
-pub use message::{
-    AgentMessage, AgentState, Assignment, Cancel, DecodeError, Retired, Run, ServerMessage,
-};
+pub use message::{AgentMessage, AgentState, Assignment, Cancel, DecodeError, Retired, Run, ServerMessage};
 pub use secret::Secret;
 pub use spec::{McpServer, McpTransport, Repo, SetupStep, Spec, Workspace};
 

@@ -21,10 +21,7 @@ pub enum AgentState {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum AgentMessage {
-    Heartbeat {
-        state: AgentState,
-        execution_id: Option<String>,
-    },
+    Heartbeat { state: AgentState, execution_id: Option<String> },
 }
 
 impl AgentMessage {
@@ -45,7 +42,9 @@ pub enum ServerMessage {
     Cancel(Cancel),
     /// A message of a type this version does not know; never encoded.
     #[serde(skip)]
-    Unknown { type_name: String },
+    Unknown {
+        type_name: String,
+    },
 }
 
 /// Why a text frame could not be turned into a [`ServerMessage`].
@@ -66,7 +65,8 @@ impl ServerMessage {
     const KNOWN: [&'static str; 3] = ["assignment", "retired", "cancel"];
 
     pub fn decode(text: &str) -> Result<Self, DecodeError> {
-        let value: serde_json::Value = serde_json::from_str(text).map_err(|e| DecodeError::NotJson(crate::describe_json_error(&e)))?;
+        let value: serde_json::Value =
+            serde_json::from_str(text).map_err(|e| DecodeError::NotJson(crate::describe_json_error(&e)))?;
         let type_name = value
             .as_object()
             .and_then(|object| object.get("type"))
@@ -142,10 +142,7 @@ mod tests {
         assert!(matches!(ServerMessage::decode("not json"), Err(DecodeError::NotJson(_))));
         assert!(matches!(ServerMessage::decode("[1,2]"), Err(DecodeError::NoType)));
         assert!(matches!(ServerMessage::decode(r#"{"type":7}"#), Err(DecodeError::NoType)));
-        assert!(matches!(
-            ServerMessage::decode(r#"{"type":"cancel"}"#),
-            Err(DecodeError::Malformed { .. })
-        ));
+        assert!(matches!(ServerMessage::decode(r#"{"type":"cancel"}"#), Err(DecodeError::Malformed { .. })));
     }
 
     #[test]
@@ -167,10 +164,7 @@ mod tests {
     #[test]
     fn heartbeat_encodes_null_execution_id() {
         let heartbeat = AgentMessage::Heartbeat { state: AgentState::Preparing, execution_id: None };
-        assert_eq!(
-            heartbeat.encode(),
-            r#"{"type":"heartbeat","state":"preparing","execution_id":null}"#
-        );
+        assert_eq!(heartbeat.encode(), r#"{"type":"heartbeat","state":"preparing","execution_id":null}"#);
     }
 
     #[test]

@@ -118,6 +118,12 @@ impl TestServer {
         self.try_assign(token, setup).unwrap_or_else(|error| panic!("assign: {error}"))
     }
 
+    /// The assignment frame of an execution, exactly as the server sends
+    /// and replays it, for a test that replays it again.
+    pub fn assignment_frame(&self, execution_id: &str) -> Option<String> {
+        self.shared.read(|inner| inner.assignment_frame(execution_id))
+    }
+
     pub fn run_credential(&self, execution_id: &str) -> Option<String> {
         self.shared.read(|inner| inner.run_credential(execution_id))
     }

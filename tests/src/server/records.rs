@@ -130,6 +130,9 @@ pub struct HttpCallRecord {
     pub status: u16,
     pub started: Instant,
     pub ended: Instant,
+    /// For `POST .../events`: the `event_id` of the body, whatever the
+    /// answer, so a test sees retries of an event that were refused.
+    pub event_id: Option<String>,
 }
 
 /// Why a run credential was revoked.
@@ -153,6 +156,8 @@ pub struct ExecutionRecord {
     pub log: Vec<u8>,
     /// Every accepted `POST .../log`, retries included.
     pub log_posts: usize,
+    /// `(offset, length)` of every accepted log chunk, in order of receipt.
+    pub log_chunks: Vec<(u64, usize)>,
     /// When the run credential first connected (delivery confirmed).
     pub confirmed_at: Option<Instant>,
     pub revoked: Option<Revocation>,

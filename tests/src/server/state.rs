@@ -329,12 +329,17 @@ impl Inner {
                 event_posts: 0,
                 log: Vec::new(),
                 log_posts: 0,
+                log_chunks: Vec::new(),
                 confirmed_at: None,
                 revoked: None,
             },
         );
         self.send_to_standby(token, Some(CredentialKind::Standby), &assignment);
         Ok(execution_id)
+    }
+
+    pub(crate) fn assignment_frame(&self, execution_id: &str) -> Option<String> {
+        self.executions.get(execution_id).map(|execution| execution.assignment.clone())
     }
 
     pub(crate) fn run_credential(&self, execution_id: &str) -> Option<String> {
@@ -623,6 +628,7 @@ impl Inner {
             status: answer.status,
             started,
             ended: Instant::now(),
+            event_id: (request.endpoint == Endpoint::Events).then(|| event_id(request.body)).flatten(),
         });
         answer
     }
@@ -790,6 +796,7 @@ impl Inner {
             return HttpAnswer::error(404, "no such execution");
         };
         let have = record.log.len();
+        let wire_offset = offset;
         let Ok(offset) = usize::try_from(offset) else {
             return HttpAnswer::error(409, "offset out of range");
         };
@@ -806,6 +813,7 @@ impl Inner {
         }
         record.log.extend_from_slice(&bytes[overlap..]);
         record.log_posts += 1;
+        record.log_chunks.push((wire_offset, bytes.len()));
         HttpAnswer::json(200, &serde_json::json!({ "offset": record.log.len() }))
     }
 }
@@ -818,6 +826,12 @@ fn bearer(headers: &HeaderMap) -> Option<String> {
         .and_then(|value| value.strip_prefix("Bearer "))
         .filter(|token| !token.is_empty())
         .map(str::to_owned)
+}
+
+/// The `event_id` of an event body, if it has one.
+fn event_id(body: &[u8]) -> Option<String> {
+    let value: serde_json::Value = serde_json::from_slice(body).ok()?;
+    value.get("event_id")?.as_str().map(str::to_owned)
 }
 
 /// The credential of a well-formed request, or why it is malformed (`400`).
