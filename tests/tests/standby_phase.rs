@@ -623,3 +623,66 @@ async fn an_assignment_during_preparation_is_held_then_installed() {
     agent.assert_output_lacks(&[&token, &credential, "s3cr3t-value-91"]);
     server.assert_no_violations();
 }
+
+// ---- bounds, log format, usage ---------------------------------------------
+
+#[tokio::test]
+async fn an_oversized_frame_drops_the_connection_and_the_agent_reconnects() {
+    let server = TestServer::start().await;
+    let dir = scratch();
+    let token = server.add_standby();
+    let mut agent = agent(&server, &token, dir.path()).heartbeat_interval("200ms").spawn();
+    let first = agent.watch(server.wait_for_heartbeat(|_| true)).await;
+    // Just over the documented 1 MiB bound, in a frame that is otherwise valid.
+    let padding = "x".repeat(1 << 20);
+    let oversized = format!(r#"{{"type":"retired","reason":"{padding}"}}"#);
+    server.send(first.connection, Frame::Text(oversized)).expect("send to the live connection");
+    agent.watch(server.wait_for_close(first.connection)).await;
+    let second = agent.watch(server.wait_for_heartbeat(|heartbeat| heartbeat.connection != first.connection)).await;
+    assert_ne!(second.connection, first.connection);
+    // The oversized `retired` was never acted on; a normal one still is.
+    server.retire(&token, None).expect("retire");
+    let code = agent.wait_exit(EXIT).await;
+    assert_exit(&agent, code, 0, "retired after reconnecting");
+}
+
+#[tokio::test]
+async fn json_log_format_writes_one_json_object_per_line() {
+    let server = TestServer::start().await;
+    let dir = scratch();
+    let token = server.add_standby();
+    let mut agent =
+        agent(&server, &token, dir.path()).heartbeat_interval("200ms").log_format("json").log_filter("debug").spawn();
+    agent.watch(wait_ready(&server)).await;
+    server.retire(&token, None).expect("retire");
+    let code = agent.wait_exit(EXIT).await;
+    assert_exit(&agent, code, 0, "retired");
+    let stderr = agent.stderr();
+    let lines: Vec<&str> = stderr.lines().filter(|line| !line.trim().is_empty()).collect();
+    assert!(lines.len() > 3, "too few log lines:\n{stderr}");
+    for line in lines {
+        let value: Value = serde_json::from_str(line).unwrap_or_else(|e| panic!("not JSON ({e}): {line}"));
+        assert!(value.get("level").is_some() && value.get("message").is_some(), "{line}");
+    }
+    agent.assert_output_lacks(&[&token]);
+}
+
+#[tokio::test]
+async fn help_and_version_exit_0_and_explain_the_settings() {
+    for (arg, needles) in [
+        ("--help", &["STANDBY_SERVER_URL", "STANDBY_HEARTBEAT_INTERVAL", "Exit codes", "14"][..]),
+        ("--version", &["standby "][..]),
+    ] {
+        let output = std::process::Command::new(standby_e2e::harness::standby_bin())
+            .arg(arg)
+            .env("STANDBY_TOKEN", "never-printed")
+            .output()
+            .expect("run standby");
+        assert!(output.status.success(), "{arg}: {:?}", output.status);
+        let text = String::from_utf8_lossy(&output.stdout);
+        for needle in needles {
+            assert!(text.contains(needle), "{arg} lacks {needle:?}:\n{text}");
+        }
+        assert!(!text.contains("never-printed"), "{arg} printed the token");
+    }
+}
