@@ -686,3 +686,50 @@ async fn help_and_version_exit_0_and_explain_the_settings() {
         assert!(!text.contains("never-printed"), "{arg} printed the token");
     }
 }
+
+#[tokio::test]
+async fn a_failing_setup_step_exits_15_naming_the_step_and_its_status() {
+    let server = TestServer::start().await;
+    let dir = scratch();
+    let token = server.add_standby();
+    let spec = json!({"workspace": {"setup": [
+        {"name": "fine", "command": ["true"]},
+        {"name": "deps", "command": sh("echo installing; exit 3")},
+        {"name": "never", "command": sh(&format!("touch '{}/never-ran'", dir.path().display()))},
+    ]}});
+    let mut agent = AgentBuilder::new(&server.url(), &token).spec_file(&write_spec(dir.path(), &spec)).spawn();
+    let code = agent.wait_exit(EXIT).await;
+    assert_exit(&agent, code, 15, "a setup step failed");
+    let output = agent.output();
+    assert!(output.contains("\"deps\"") && output.contains("exit status 3"), "{}", agent.output_tail());
+    assert!(!dir.path().join("never-ran").exists(), "a later step ran after the failure");
+    let log = std::fs::read_to_string(agent.workspace().join(".standby/setup.log")).expect("setup.log");
+    assert!(log.contains("installing"), "the step's output is kept in setup.log:\n{log}");
+}
+
+#[tokio::test]
+async fn a_refused_spec_fetch_exits_like_a_refused_socket() {
+    for (status, expected) in [(401, 11), (403, 11), (410, 10)] {
+        let server = TestServer::start().await;
+        let token = server.add_standby();
+        server.set_spec_json(json!({"workspace": {}}));
+        server.fail(Endpoint::Spec, Failure::always(status));
+        let mut agent = AgentBuilder::new(&server.url(), &token).spawn();
+        let code = agent.wait_exit(EXIT).await;
+        assert_exit(&agent, code, expected, &format!("spec answered {status}"));
+    }
+}
+
+#[tokio::test]
+async fn an_unreadable_or_malformed_spec_file_exits_2_naming_it() {
+    let dir = scratch();
+    let malformed = dir.path().join("malformed.json");
+    std::fs::write(&malformed, r#"{"workspace": {"repos": "not a list"}}"#).expect("write");
+    for (path, needle) in [(dir.path().join("missing.json"), "missing.json"), (malformed.clone(), "malformed.json")] {
+        let mut agent = AgentBuilder::new("http://127.0.0.1:9", "token-x").spec_file(&path).spawn();
+        let code = agent.wait_exit(EXIT).await;
+        assert_exit(&agent, code, 2, "bad spec file");
+        let stderr = agent.stderr();
+        assert!(stderr.contains("STANDBY_SPEC") && stderr.contains(needle), "{stderr}");
+    }
+}
