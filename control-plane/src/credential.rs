@@ -124,11 +124,13 @@ impl Mint for RandomMint {
 }
 
 /// A deterministic [`Mint`] for tests: `exe_1`, `sbx_2`, `run_c3_s3`...
+#[cfg(test)]
 #[derive(Debug, Default)]
 pub struct CountingMint {
     next: u64,
 }
 
+#[cfg(test)]
 impl CountingMint {
     /// Counting from `next`, so that a second machine (a restart in a
     /// test) does not mint the ids of the first.
@@ -137,6 +139,7 @@ impl CountingMint {
     }
 }
 
+#[cfg(test)]
 impl Mint for CountingMint {
     fn id(&mut self, prefix: &str) -> String {
         self.next += 1;

@@ -15,8 +15,10 @@
 //! - A sandbox takes at most one assignment; an execution has at most one
 //!   sandbox at a time (its previous attempt is released first).
 //! - A warm candidate is a pool standby with no run, a live standby
-//!   connection, a prepared workspace matching the run's, and whose last
-//!   heartbeat said `ready` within three heartbeat intervals.
+//!   connection, and whose last heartbeat said `ready` within three
+//!   heartbeat intervals. The run's workspace is not compared here: the
+//!   agent checks it (`same_preparation`) and a mismatch comes back as a
+//!   requeueable `install_failed`, so the run goes cold.
 //! - At most one attempt per execution is warm; with no candidate (or after
 //!   the warm attempt) the run gets a cold sandbox created for it, bound
 //!   before it ever connects.
@@ -298,7 +300,8 @@ impl Dispatch {
             if record.state != SandboxState::Retired {
                 step.effects.push(Effect::Probe { sandbox_id: record.id.clone() });
             }
-            let live = Live { record, heartbeat: None, run_token: None, launched_at: now, exited: false, ever_ready: false };
+            let live =
+                Live { record, heartbeat: None, run_token: None, launched_at: now, exited: false, ever_ready: false };
             machine.sandboxes.insert(live.record.id.clone(), live);
         }
         machine.dispatch_queued(now, &mut step);
@@ -331,8 +334,9 @@ impl Dispatch {
                 record: live.record.clone(),
                 last_heartbeat_at: live.heartbeat.as_ref().map(|h| h.at),
                 last_state: live.heartbeat.as_ref().map(|h| h.state),
-                connected: self.standby_conns(&live.record.id).next().is_some() || self.run_conns(&live.record.id).next().is_some(),
-                candidate: self.is_candidate(now, live, None),
+                connected: self.standby_conns(&live.record.id).next().is_some()
+                    || self.run_conns(&live.record.id).next().is_some(),
+                candidate: self.is_candidate(now, live),
             })
             .collect()
     }
@@ -357,6 +361,7 @@ impl Dispatch {
         snapshot.connected_standbys = standbys.len() as u64;
         for live in self.sandboxes.values() {
             snapshot.reconnects += u64::from(live.record.connections.saturating_sub(1));
+            snapshot.reconnects += u64::from(live.record.run_connections.saturating_sub(1));
             if live.record.state != SandboxState::Retired {
                 snapshot.sandboxes_live += 1;
             }
@@ -486,7 +491,10 @@ impl Dispatch {
         }
         let sandbox_id = credential.sandbox_id.clone();
         self.conns.insert(conn, Conn { sandbox_id: sandbox_id.clone(), kind: credential.kind });
-        self.update_sandbox(&mut step, &sandbox_id, |record| record.connections += 1);
+        self.update_sandbox(&mut step, &sandbox_id, |record| match credential.kind {
+            CredentialKind::Standby => record.connections += 1,
+            CredentialKind::Run => record.run_connections += 1,
+        });
         let Some(run_id) = self.sandboxes.get(&sandbox_id).and_then(|live| live.record.run_id.clone()) else {
             return step;
         };
@@ -585,7 +593,8 @@ impl Dispatch {
     /// The writer put an assignment on the wire.
     pub fn assignment_sent(&mut self, now: Millis, run_id: &str) -> Step {
         let mut step = Step::default();
-        let unsent = self.runs.get(run_id).and_then(|run| run.current()).is_some_and(|a| a.assignment_sent_at.is_none());
+        let unsent =
+            self.runs.get(run_id).and_then(|run| run.current()).is_some_and(|a| a.assignment_sent_at.is_none());
         if unsent {
             self.update_run(&mut step, run_id, |run| {
                 if let Some(attempt) = run.current_mut() {
@@ -659,7 +668,15 @@ impl Dispatch {
                 self.end_run(now, &mut step, run_id, RunState::Exited, Some(code), None);
                 self.finish_attempt(now, &mut step, run_id, AttemptOutcome::Finished, format!("exited {code}"));
                 if let Some(sandbox_id) = sandbox_id {
-                    self.retire_sandbox(now, &mut step, &sandbox_id, "its run finished", CredentialState::Retired, None, self.config.linger);
+                    self.retire_sandbox(
+                        now,
+                        &mut step,
+                        &sandbox_id,
+                        "its run finished",
+                        CredentialState::Retired,
+                        None,
+                        self.config.linger,
+                    );
                 }
             }
             EventKind::Cancelled => {
@@ -667,7 +684,15 @@ impl Dispatch {
                 let outcome = if state.is_pre_start() { AttemptOutcome::Cancelled } else { AttemptOutcome::Finished };
                 self.finish_attempt(now, &mut step, run_id, outcome, "cancelled".into());
                 if let Some(sandbox_id) = sandbox_id {
-                    self.retire_sandbox(now, &mut step, &sandbox_id, "its run was cancelled", CredentialState::Retired, None, self.config.linger);
+                    self.retire_sandbox(
+                        now,
+                        &mut step,
+                        &sandbox_id,
+                        "its run was cancelled",
+                        CredentialState::Retired,
+                        None,
+                        self.config.linger,
+                    );
                 }
             }
             EventKind::InstallFailed { requeueable, stage, message } if state.is_pre_start() => {
@@ -755,22 +780,38 @@ impl Dispatch {
                     .is_some_and(|attempt| attempt.sandbox_id == sandbox_id);
                 match run_state {
                     Some(s) if s.is_pre_start() && on_this => {
-                        let why = format!("sandbox {sandbox_id} written off before delivery was confirmed: {reason}");
-                        let why = if s == RunState::Confirmed {
-                            format!("sandbox {sandbox_id} lost before the run started: {reason}")
+                        let when = if s == RunState::Committed {
+                            "before delivery was confirmed"
                         } else {
-                            why
+                            "before the run started"
                         };
+                        let why = format!("sandbox {sandbox_id} written off {when}: {reason}");
                         self.release(now, step, &run_id, true, why, true, Duration::ZERO);
                     }
                     Some(RunState::Running | RunState::Cancelling) if on_this => {
                         let error = format!("sandbox {sandbox_id} ended without reporting the run's end: {reason}");
                         self.end_run(now, step, &run_id, RunState::Failed, None, Some(error.clone()));
                         self.finish_attempt(now, step, &run_id, AttemptOutcome::Finished, error);
-                        self.retire_sandbox(now, step, sandbox_id, reason, CredentialState::Retired, None, Duration::ZERO);
+                        self.retire_sandbox(
+                            now,
+                            step,
+                            sandbox_id,
+                            reason,
+                            CredentialState::Retired,
+                            None,
+                            Duration::ZERO,
+                        );
                     }
                     _ => {
-                        self.retire_sandbox(now, step, sandbox_id, reason, CredentialState::Retired, None, Duration::ZERO);
+                        self.retire_sandbox(
+                            now,
+                            step,
+                            sandbox_id,
+                            reason,
+                            CredentialState::Retired,
+                            None,
+                            Duration::ZERO,
+                        );
                     }
                 }
             }
@@ -905,25 +946,23 @@ impl Dispatch {
         self.draining = true;
     }
 
-    pub fn is_draining(&self) -> bool {
-        self.draining
-    }
-
     // ---- dispatch ------------------------------------------------------------
 
-    fn is_candidate(&self, now: Millis, live: &Live, fingerprint: Option<&Fingerprint>) -> bool {
+    fn is_candidate(&self, now: Millis, live: &Live) -> bool {
         live.record.kind == SandboxKind::Warm
             && live.record.state == SandboxState::Standby
             && !live.exited
-            && live.heartbeat.as_ref().is_some_and(|h| h.state == AgentState::Ready && now <= h.at.plus(self.config.silence()))
+            && live
+                .heartbeat
+                .as_ref()
+                .is_some_and(|h| h.state == AgentState::Ready && now <= h.at.plus(self.config.silence()))
             && self.standby_conns(&live.record.id).next().is_some()
-            && fingerprint.is_none_or(|fp| *fp == live.record.fingerprint)
     }
 
-    fn candidate(&self, now: Millis, fingerprint: Option<&Fingerprint>) -> Option<String> {
+    fn candidate(&self, now: Millis) -> Option<String> {
         self.sandboxes
             .values()
-            .filter(|live| self.is_candidate(now, live, fingerprint))
+            .filter(|live| self.is_candidate(now, live))
             .min_by_key(|live| (live.record.created_at, live.record.id.clone()))
             .map(|live| live.record.id.clone())
     }
@@ -937,7 +976,7 @@ impl Dispatch {
             if run.state != RunState::Queued {
                 continue;
             }
-            let warm = if run.had_warm_attempt() { None } else { self.candidate(now, run.fingerprint.as_ref()) };
+            let warm = if run.had_warm_attempt() { None } else { self.candidate(now) };
             match warm {
                 Some(sandbox_id) => {
                     self.commit(now, step, &run_id, &sandbox_id, RunPath::Warm);
@@ -1013,12 +1052,14 @@ impl Dispatch {
             fingerprint,
             run_id: None,
             connections: 0,
+            run_connections: 0,
             retired_at: None,
             retire_reason: None,
             exit_code: None,
         };
         step.writes.push(Write::Sandbox(Box::new(record.clone())));
-        let live = Live { record, heartbeat: None, run_token: None, launched_at: now, exited: false, ever_ready: false };
+        let live =
+            Live { record, heartbeat: None, run_token: None, launched_at: now, exited: false, ever_ready: false };
         self.sandboxes.insert(sandbox_id.clone(), live);
         (sandbox_id, token)
     }
@@ -1053,7 +1094,14 @@ impl Dispatch {
     /// Fencing: revokes the current attempt's run credential (first among
     /// the step's writes that follow) and ends the attempt. Returns the
     /// attempt's sandbox.
-    fn fence(&mut self, now: Millis, step: &mut Step, run_id: &str, outcome: AttemptOutcome, reason: String) -> Option<String> {
+    fn fence(
+        &mut self,
+        now: Millis,
+        step: &mut Step,
+        run_id: &str,
+        outcome: AttemptOutcome,
+        reason: String,
+    ) -> Option<String> {
         let attempt = self.runs.get(run_id).and_then(|run| run.current()).cloned()?;
         self.set_credential(step, &attempt.credential_id, CredentialState::Revoked);
         if let Some(live) = self.sandboxes.get_mut(&attempt.sandbox_id) {
@@ -1098,11 +1146,7 @@ impl Dispatch {
             self.update_run(step, run_id, |run| run.state = RunState::Queued);
             self.queue.push_back(run_id.to_owned());
         } else {
-            let error = if requeueable {
-                format!("gave up after {attempts} attempts; last: {reason}")
-            } else {
-                reason
-            };
+            let error = if requeueable { format!("gave up after {attempts} attempts; last: {reason}") } else { reason };
             self.end_run(now, step, run_id, RunState::Failed, None, Some(error));
         }
     }

@@ -9,8 +9,14 @@
 //! - [`metrics`]: the Prometheus text of `/metrics`.
 //! - [`demo`]: `standby-server demo`.
 
+pub mod agent_api;
+pub mod api;
 pub mod credential;
+pub mod demo;
 pub mod dispatch;
+pub mod engine;
+pub mod metrics;
 pub mod model;
 pub mod provider;
+pub mod server;
 pub mod store;

@@ -220,8 +220,13 @@ pub struct SandboxRecord {
     pub workspace: Option<Workspace>,
     pub fingerprint: Fingerprint,
     pub run_id: Option<String>,
-    /// Control connections ever admitted: more than one means reconnects.
+    /// Control connections admitted with the standby credential: more
+    /// than one means reconnects.
     pub connections: u32,
+    /// Control connections admitted with a run credential; the first is
+    /// delivery confirmation, any more are reconnects.
+    #[serde(default)]
+    pub run_connections: u32,
     pub retired_at: Option<Millis>,
     pub retire_reason: Option<String>,
     pub exit_code: Option<i32>,

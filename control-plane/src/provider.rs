@@ -98,7 +98,11 @@ pub trait SandboxProvider: Send + Sync + 'static {
     /// Makes an existing sandbox runnable again (resuming a stopped one).
     fn start(&self, sandbox_id: &str) -> impl Future<Output = Result<(), ProviderError>> + Send;
     /// Starts the `standby` agent in a started sandbox.
-    fn launch(&self, sandbox_id: &str, launch: AgentLaunch) -> impl Future<Output = Result<Launched, ProviderError>> + Send;
+    fn launch(
+        &self,
+        sandbox_id: &str,
+        launch: AgentLaunch,
+    ) -> impl Future<Output = Result<Launched, ProviderError>> + Send;
     /// Stops the sandbox's processes: SIGTERM, then after `grace` SIGKILL.
     fn stop(&self, sandbox_id: &str, grace: Duration) -> impl Future<Output = ()> + Send;
     /// Waits up to `timeout` for the agent to exit on its own; whether it did.
@@ -162,10 +166,6 @@ impl LocalProvider {
         Self {
             inner: Arc::new(LocalInner { root, agent_bin, setpriv, base_env, processes: Mutex::new(HashMap::new()) }),
         }
-    }
-
-    pub fn root(&self) -> &Path {
-        &self.inner.root
     }
 
     fn dir(&self, sandbox_id: &str) -> PathBuf {
@@ -264,7 +264,11 @@ impl SandboxProvider for LocalProvider {
         let pid = child.id().unwrap_or_default();
         let (done_tx, done) = watch::channel(false);
         let (exit_tx, exited) = oneshot::channel();
-        inner.processes.lock().unwrap_or_else(PoisonError::into_inner).insert(sandbox_id.to_owned(), Process { pid, done });
+        inner
+            .processes
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(sandbox_id.to_owned(), Process { pid, done });
         tracing::info!(sandbox_id, pid, "agent launched");
         let provider = self.clone();
         let id = sandbox_id.to_owned();
@@ -372,7 +376,9 @@ mod tests {
         let launched = provider.launch("sbx_a", launch()).await.expect("launch");
         assert_eq!(launched.exited.await.expect("an exit"), Some(12));
         let env = std::fs::read_to_string(dir.path().join("sandboxes/sbx_a/env.txt")).expect("the env file");
-        for expected in ["STANDBY_SERVER_URL=http://127.0.0.1:1", "STANDBY_TOKEN=sby_x_y", "STANDBY_HEARTBEAT_INTERVAL=500ms"] {
+        for expected in
+            ["STANDBY_SERVER_URL=http://127.0.0.1:1", "STANDBY_TOKEN=sby_x_y", "STANDBY_HEARTBEAT_INTERVAL=500ms"]
+        {
             assert!(env.contains(expected), "{expected} missing from\n{env}");
         }
         assert!(env.contains(&format!("{SANDBOX_MARK}=sbx_a")));

@@ -87,8 +87,11 @@ impl SqliteStore {
     pub fn open(path: &Path) -> Result<Self, StoreError> {
         let name = path.display().to_string();
         if let Some(dir) = path.parent().filter(|dir| !dir.as_os_str().is_empty()) {
-            std::fs::create_dir_all(dir)
-                .map_err(|source| StoreError::Directory { path: name.clone(), dir: dir.to_owned(), source })?;
+            std::fs::create_dir_all(dir).map_err(|source| StoreError::Directory {
+                path: name.clone(),
+                dir: dir.to_owned(),
+                source,
+            })?;
         }
         let connection = Connection::open(path).map_err(|source| sqlite(&name, "open", source))?;
         Self::init(name, connection)
@@ -185,12 +188,17 @@ impl Store for SqliteStore {
             match change {
                 Write::NewRun(run, request) => {
                     transaction
-                        .execute("INSERT INTO run_requests (run_id, doc) VALUES (?1, ?2)", params![run.id, encode(request)])
+                        .execute(
+                            "INSERT INTO run_requests (run_id, doc) VALUES (?1, ?2)",
+                            params![run.id, encode(request)],
+                        )
                         .map_err(write)?;
                     upsert(&transaction, "runs", &run.id, &encode(run)).map_err(write)?;
                 }
                 Write::Run(run) => upsert(&transaction, "runs", &run.id, &encode(run)).map_err(write)?,
-                Write::Sandbox(sandbox) => upsert(&transaction, "sandboxes", &sandbox.id, &encode(sandbox)).map_err(write)?,
+                Write::Sandbox(sandbox) => {
+                    upsert(&transaction, "sandboxes", &sandbox.id, &encode(sandbox)).map_err(write)?
+                }
                 Write::Credential(credential) => {
                     upsert(&transaction, "credentials", &credential.id, &encode(credential)).map_err(write)?;
                 }
@@ -205,7 +213,10 @@ impl Store for SqliteStore {
                 Write::Log { run_id, offset, data } => {
                     let start = i64::try_from(*offset).unwrap_or(i64::MAX);
                     transaction
-                        .execute("INSERT INTO log_chunks (run_id, start, data) VALUES (?1, ?2, ?3)", params![run_id, start, data])
+                        .execute(
+                            "INSERT INTO log_chunks (run_id, start, data) VALUES (?1, ?2, ?3)",
+                            params![run_id, start, data],
+                        )
                         .map_err(write)?;
                 }
             }
@@ -225,7 +236,8 @@ impl Store for SqliteStore {
     fn events(&self, run_id: &str) -> Result<Vec<StoredEvent>, StoreError> {
         let connection = self.connection();
         let read = |source| sqlite(&self.path, "read", source);
-        let mut statement = connection.prepare("SELECT event_id, doc FROM events WHERE run_id = ?1 ORDER BY seq").map_err(read)?;
+        let mut statement =
+            connection.prepare("SELECT event_id, doc FROM events WHERE run_id = ?1 ORDER BY seq").map_err(read)?;
         let rows = statement
             .query_map([run_id], |row| Ok((row.get::<_, String>(0)?, row.get::<_, String>(1)?)))
             .map_err(read)?
@@ -237,7 +249,8 @@ impl Store for SqliteStore {
     fn log(&self, run_id: &str) -> Result<Vec<u8>, StoreError> {
         let connection = self.connection();
         let read = |source| sqlite(&self.path, "read", source);
-        let mut statement = connection.prepare("SELECT data FROM log_chunks WHERE run_id = ?1 ORDER BY start").map_err(read)?;
+        let mut statement =
+            connection.prepare("SELECT data FROM log_chunks WHERE run_id = ?1 ORDER BY start").map_err(read)?;
         let chunks = statement
             .query_map([run_id], |row| row.get::<_, Vec<u8>>(0))
             .map_err(read)?
@@ -248,7 +261,8 @@ impl Store for SqliteStore {
 }
 
 fn upsert(transaction: &rusqlite::Transaction<'_>, table: &str, id: &str, doc: &str) -> rusqlite::Result<()> {
-    let sql = format!("INSERT INTO {table} (id, doc) VALUES (?1, ?2) ON CONFLICT (id) DO UPDATE SET doc = excluded.doc");
+    let sql =
+        format!("INSERT INTO {table} (id, doc) VALUES (?1, ?2) ON CONFLICT (id) DO UPDATE SET doc = excluded.doc");
     transaction.execute(&sql, params![id, doc]).map(|_| ())
 }
 

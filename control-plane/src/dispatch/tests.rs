@@ -50,7 +50,9 @@ fn launches(step: &Step) -> Vec<Launched> {
     step.effects
         .iter()
         .filter_map(|effect| match effect {
-            Effect::Launch { sandbox_id, token, .. } => Some(Launched { sandbox_id: sandbox_id.clone(), token: token.clone() }),
+            Effect::Launch { sandbox_id, token, .. } => {
+                Some(Launched { sandbox_id: sandbox_id.clone(), token: token.clone() })
+            }
             _ => None,
         })
         .collect()
@@ -102,7 +104,12 @@ impl World {
     }
 
     fn with(config: DispatchConfig) -> Self {
-        Self { machine: Dispatch::new(config, Box::new(CountingMint::default())), now: Millis(1_000_000), next_conn: 1, writes: Vec::new() }
+        Self {
+            machine: Dispatch::new(config, Box::new(CountingMint::default())),
+            now: Millis(1_000_000),
+            next_conn: 1,
+            writes: Vec::new(),
+        }
     }
 
     fn keep(&mut self, step: Step) -> Step {
@@ -256,7 +263,7 @@ fn a_silent_standby_is_retired_and_replaced() {
     assert!(world.tick().is_empty(), "three intervals of silence are allowed");
     world.advance(1);
     let step = world.tick();
-    assert_eq!(retires(&step), [standby.sandbox_id.clone()]);
+    assert_eq!(retires(&step), std::slice::from_ref(&standby.sandbox_id));
     assert!(matches!(sends(&step, conn).as_slice(), [ServerMessage::Retired(_)]));
     assert_eq!(launches(&step).len(), 1);
     assert_eq!(world.machine.authenticate(standby.token.expose()), Err(Refusal::Gone));
@@ -279,9 +286,10 @@ fn commit_before_tell_binds_the_run_in_the_same_step_that_sends_the_assignment()
     let mut world = World::new(1);
     let (standby, conn) = world.ready_pool().remove(0);
     let (run_id, step) = world.submit(run("true"));
-    let bound = position(&step, |w| {
-        matches!(w, Write::Sandbox(s) if s.id == standby.sandbox_id && s.state == SandboxState::Assigned && s.run_id.as_deref() == Some(run_id.as_str()))
-    });
+    let bound = position(
+        &step,
+        |w| matches!(w, Write::Sandbox(s) if s.id == standby.sandbox_id && s.state == SandboxState::Assigned && s.run_id.as_deref() == Some(run_id.as_str())),
+    );
     let committed = position(&step, |w| matches!(w, Write::Run(r) if r.state == RunState::Committed));
     assert!(bound < step.writes.len() && committed < step.writes.len());
     let sent = assignments(&step);
@@ -334,7 +342,7 @@ fn a_preparing_or_disconnected_standby_is_not_a_candidate() {
 }
 
 #[test]
-fn a_run_whose_workspace_differs_from_the_pool_goes_cold() {
+fn a_run_whose_workspace_differs_is_tried_warm_then_cold_on_that_workspace() {
     let mut world = World::new(1);
     world.ready_pool();
     let mut other = run("x");
@@ -342,11 +350,17 @@ fn a_run_whose_workspace_differs_from_the_pool_goes_cold() {
         repos: vec![Repo { url: "file:///elsewhere".into(), path: "app".into(), git_ref: None, expected_sha: None }],
         setup: Vec::new(),
     });
-    let (run_id, step) = world.submit(other.clone());
-    assert_eq!(world.run(&run_id).path(), Some(RunPath::Cold));
-    let cold = launches(&step).remove(0);
+    let (run_id, _) = world.submit(other.clone());
+    assert_eq!(world.run(&run_id).path(), Some(RunPath::Warm), "the agent, not the server, compares workspaces");
+    let mismatch =
+        EventKind::InstallFailed { requeueable: true, stage: "same_preparation".into(), message: "fingerprint".into() };
+    let step = world.event(&run_id, "f", mismatch);
+    let record = world.run(&run_id);
+    let cold =
+        launches(&step).into_iter().find(|l| l.sandbox_id == record.attempts[1].sandbox_id).expect("a cold launch");
     let sandbox = world.sandbox(&cold.sandbox_id);
-    assert_eq!(sandbox.workspace, other.workspace);
+    assert_eq!(sandbox.workspace, other.workspace, "the cold sandbox prepares the run's workspace");
+    assert_eq!(sandbox.fingerprint, fingerprint(other.workspace.as_ref().expect("a workspace")));
     assert_eq!(sandbox.kind, SandboxKind::Cold);
 }
 
@@ -428,7 +442,10 @@ fn the_run_credential_connecting_revokes_the_standby_credential_and_replays_the_
     world.machine.disconnected(run_conn);
     let (_, again, step) = world.connect(&assignment.run_credential);
     assert_eq!(sends(&step, again), [ServerMessage::Assignment(assignment)]);
-    assert_eq!(world.run(&run_id).current().and_then(|a| a.delivery_confirmed_at), record.current().and_then(|a| a.delivery_confirmed_at));
+    assert_eq!(
+        world.run(&run_id).current().and_then(|a| a.delivery_confirmed_at),
+        record.current().and_then(|a| a.delivery_confirmed_at)
+    );
 }
 
 #[test]
@@ -460,7 +477,7 @@ fn cancel_before_confirmation_revokes_first_and_retires_the_sandbox() {
     assert_eq!(state, RunState::Cancelled);
     assert_eq!(position(&step, revokes(&credential_id)), 0, "the run credential is revoked first");
     assert!(matches!(sends(&step, conn).as_slice(), [ServerMessage::Cancel(c)] if c.execution_id == run_id));
-    assert_eq!(retires(&step), [standby.sandbox_id.clone()]);
+    assert_eq!(retires(&step), std::slice::from_ref(&standby.sandbox_id));
     assert_eq!(world.machine.authenticate(assignment.run_credential.expose()), Err(Refusal::Unauthorized));
     assert_eq!(world.machine.authenticate(standby.token.expose()), Err(Refusal::Gone));
     let record = world.run(&run_id);
@@ -495,14 +512,20 @@ fn cancel_rules_for_queued_finished_and_unknown_runs() {
     let (_, state) = world.machine.cancel(world.now, &queued).expect("cancelled");
     assert_eq!(state, RunState::Cancelled);
     assert_eq!(world.machine.cancel(world.now, &queued).map(|(_, s)| s), Ok(RunState::Cancelled), "idempotent");
-    assert_eq!(world.machine.cancel(world.now, "exe_nope").map(|(_, s)| s), Err(CancelError::NotFound("exe_nope".into())));
+    assert_eq!(
+        world.machine.cancel(world.now, "exe_nope").map(|(_, s)| s),
+        Err(CancelError::NotFound("exe_nope".into()))
+    );
 
     let mut world = World::new(1);
     world.ready_pool();
     let (run_id, _) = world.submit(run("a"));
     world.event(&run_id, "s", EventKind::Started);
     world.event(&run_id, "x", EventKind::Exited { code: 3 });
-    assert!(matches!(world.machine.cancel(world.now, &run_id), Err(CancelError::Finished { state: RunState::Exited, .. })));
+    assert!(matches!(
+        world.machine.cancel(world.now, &run_id),
+        Err(CancelError::Finished { state: RunState::Exited, .. })
+    ));
 }
 
 #[test]
@@ -565,7 +588,11 @@ fn a_requeueable_install_failure_requeues_to_a_cold_sandbox_once_warm() {
     let (run_id, step) = world.submit(run("a"));
     let assignment = assignments(&step).remove(0).1;
     world.connect(&assignment.run_credential);
-    let failure = EventKind::InstallFailed { requeueable: true, stage: "same_preparation".into(), message: "fingerprint mismatch".into() };
+    let failure = EventKind::InstallFailed {
+        requeueable: true,
+        stage: "same_preparation".into(),
+        message: "fingerprint mismatch".into(),
+    };
     let step = world.event(&run_id, "f1", failure);
     let revoked = position(&step, revokes(&world.run(&run_id).attempts[0].credential_id));
     let requeued = position(&step, |w| matches!(w, Write::Run(r) if r.attempts.len() == 2));
@@ -576,7 +603,8 @@ fn a_requeueable_install_failure_requeues_to_a_cold_sandbox_once_warm() {
     assert!(record.attempts[0].reason.as_deref().is_some_and(|r| r.contains("fingerprint mismatch")));
     assert_eq!(record.attempts[1].path, RunPath::Cold);
     assert_eq!(record.attempts.iter().filter(|a| a.path == RunPath::Warm).count(), 1);
-    let cold = launches(&step).into_iter().find(|l| l.sandbox_id == record.attempts[1].sandbox_id).expect("cold launch");
+    let cold =
+        launches(&step).into_iter().find(|l| l.sandbox_id == record.attempts[1].sandbox_id).expect("cold launch");
     assert_eq!(world.sandbox(&cold.sandbox_id).kind, SandboxKind::Cold);
     // The retry on the cold sandbox succeeds.
     let (_, _, step) = world.connect(&cold.token);
@@ -595,7 +623,11 @@ fn a_final_install_failure_fails_the_run_with_the_agents_message() {
     let mut world = World::new(1);
     world.ready_pool();
     let (run_id, _) = world.submit(run("a"));
-    let failure = EventKind::InstallFailed { requeueable: false, stage: "cwd".into(), message: "no such directory `nope`".into() };
+    let failure = EventKind::InstallFailed {
+        requeueable: false,
+        stage: "cwd".into(),
+        message: "no such directory `nope`".into(),
+    };
     let step = world.event(&run_id, "f", failure);
     let record = world.run(&run_id);
     assert_eq!(record.state, RunState::Failed);
@@ -611,7 +643,8 @@ fn requeues_stop_at_max_attempts() {
     for n in 1..=3 {
         let cold = launches(&step).remove(0);
         world.connect(&cold.token);
-        let failure = EventKind::InstallFailed { requeueable: true, stage: "secrets".into(), message: format!("timeout {n}") };
+        let failure =
+            EventKind::InstallFailed { requeueable: true, stage: "secrets".into(), message: format!("timeout {n}") };
         step = world.event(&run_id, &format!("f{n}"), failure);
     }
     let record = world.run(&run_id);
@@ -691,9 +724,15 @@ fn a_restart_probes_sandboxes_and_resumes_stopped_standbys_with_a_new_credential
     let (done, _) = world.submit(run("a"));
     world.event(&done, "s", EventKind::Started);
     world.event(&done, "x", EventKind::Exited { code: 0 });
-    let replacement = world.machine.sandbox_views(world.now).into_iter().find(|v| v.record.state == SandboxState::Standby).expect("a replacement");
+    let replacement = world
+        .machine
+        .sandbox_views(world.now)
+        .into_iter()
+        .find(|v| v.record.state == SandboxState::Standby)
+        .expect("a replacement");
     let snapshot = world.snapshot();
-    let (mut machine, step) = Dispatch::restore(config(1), Box::new(CountingMint::starting_at(1000)), snapshot, world.now);
+    let (mut machine, step) =
+        Dispatch::restore(config(1), Box::new(CountingMint::starting_at(1000)), snapshot, world.now);
     assert_eq!(machine.run(&done).map(|r| (r.state, r.exit_code)), Some((RunState::Exited, Some(0))));
     let probes: Vec<&Effect> = step.effects.iter().filter(|e| matches!(e, Effect::Probe { .. })).collect();
     assert_eq!(probes.len(), 1, "only the live standby is probed: {probes:?}");
@@ -714,7 +753,8 @@ fn a_restart_writes_off_a_committed_sandbox_that_stopped() {
     let mut world = World::new(1);
     let (standby, _) = world.ready_pool().remove(0);
     let (run_id, _) = world.submit(run("a"));
-    let (mut machine, _) = Dispatch::restore(config(1), Box::new(CountingMint::starting_at(1000)), world.snapshot(), world.now);
+    let (mut machine, _) =
+        Dispatch::restore(config(1), Box::new(CountingMint::starting_at(1000)), world.snapshot(), world.now);
     let step = machine.probed(world.now, &standby.sandbox_id, Found::Stopped);
     let record = machine.run(&run_id).expect("the run").clone();
     assert_eq!(record.attempts[0].outcome, Some(AttemptOutcome::Requeued));
@@ -727,7 +767,8 @@ fn after_a_restart_the_assignment_is_resent_with_a_new_run_credential() {
     let mut world = World::new(0);
     let (run_id, step) = world.submit(run("a"));
     let cold = launches(&step).remove(0);
-    let (mut machine, _) = Dispatch::restore(config(0), Box::new(CountingMint::starting_at(1000)), world.snapshot(), world.now);
+    let (mut machine, _) =
+        Dispatch::restore(config(0), Box::new(CountingMint::starting_at(1000)), world.snapshot(), world.now);
     machine.probed(world.now, &cold.sandbox_id, Found::Running);
     let admission = machine.authenticate(cold.token.expose()).expect("admitted");
     let step = machine.connected(world.now, 1, admission.credential_id(), &cold.token);

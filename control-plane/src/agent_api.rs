@@ -1,0 +1,304 @@
+//! The agent-facing half of the contract: the control socket, the spec,
+//! and the per-execution calls made with the run credential.
+
+use axum::Json;
+use axum::body::Bytes;
+use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade, rejection::WebSocketUpgradeRejection};
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use base64::Engine as _;
+use standby_protocol::{
+    AgentMessage, Attachment, AttachmentsResponse, CloudCredentialsResponse, Event, GitCredentialsResponse, LogChunk,
+    Secret, SecretsResponse, Spec,
+};
+use tokio::sync::mpsc;
+
+use crate::api::parse_json;
+use crate::dispatch::{Admission, LogError, Refusal};
+use crate::engine::Outbound;
+use crate::model::RunRequest;
+use crate::server::{ApiError, AppState, bearer, from_store};
+
+/// Agents send heartbeats of under a hundred bytes: a small read buffer per
+/// socket keeps thousands of idle standbys cheap.
+const READ_BUFFER: usize = 4 * 1024;
+/// Anything an agent may legally send is far below this; more fails the
+/// connection instead of making the server hold it.
+const MAX_MESSAGE: usize = 64 * 1024;
+/// A peer that stops reading cannot make the server buffer more than this.
+const MAX_WRITE_BUFFER: usize = 256 * 1024;
+
+fn check_protocol(headers: &HeaderMap) -> Result<(), ApiError> {
+    match headers.get(standby_protocol::PROTOCOL_HEADER) {
+        Some(value) if value.as_bytes() != standby_protocol::PROTOCOL_VERSION.as_bytes() => Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            format!(
+                "unsupported {} version; this server speaks {}",
+                standby_protocol::PROTOCOL_HEADER,
+                standby_protocol::PROTOCOL_VERSION
+            ),
+        )
+        .with_field(standby_protocol::PROTOCOL_HEADER)),
+        _ => Ok(()),
+    }
+}
+
+fn refused(refusal: Refusal) -> ApiError {
+    match refusal {
+        Refusal::Gone => ApiError::new(StatusCode::GONE, "the standby credential is unknown or retired"),
+        Refusal::Unauthorized => ApiError::new(StatusCode::UNAUTHORIZED, "the credential is revoked or not valid"),
+    }
+}
+
+async fn admit(state: &AppState, headers: &HeaderMap) -> Result<(Admission, String), ApiError> {
+    check_protocol(headers)?;
+    let token = bearer(headers)
+        .ok_or_else(|| ApiError::new(StatusCode::UNAUTHORIZED, "missing `Authorization: Bearer <credential>`"))?;
+    let admission = state.engine.authenticate(token).await?.map_err(refused)?;
+    Ok((admission, token.to_owned()))
+}
+
+/// Admits only the run credential of execution `execution_id`.
+async fn admit_run(state: &AppState, headers: &HeaderMap, execution_id: &str) -> Result<(String, u32), ApiError> {
+    let wrong = || {
+        ApiError::new(StatusCode::UNAUTHORIZED, format!("the credential is not a run credential of `{execution_id}`"))
+    };
+    match admit(state, headers).await {
+        Ok((Admission::Run { run_id, attempt, .. }, _)) if run_id == execution_id => Ok((run_id, attempt)),
+        Ok(_) => Err(wrong()),
+        Err(error) if error.status() == StatusCode::GONE => Err(wrong()),
+        Err(error) => Err(error),
+    }
+}
+
+async fn request(state: &AppState, run_id: &str) -> Result<RunRequest, ApiError> {
+    let id = run_id.to_owned();
+    from_store(state, move |store| store.request(&id))
+        .await?
+        .ok_or_else(|| ApiError::new(StatusCode::NOT_FOUND, format!("no run `{run_id}`")))
+}
+
+// ---- the control socket ---------------------------------------------------------
+
+pub(crate) async fn socket(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    upgrade: Result<WebSocketUpgrade, WebSocketUpgradeRejection>,
+) -> Response {
+    let (admission, token) = match admit(&state, &headers).await {
+        Ok(admitted) => admitted,
+        Err(error) => return error.into_response(),
+    };
+    let upgrade = match upgrade {
+        Ok(upgrade) => upgrade,
+        Err(rejection) => return ApiError::new(StatusCode::BAD_REQUEST, rejection.body_text()).into_response(),
+    };
+    upgrade
+        .read_buffer_size(READ_BUFFER)
+        .write_buffer_size(0)
+        .max_write_buffer_size(MAX_WRITE_BUFFER)
+        .max_message_size(MAX_MESSAGE)
+        .max_frame_size(MAX_MESSAGE)
+        .on_upgrade(move |socket| connection(state, socket, admission, Secret::new(token)))
+}
+
+/// One task per socket: it alone writes to it (frames the engine queued)
+/// and reads from it (heartbeats for the engine).
+async fn connection(state: AppState, mut socket: WebSocket, admission: Admission, presented: Secret) {
+    let engine = state.engine.clone();
+    let conn = engine.next_conn_id();
+    let (sender, mut outbound) = mpsc::unbounded_channel();
+    engine.connect(conn, sender, admission.credential_id(), presented).await;
+    tracing::debug!(conn, ?admission, "control connection open");
+    // A peer that vanished without closing (a half-open TCP connection)
+    // sends nothing more: past the idle timeout the socket is dropped.
+    let idle = tokio::time::sleep(state.idle_timeout);
+    tokio::pin!(idle);
+    loop {
+        tokio::select! {
+            () = &mut idle => {
+                tracing::info!(conn, "control connection silent past the idle timeout: closed");
+                break;
+            }
+            incoming = socket.recv() => match incoming {
+                None | Some(Err(_)) | Some(Ok(Message::Close(_))) => break,
+                Some(Ok(Message::Text(text))) => {
+                    idle.as_mut().reset(tokio::time::Instant::now() + state.idle_timeout);
+                    match serde_json::from_str::<AgentMessage>(text.as_str()) {
+                    Ok(AgentMessage::Heartbeat { state, .. }) => engine.heartbeat(conn, state).await,
+                        Err(error) => {
+                            tracing::debug!(conn, problem = %standby_protocol::describe_json_error(&error), "frame skipped");
+                        }
+                    }
+                }
+                // tungstenite answers pings; binary frames mean nothing here.
+                Some(Ok(_)) => {}
+            },
+            command = outbound.recv() => match command {
+                None => {
+                    let _ = socket.send(Message::Close(None)).await;
+                    break;
+                }
+                Some(Outbound::Close) => {
+                    let _ = socket.send(Message::Close(None)).await;
+                    break;
+                }
+                Some(Outbound::Frame { text, assignment_of }) => {
+                    if socket.send(Message::Text(text.into())).await.is_err() {
+                        break;
+                    }
+                    if let Some(run_id) = assignment_of {
+                        engine.assignment_sent(&run_id).await;
+                    }
+                }
+            },
+        }
+    }
+    engine.disconnect(conn).await;
+    tracing::debug!(conn, "control connection closed");
+}
+
+// ---- HTTP calls -------------------------------------------------------------------
+
+/// `GET /v1/standby/spec`: the pool spec, with the workspace of the run a
+/// cold sandbox was created for.
+pub(crate) async fn spec(State(state): State<AppState>, headers: HeaderMap) -> Result<Json<Spec>, ApiError> {
+    let (admission, _) = admit(&state, &headers).await?;
+    let Admission::Standby { sandbox_id, .. } = admission else {
+        return Err(ApiError::new(StatusCode::UNAUTHORIZED, "the spec is for standby credentials"));
+    };
+    let sandbox = state
+        .engine
+        .sandbox(&sandbox_id)
+        .await?
+        .ok_or_else(|| ApiError::new(StatusCode::GONE, "the sandbox is gone"))?;
+    let mut spec = (*state.spec).clone();
+    if let Some(workspace) = sandbox.workspace {
+        spec.workspace = workspace;
+    }
+    Ok(Json(spec))
+}
+
+pub(crate) async fn secrets(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<Json<SecretsResponse>, ApiError> {
+    let (run_id, _) = admit_run(&state, &headers, &id).await?;
+    Ok(Json(SecretsResponse { secrets: request(&state, &run_id).await?.secrets }))
+}
+
+pub(crate) async fn attachments(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<Json<AttachmentsResponse>, ApiError> {
+    let (run_id, _) = admit_run(&state, &headers, &id).await?;
+    let attachments = request(&state, &run_id)
+        .await?
+        .attachments
+        .into_iter()
+        .map(|stored| Attachment {
+            url: format!("/v1/executions/{run_id}/attachments/{}", stored.name),
+            name: stored.name,
+            sha256: stored.sha256,
+        })
+        .collect();
+    Ok(Json(AttachmentsResponse { attachments }))
+}
+
+pub(crate) async fn attachment(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path((id, name)): Path<(String, String)>,
+) -> Result<Response, ApiError> {
+    let (run_id, _) = admit_run(&state, &headers, &id).await?;
+    let stored = request(&state, &run_id)
+        .await?
+        .attachments
+        .into_iter()
+        .find(|attachment| attachment.name == name)
+        .ok_or_else(|| ApiError::new(StatusCode::NOT_FOUND, format!("no attachment `{name}`")))?;
+    let bytes = base64::engine::general_purpose::STANDARD.decode(&stored.content_base64).map_err(|_| {
+        ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, format!("attachment `{name}` is corrupt in the store"))
+    })?;
+    Ok(([(header::CONTENT_TYPE, "application/octet-stream")], bytes).into_response())
+}
+
+pub(crate) async fn git_credentials(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<Json<GitCredentialsResponse>, ApiError> {
+    let (run_id, _) = admit_run(&state, &headers, &id).await?;
+    Ok(Json(GitCredentialsResponse { credentials: request(&state, &run_id).await?.git_credentials }))
+}
+
+pub(crate) async fn metadata(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let (run_id, _) = admit_run(&state, &headers, &id).await?;
+    Ok(Json(request(&state, &run_id).await?.metadata))
+}
+
+pub(crate) async fn cloud_credentials(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<Json<CloudCredentialsResponse>, ApiError> {
+    let (run_id, _) = admit_run(&state, &headers, &id).await?;
+    Ok(Json(CloudCredentialsResponse { env: request(&state, &run_id).await?.cloud_env }))
+}
+
+const EVENT_TYPES: [&str; 4] = ["started", "exited", "cancelled", "install_failed"];
+
+/// `POST /v1/executions/{id}/events`: acknowledged once stored; a repeat of
+/// an `event_id` is acknowledged and ignored; a type this server does not
+/// know is acknowledged (`202`) and dropped.
+pub(crate) async fn events(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let (run_id, attempt) = admit_run(&state, &headers, &id).await?;
+    let event: Event = match parse_json(&body) {
+        Ok(event) => event,
+        Err(error) => {
+            let value: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+            let unknown = value.get("type").and_then(|t| t.as_str()).is_some_and(|t| !EVENT_TYPES.contains(&t));
+            if unknown && value.get("event_id").is_some_and(serde_json::Value::is_string) {
+                tracing::info!(run_id, "event of an unknown type acknowledged and dropped");
+                return Ok((StatusCode::ACCEPTED, Json(serde_json::json!({}))).into_response());
+            }
+            return Err(error);
+        }
+    };
+    tracing::info!(run_id, attempt, event_id = %event.event_id, kind = ?event.kind, "event");
+    state.engine.event(&run_id, attempt, event).await?;
+    Ok(Json(serde_json::json!({})).into_response())
+}
+
+/// `POST /v1/executions/{id}/log`: `200 {"received": n}`; `409` when the
+/// chunk would leave a gap.
+pub(crate) async fn log(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let (run_id, _) = admit_run(&state, &headers, &id).await?;
+    let chunk: LogChunk = parse_json(&body)?;
+    let data = chunk
+        .bytes()
+        .map_err(|_| ApiError::new(StatusCode::BAD_REQUEST, "data: not valid base64").with_field("data"))?;
+    match state.engine.log(&run_id, chunk.offset, data).await? {
+        Ok(received) => Ok(Json(serde_json::json!({ "received": received })).into_response()),
+        Err(error @ LogError::Gap { .. }) => {
+            Err(ApiError::new(StatusCode::CONFLICT, error.to_string()).with_field("offset"))
+        }
+    }
+}

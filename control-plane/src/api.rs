@@ -1,0 +1,504 @@
+//! The user API: submit, inspect and cancel runs, list sandboxes, metrics.
+//! Every call needs `Authorization: Bearer <api key>`.
+
+use std::collections::{BTreeMap, HashSet};
+
+use axum::Json;
+use axum::body::Bytes;
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use base64::Engine as _;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use standby_protocol::{GitCredential, Run, Secret, Workspace};
+
+use crate::credential::hex;
+use crate::dispatch::CancelError;
+use crate::model::{Attempt, Millis, RunRecord, RunRequest, RunState, StoredAttachment};
+use crate::server::{ApiError, AppState, bearer, from_store};
+
+/// `POST /v1/runs`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Submission {
+    pub command: Vec<String>,
+    #[serde(default)]
+    pub cwd: Option<String>,
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    #[serde(default)]
+    pub secrets: BTreeMap<String, Secret>,
+    #[serde(default)]
+    pub cloud_env: BTreeMap<String, Secret>,
+    #[serde(default)]
+    pub git_credentials: Vec<GitCredential>,
+    #[serde(default)]
+    pub metadata: Option<serde_json::Value>,
+    #[serde(default)]
+    pub attachments: Vec<AttachmentInput>,
+    #[serde(default)]
+    pub mcp_env: BTreeMap<String, String>,
+    #[serde(default)]
+    pub strict_mcp: bool,
+    #[serde(default)]
+    pub workspace: Option<Workspace>,
+}
+
+/// An attachment given inline: UTF-8 `content` or `content_base64`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AttachmentInput {
+    pub name: String,
+    #[serde(default)]
+    pub content: Option<String>,
+    #[serde(default)]
+    pub content_base64: Option<String>,
+}
+
+fn bad(field: impl Into<String>, problem: impl std::fmt::Display) -> ApiError {
+    let field = field.into();
+    ApiError::new(StatusCode::BAD_REQUEST, format!("{field}: {problem}")).with_field(field)
+}
+
+/// Parses a JSON body, naming the offending field on failure and never
+/// quoting a value (it may be a secret).
+pub(crate) fn parse_json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    let mut deserializer = serde_json::Deserializer::from_slice(body);
+    let value = serde_path_to_error::deserialize(&mut deserializer).map_err(|error| {
+        let path = error.path().to_string();
+        let inner = error.into_inner();
+        let message = inner.to_string();
+        let named =
+            |prefix: &str| message.strip_prefix(prefix).and_then(|rest| rest.split('`').nth(1)).map(str::to_owned);
+        if let Some(name) = named("missing field ") {
+            let field = if path == "." { name.clone() } else { format!("{path}.{name}") };
+            return bad(field, "missing");
+        }
+        if let Some(name) = named("unknown field ") {
+            // The path already ends with the unknown field's name.
+            return bad(if path == "." { name } else { path }, "unknown field");
+        }
+        if path == "." {
+            return ApiError::new(
+                StatusCode::BAD_REQUEST,
+                format!(
+                    "the body is not a JSON object of the expected shape: {}",
+                    standby_protocol::describe_json_error(&inner)
+                ),
+            );
+        }
+        // serde's "invalid type: <value>, expected <what>": keep only what
+        // was expected.
+        match message.rsplit_once(", expected ") {
+            Some((_, expected)) => {
+                bad(path, format!("expected {}", expected.split(" at line ").next().unwrap_or(expected)))
+            }
+            None => bad(path, "wrong type or value"),
+        }
+    })?;
+    deserializer
+        .end()
+        .map_err(|_| ApiError::new(StatusCode::BAD_REQUEST, "trailing characters after the JSON body"))?;
+    Ok(value)
+}
+
+fn check_relative(field: &str, path: &str) -> Result<(), ApiError> {
+    let parts: Vec<&str> = path.split('/').collect();
+    if path.is_empty() || path.starts_with('/') || parts.contains(&"..") {
+        return Err(bad(field, "must be a relative path inside the workspace"));
+    }
+    Ok(())
+}
+
+fn check_names<'a>(field: &str, names: impl Iterator<Item = &'a String>) -> Result<(), ApiError> {
+    for name in names {
+        if name.is_empty() || name.contains('=') || name.contains('\0') {
+            return Err(bad(format!("{field}.{name}"), "is not a valid environment variable name"));
+        }
+    }
+    Ok(())
+}
+
+fn check_workspace(workspace: &Workspace) -> Result<(), ApiError> {
+    for (i, repo) in workspace.repos.iter().enumerate() {
+        if repo.url.trim().is_empty() {
+            return Err(bad(format!("workspace.repos[{i}].url"), "must not be empty"));
+        }
+        check_relative(&format!("workspace.repos[{i}].path"), &repo.path)?;
+    }
+    for (i, step) in workspace.setup.iter().enumerate() {
+        if step.name.trim().is_empty() {
+            return Err(bad(format!("workspace.setup[{i}].name"), "must not be empty"));
+        }
+        if step.command.first().is_none_or(|program| program.is_empty()) {
+            return Err(bad(format!("workspace.setup[{i}].command"), "must name a program"));
+        }
+        if let Some(cwd) = &step.cwd {
+            check_relative(&format!("workspace.setup[{i}].cwd"), cwd)?;
+        }
+    }
+    Ok(())
+}
+
+impl Submission {
+    /// Checks what the agent would otherwise refuse only after a sandbox
+    /// was spent on it, and splits the run (sent in the assignment) from
+    /// what is fetched later (secrets and the rest).
+    pub fn validate(self) -> Result<(Run, RunRequest), ApiError> {
+        if self.command.first().is_none_or(|program| program.is_empty()) {
+            return Err(bad("command", "must name a program"));
+        }
+        if let Some(cwd) = &self.cwd {
+            check_relative("cwd", cwd)?;
+        }
+        check_names("env", self.env.keys())?;
+        check_names("mcp_env", self.mcp_env.keys())?;
+        check_names("secrets", self.secrets.keys())?;
+        check_names("cloud_env", self.cloud_env.keys())?;
+        for (i, credential) in self.git_credentials.iter().enumerate() {
+            if credential.protocol.is_empty() {
+                return Err(bad(format!("git_credentials[{i}].protocol"), "must not be empty"));
+            }
+            if credential.host.is_empty() {
+                return Err(bad(format!("git_credentials[{i}].host"), "must not be empty"));
+            }
+        }
+        if let Some(workspace) = &self.workspace {
+            check_workspace(workspace)?;
+        }
+        let mut names = HashSet::new();
+        let mut attachments = Vec::new();
+        for (i, attachment) in self.attachments.into_iter().enumerate() {
+            let field = format!("attachments[{i}]");
+            let plain = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-');
+            if attachment.name.is_empty() || attachment.name.starts_with('.') || !attachment.name.chars().all(plain) {
+                return Err(bad(
+                    format!("{field}.name"),
+                    "must be a plain file name of letters, digits, `.`, `_` and `-`, not starting with `.`",
+                ));
+            }
+            if !names.insert(attachment.name.clone()) {
+                return Err(bad(format!("{field}.name"), "is used by another attachment"));
+            }
+            let content = match (attachment.content, attachment.content_base64) {
+                (Some(text), None) => text.into_bytes(),
+                (None, Some(encoded)) => base64::engine::general_purpose::STANDARD
+                    .decode(encoded.trim())
+                    .map_err(|_| bad(format!("{field}.content_base64"), "is not valid base64"))?,
+                _ => return Err(bad(field, "needs exactly one of `content` and `content_base64`")),
+            };
+            attachments.push(StoredAttachment {
+                name: attachment.name,
+                sha256: hex(&Sha256::digest(&content)),
+                content_base64: base64::engine::general_purpose::STANDARD.encode(&content),
+            });
+        }
+        let run = Run {
+            command: self.command,
+            cwd: self.cwd,
+            env: self.env,
+            mcp_env: self.mcp_env,
+            workspace: self.workspace,
+            strict_mcp: self.strict_mcp,
+        };
+        let request = RunRequest {
+            secrets: self.secrets,
+            cloud_env: self.cloud_env,
+            git_credentials: self.git_credentials,
+            metadata: self.metadata.unwrap_or_else(|| serde_json::json!({})),
+            attachments,
+        };
+        Ok((run, request))
+    }
+}
+
+// ---- views ---------------------------------------------------------------------
+
+#[derive(Debug, Serialize)]
+struct AttemptView {
+    number: u32,
+    sandbox_id: String,
+    path: &'static str,
+    committed_at: String,
+    assignment_sent_at: Option<String>,
+    delivery_confirmed_at: Option<String>,
+    started_at: Option<String>,
+    ended_at: Option<String>,
+    outcome: Option<crate::model::AttemptOutcome>,
+    reason: Option<String>,
+}
+
+impl From<&Attempt> for AttemptView {
+    fn from(attempt: &Attempt) -> Self {
+        Self {
+            number: attempt.number,
+            sandbox_id: attempt.sandbox_id.clone(),
+            path: attempt.path.as_str(),
+            committed_at: attempt.committed_at.rfc3339(),
+            assignment_sent_at: attempt.assignment_sent_at.map(Millis::rfc3339),
+            delivery_confirmed_at: attempt.delivery_confirmed_at.map(Millis::rfc3339),
+            started_at: attempt.started_at.map(Millis::rfc3339),
+            ended_at: attempt.ended_at.map(Millis::rfc3339),
+            outcome: attempt.outcome,
+            reason: attempt.reason.clone(),
+        }
+    }
+}
+
+/// The run's timeline: the submission, then its latest attempt.
+#[derive(Debug, Serialize)]
+struct Timestamps {
+    submitted: String,
+    committed: Option<String>,
+    assignment_sent: Option<String>,
+    delivery_confirmed: Option<String>,
+    started: Option<String>,
+    exited: Option<String>,
+    ended: Option<String>,
+}
+
+/// Submit to start, and its parts, in milliseconds.
+#[derive(Debug, Serialize)]
+struct Durations {
+    submit_to_start: Option<u64>,
+    /// Submitted → committed to the attempt that ran (earlier attempts included).
+    queued: Option<u64>,
+    commit_to_assignment_sent: Option<u64>,
+    assignment_sent_to_delivery_confirmed: Option<u64>,
+    delivery_confirmed_to_started: Option<u64>,
+}
+
+#[derive(Debug, Serialize)]
+struct RunView {
+    id: String,
+    state: RunState,
+    path: Option<&'static str>,
+    command: Vec<String>,
+    attempts: Vec<AttemptView>,
+    exit_code: Option<i32>,
+    error: Option<String>,
+    timestamps: Timestamps,
+    durations_ms: Durations,
+}
+
+fn span(from: Option<Millis>, to: Option<Millis>) -> Option<u64> {
+    Some(to?.since(from?))
+}
+
+fn view(run: &RunRecord) -> RunView {
+    let current = run.current();
+    let at = |f: fn(&Attempt) -> Option<Millis>| current.and_then(f);
+    let committed = current.map(|a| a.committed_at);
+    let sent = at(|a| a.assignment_sent_at);
+    let confirmed = at(|a| a.delivery_confirmed_at);
+    let started = at(|a| a.started_at);
+    RunView {
+        id: run.id.clone(),
+        state: run.state,
+        path: run.path().map(|path| path.as_str()),
+        command: run.run.command.clone(),
+        attempts: run.attempts.iter().map(AttemptView::from).collect(),
+        exit_code: run.exit_code,
+        error: run.error.clone(),
+        timestamps: Timestamps {
+            submitted: run.submitted_at.rfc3339(),
+            committed: committed.map(Millis::rfc3339),
+            assignment_sent: sent.map(Millis::rfc3339),
+            delivery_confirmed: confirmed.map(Millis::rfc3339),
+            started: started.map(Millis::rfc3339),
+            exited: run.ended_at.filter(|_| run.state == RunState::Exited).map(Millis::rfc3339),
+            ended: run.ended_at.map(Millis::rfc3339),
+        },
+        durations_ms: Durations {
+            submit_to_start: span(Some(run.submitted_at), started),
+            queued: span(Some(run.submitted_at), committed),
+            commit_to_assignment_sent: span(committed, sent),
+            assignment_sent_to_delivery_confirmed: span(sent, confirmed),
+            delivery_confirmed_to_started: span(confirmed, started),
+        },
+    }
+}
+
+// ---- handlers ---------------------------------------------------------------------
+
+fn authorize(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
+    match bearer(headers) {
+        Some(key) if state.api_key.matches(key) => Ok(()),
+        Some(_) => Err(ApiError::new(StatusCode::UNAUTHORIZED, "the API key is not valid")),
+        None => Err(ApiError::new(StatusCode::UNAUTHORIZED, "missing `Authorization: Bearer <api key>`")),
+    }
+}
+
+pub(crate) async fn submit(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    authorize(&state, &headers)?;
+    let submission: Submission = parse_json(&body)?;
+    let (run, request) = submission.validate()?;
+    let record = state.engine.submit(run, request).await?;
+    tracing::info!(run_id = %record.id, state = %record.state, "run submitted");
+    Ok((StatusCode::CREATED, Json(view(&record))).into_response())
+}
+
+pub(crate) async fn list(State(state): State<AppState>, headers: HeaderMap) -> Result<Response, ApiError> {
+    authorize(&state, &headers)?;
+    let mut runs = state.engine.runs().await?;
+    runs.sort_by_key(|run| (run.submitted_at, run.id.clone()));
+    let views: Vec<RunView> = runs.iter().map(view).collect();
+    Ok(Json(serde_json::json!({ "runs": views })).into_response())
+}
+
+async fn find(state: &AppState, run_id: &str) -> Result<RunRecord, ApiError> {
+    state.engine.run(run_id).await?.ok_or_else(|| ApiError::new(StatusCode::NOT_FOUND, format!("no run `{run_id}`")))
+}
+
+pub(crate) async fn get(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path(run_id): Path<String>,
+) -> Result<Response, ApiError> {
+    authorize(&state, &headers)?;
+    Ok(Json(view(&find(&state, &run_id).await?)).into_response())
+}
+
+pub(crate) async fn log(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path(run_id): Path<String>,
+) -> Result<Response, ApiError> {
+    authorize(&state, &headers)?;
+    find(&state, &run_id).await?;
+    let bytes = from_store(&state, move |store| store.log(&run_id)).await?;
+    Ok(([(header::CONTENT_TYPE, "text/plain; charset=utf-8")], bytes).into_response())
+}
+
+pub(crate) async fn events(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path(run_id): Path<String>,
+) -> Result<Response, ApiError> {
+    authorize(&state, &headers)?;
+    find(&state, &run_id).await?;
+    let events = from_store(&state, move |store| store.events(&run_id)).await?;
+    let views: Vec<serde_json::Value> = events
+        .into_iter()
+        .map(|stored| {
+            serde_json::json!({
+                "attempt": stored.attempt,
+                "received_at": stored.received_at.rfc3339(),
+                "event": stored.event,
+            })
+        })
+        .collect();
+    Ok(Json(serde_json::json!({ "events": views })).into_response())
+}
+
+pub(crate) async fn cancel(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path(run_id): Path<String>,
+) -> Result<Response, ApiError> {
+    authorize(&state, &headers)?;
+    match state.engine.cancel(&run_id).await? {
+        Ok(_) => Ok(Json(view(&find(&state, &run_id).await?)).into_response()),
+        Err(error @ CancelError::NotFound(_)) => Err(ApiError::new(StatusCode::NOT_FOUND, error.to_string())),
+        Err(error @ CancelError::Finished { .. }) => Err(ApiError::new(StatusCode::CONFLICT, error.to_string())),
+    }
+}
+
+pub(crate) async fn sandboxes(State(state): State<AppState>, headers: HeaderMap) -> Result<Response, ApiError> {
+    authorize(&state, &headers)?;
+    let mut sandboxes = state.engine.sandboxes().await?;
+    sandboxes.sort_by_key(|(view, _)| (view.record.created_at, view.record.id.clone()));
+    let views: Vec<serde_json::Value> = sandboxes
+        .into_iter()
+        .map(|(view, details)| {
+            let record = view.record;
+            serde_json::json!({
+                "id": record.id,
+                "kind": record.kind,
+                "state": record.state.as_str(),
+                "run_id": record.run_id,
+                "created_at": record.created_at.rfc3339(),
+                "connected": view.connected,
+                "candidate": view.candidate,
+                "last_heartbeat_at": view.last_heartbeat_at.map(Millis::rfc3339),
+                "last_state": view.last_state,
+                "connections": record.connections,
+                "run_connections": record.run_connections,
+                "fingerprint": record.fingerprint,
+                "retired_at": record.retired_at.map(Millis::rfc3339),
+                "retire_reason": record.retire_reason,
+                "exit_code": record.exit_code,
+                "pid": details.pid,
+                "dir": details.dir,
+            })
+        })
+        .collect();
+    Ok(Json(serde_json::json!({ "sandboxes": views })).into_response())
+}
+
+pub(crate) async fn metrics(State(state): State<AppState>, headers: HeaderMap) -> Result<Response, ApiError> {
+    authorize(&state, &headers)?;
+    let snapshot = state.engine.metrics().await?;
+    Ok(([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], crate::metrics::render(&snapshot)).into_response())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn submit(body: &str) -> Result<(Run, RunRequest), ApiError> {
+        parse_json::<Submission>(body.as_bytes())?.validate()
+    }
+
+    fn field(body: &str) -> String {
+        let error = submit(body).expect_err("refused");
+        assert_eq!(error.status(), StatusCode::BAD_REQUEST);
+        error.field().unwrap_or_default().to_owned()
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        assert_eq!(field("{}"), "command");
+        assert_eq!(field(r#"{"command": []}"#), "command");
+        assert_eq!(field(r#"{"command": "ls"}"#), "command");
+        assert_eq!(field(r#"{"command": ["ls"], "comand": 1}"#), "comand");
+        assert_eq!(field(r#"{"command": ["ls"], "cwd": "../x"}"#), "cwd");
+        assert_eq!(field(r#"{"command": ["ls"], "env": {"A": 1}}"#), "env.A");
+        assert_eq!(
+            field(r#"{"command": ["ls"], "attachments": [{"name": "../x", "content": ""}]}"#),
+            "attachments[0].name"
+        );
+        assert_eq!(field(r#"{"command": ["ls"], "attachments": [{"name": "a"}]}"#), "attachments[0]");
+        assert_eq!(
+            field(r#"{"command": ["ls"], "workspace": {"repos": [{"url": "u", "path": "/abs"}]}}"#),
+            "workspace.repos[0].path"
+        );
+        assert_eq!(
+            field(r#"{"command": ["ls"], "git_credentials": [{"protocol": "https", "host": "h", "username": "u"}]}"#),
+            "git_credentials[0].password"
+        );
+    }
+
+    #[test]
+    fn errors_do_not_quote_values() {
+        let error = submit(r#"{"command": ["ls"], "secrets": {"K": 12345678}}"#).expect_err("refused");
+        assert!(!error.to_string().contains("12345678"), "{error}");
+        let error = submit(r#"{"command": "sekrit-value"}"#).expect_err("refused");
+        assert!(!error.to_string().contains("sekrit"), "{error}");
+    }
+
+    #[test]
+    fn attachments_are_stored_with_their_sha256() {
+        let (run, request) = submit(r#"{"command": ["ls"], "attachments": [{"name": "a.txt", "content": "abc"}, {"name": "b", "content_base64": "AAE="}]}"#)
+            .expect("valid");
+        assert_eq!(run.command, ["ls"]);
+        assert_eq!(request.attachments[0].sha256, "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+        assert_eq!(request.attachments[1].content_base64, "AAE=");
+        assert_eq!(request.metadata, serde_json::json!({}));
+    }
+}

@@ -1,0 +1,452 @@
+//! `standby-server demo`: the whole system on this machine, with no
+//! external service. It generates a sample git repository (with a real
+//! setup step and an MCP server), starts the server with the local
+//! provider on 127.0.0.1 and a pool of two standbys, submits three runs at
+//! once so that two take the warm path and one the cold path, prints what
+//! each took, and removes everything it made.
+//!
+//! It builds nothing: it runs the `standby` binary it is given (by default
+//! the one next to its own executable).
+
+use std::io::{IsTerminal, Write};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use standby_protocol::{McpServer, Repo, Secret, SetupStep, Spec, Workspace};
+
+use crate::provider::{LocalProvider, SandboxProvider};
+use crate::server::{RunningServer, ServerConfig, ServerError, start};
+use crate::store::{SqliteStore, StoreError};
+
+#[derive(Debug, thiserror::Error)]
+pub enum DemoError {
+    #[error("the agent binary {0} does not exist: build it first with `cargo build --bins`, or pass --agent-bin")]
+    NoAgent(PathBuf),
+    #[error("cannot {action} {path}: {source}")]
+    Io {
+        action: &'static str,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("git {args} failed in {dir}: {message}")]
+    Git { args: String, dir: PathBuf, message: String },
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error(transparent)]
+    Server(#[from] ServerError),
+    #[error("HTTP call {call} failed: {message}")]
+    Http { call: String, message: String },
+    #[error("timed out after {seconds} s waiting for {what}\n{logs}")]
+    Timeout { what: String, seconds: u64, logs: String },
+    #[error("the demo did not go as expected: {0}")]
+    Unexpected(String),
+}
+
+/// How the demo runs.
+#[derive(Debug, Clone)]
+pub struct DemoOptions {
+    pub agent_bin: PathBuf,
+    /// Standbys kept ready (at least one run more than this goes cold).
+    pub pool_size: usize,
+    /// Bound on each wait (standbys ready, runs finished).
+    pub timeout: Duration,
+}
+
+/// One row of the demo's table.
+#[derive(Debug, Clone)]
+pub struct DemoRow {
+    pub run_id: String,
+    pub path: String,
+    pub submit_to_start_ms: Option<u64>,
+    pub queued_ms: Option<u64>,
+    pub commit_to_sent_ms: Option<u64>,
+    pub sent_to_confirmed_ms: Option<u64>,
+    pub confirmed_to_started_ms: Option<u64>,
+    pub exit_code: Option<i64>,
+    pub output: String,
+}
+
+fn io(action: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> DemoError {
+    let path = path.to_owned();
+    move |source| DemoError::Io { action, path, source }
+}
+
+fn git(dir: &Path, args: &[&str]) -> Result<(), DemoError> {
+    let output = std::process::Command::new("git")
+        .args(args)
+        .current_dir(dir)
+        .env("GIT_CONFIG_NOSYSTEM", "1")
+        .env("GIT_CONFIG_GLOBAL", "/dev/null")
+        .env("GIT_AUTHOR_NAME", "Standby Demo")
+        .env("GIT_AUTHOR_EMAIL", "demo@standby.invalid")
+        .env("GIT_COMMITTER_NAME", "Standby Demo")
+        .env("GIT_COMMITTER_EMAIL", "demo@standby.invalid")
+        .output()
+        .map_err(io("run git in", dir))?;
+    if output.status.success() {
+        Ok(())
+    } else {
+        Err(DemoError::Git {
+            args: args.join(" "),
+            dir: dir.to_owned(),
+            message: String::from_utf8_lossy(&output.stderr).trim().to_owned(),
+        })
+    }
+}
+
+const SETUP: &str = "#!/bin/sh
+# The sample's setup step: what `npm ci` or `cargo build` would be.
+set -e
+mkdir -p build
+echo \"built from $(git rev-parse --short HEAD)\" > build/info.txt
+";
+
+const TASK: &str = "#!/bin/sh
+# The sample's run: reads what setup built.
+echo \"task $1: $(cat build/info.txt), DEMO_TASK=$DEMO_TASK\"
+";
+
+/// A tiny TCP server standing in for an MCP server: it accepts and answers
+/// one line per connection. It listens on a port of its own choosing, since
+/// every local sandbox shares this machine's ports.
+const MCP_SERVER: &str = "import socket
+server = socket.socket()
+server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+server.bind(('127.0.0.1', 0))
+server.listen()
+while True:
+    connection, _ = server.accept()
+    connection.sendall(b'{\"jsonrpc\":\"2.0\",\"result\":\"demo notes\"}\\n')
+    connection.close()
+";
+
+fn on_path(program: &str) -> bool {
+    std::env::var_os("PATH").is_some_and(|path| std::env::split_paths(&path).any(|dir| dir.join(program).is_file()))
+}
+
+/// The sample repository and the spec that prepares it.
+fn sample(dir: &Path) -> Result<(Spec, bool), DemoError> {
+    let repo = dir.join("sample-repo");
+    std::fs::create_dir_all(&repo).map_err(io("create", &repo))?;
+    for (name, content) in
+        [("README.md", "# Sample\nA repository the demo's standbys prepare.\n"), ("setup.sh", SETUP), ("task.sh", TASK)]
+    {
+        let path = repo.join(name);
+        std::fs::write(&path, content).map_err(io("write", &path))?;
+    }
+    git(&repo, &["init", "--quiet", "--initial-branch=main"])?;
+    git(&repo, &["add", "--all"])?;
+    git(&repo, &["commit", "--quiet", "--message", "sample"])?;
+    let python = on_path("python3");
+    let mut mcp_servers = Vec::new();
+    if python {
+        let script = dir.join("mcp_notes.py");
+        std::fs::write(&script, MCP_SERVER).map_err(io("write", &script))?;
+        mcp_servers.push(McpServer {
+            name: "notes".into(),
+            command: vec!["python3".into(), script.display().to_string()],
+            env: [("NOTES_MODE".to_owned(), "read-only".to_owned())].into(),
+            ready_tcp: None,
+            transport: None,
+            url: None,
+        });
+    }
+    let spec = Spec {
+        workspace: Workspace {
+            repos: vec![Repo {
+                url: format!("file://{}", repo.display()),
+                path: "app".into(),
+                git_ref: Some("main".into()),
+                expected_sha: None,
+            }],
+            setup: vec![SetupStep {
+                name: "build".into(),
+                command: vec!["sh".into(), "setup.sh".into()],
+                cwd: Some("app".into()),
+                timeout_s: Some(120),
+            }],
+        },
+        mcp_servers,
+        shell: Some(vec!["/bin/sh".into()]),
+        deadline: None,
+    };
+    Ok((spec, python))
+}
+
+/// A line on stderr that says what the demo waits for, rewritten in place
+/// on a terminal.
+struct Progress {
+    terminal: bool,
+    last: String,
+}
+
+impl Progress {
+    fn new() -> Self {
+        Self { terminal: std::io::stderr().is_terminal(), last: String::new() }
+    }
+
+    fn show(&mut self, line: &str) {
+        if line == self.last {
+            return;
+        }
+        let mut stderr = std::io::stderr();
+        let _ = if self.terminal { write!(stderr, "\r\x1b[2K{line}") } else { writeln!(stderr, "{line}") };
+        let _ = stderr.flush();
+        self.last = line.to_owned();
+    }
+
+    fn done(&mut self) {
+        if self.terminal && !self.last.is_empty() {
+            let _ = writeln!(std::io::stderr());
+        }
+        self.last.clear();
+    }
+}
+
+struct Client {
+    http: reqwest::Client,
+    base: String,
+    key: Secret,
+}
+
+impl Client {
+    async fn call(&self, method: reqwest::Method, path: &str, body: Option<Value>) -> Result<Value, DemoError> {
+        let call = format!("{method} {path}");
+        let failed = |message: String| DemoError::Http { call: call.clone(), message };
+        let mut request =
+            self.http.request(method.clone(), format!("{}{path}", self.base)).bearer_auth(self.key.expose());
+        if let Some(body) = body {
+            request = request.json(&body);
+        }
+        let response = request.send().await.map_err(|e| failed(e.to_string()))?;
+        let status = response.status();
+        let text = response.text().await.map_err(|e| failed(e.to_string()))?;
+        if !status.is_success() {
+            return Err(failed(format!("{status}: {text}")));
+        }
+        Ok(serde_json::from_str(&text).unwrap_or(Value::String(text)))
+    }
+
+    async fn get(&self, path: &str) -> Result<Value, DemoError> {
+        self.call(reqwest::Method::GET, path, None).await
+    }
+}
+
+/// The tail of every agent log, for a failure message.
+fn agent_logs(root: &Path) -> String {
+    let mut logs = String::new();
+    for entry in std::fs::read_dir(root).into_iter().flatten().flatten() {
+        let path = entry.path().join("agent.log");
+        if let Ok(text) = std::fs::read_to_string(&path) {
+            let lines: Vec<&str> = text.lines().collect();
+            logs.push_str(&format!(
+                "--- {} ---\n{}\n",
+                path.display(),
+                lines[lines.len().saturating_sub(15)..].join("\n")
+            ));
+        }
+    }
+    logs
+}
+
+/// Runs the demo, writing the table to `out`; the rows.
+pub async fn run(options: &DemoOptions, out: &mut impl Write) -> Result<Vec<DemoRow>, DemoError> {
+    if !options.agent_bin.is_file() {
+        return Err(DemoError::NoAgent(options.agent_bin.clone()));
+    }
+    let dir =
+        tempfile::Builder::new().prefix("standby-demo-").tempdir().map_err(io("create", &std::env::temp_dir()))?;
+    let (spec, mcp) = sample(dir.path())?;
+    let sandboxes = dir.path().join("sandboxes");
+    let provider = Arc::new(LocalProvider::new(sandboxes.clone(), options.agent_bin.clone()));
+    let store = Arc::new(SqliteStore::open(&dir.path().join("standby.db"))?);
+    let key = Secret::new(format!("demo-{}", crate::credential::hex(&rand::random::<[u8; 16]>())));
+    let mut config = ServerConfig::new(key.clone(), spec);
+    config.pool_size = options.pool_size;
+    config.heartbeat_interval = Duration::from_millis(500);
+    config.linger = Duration::from_secs(5);
+    config.stop_grace = Duration::from_secs(5);
+    config.launch_timeout = Duration::from_secs(60);
+    let server = start(config, store, provider).await?;
+    let result = drive(options, &server, &key, &sandboxes, mcp, out).await;
+    server.shutdown().await?;
+    drop(dir);
+    result
+}
+
+async fn drive<P: SandboxProvider>(
+    options: &DemoOptions,
+    server: &RunningServer<P>,
+    key: &Secret,
+    sandboxes: &Path,
+    mcp: bool,
+    out: &mut impl Write,
+) -> Result<Vec<DemoRow>, DemoError> {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let http = reqwest::Client::builder()
+        .timeout(Duration::from_secs(30))
+        .build()
+        .map_err(|e| DemoError::Http { call: "client".into(), message: e.to_string() })?;
+    let client = Client { http, base: server.url().to_owned(), key: key.clone() };
+    let mut progress = Progress::new();
+    let wrote = |e: std::io::Error| DemoError::Io { action: "write", path: "stdout".into(), source: e };
+    writeln!(out, "standby demo: server at {}, pool of {} standbys", server.url(), options.pool_size).map_err(wrote)?;
+    if !mcp {
+        writeln!(out, "(python3 not found: the standbys run without the sample MCP server)").map_err(wrote)?;
+    }
+
+    let deadline = tokio::time::Instant::now() + options.timeout;
+    loop {
+        let listing = client.get("/v1/sandboxes").await?;
+        let ready =
+            listing["sandboxes"].as_array().map_or(0, |all| all.iter().filter(|s| s["candidate"] == true).count());
+        progress.show(&format!(
+            "waiting for {} standbys to prepare (clone, setup step{}): {ready}/{} ready",
+            options.pool_size,
+            if mcp { ", MCP server" } else { "" },
+            options.pool_size
+        ));
+        if ready >= options.pool_size {
+            break;
+        }
+        if tokio::time::Instant::now() > deadline {
+            progress.done();
+            return Err(DemoError::Timeout {
+                what: "the standbys to be ready".into(),
+                seconds: options.timeout.as_secs(),
+                logs: agent_logs(sandboxes),
+            });
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    progress.done();
+
+    let runs = options.pool_size + 1;
+    let mut ids = Vec::new();
+    for n in 1..=runs {
+        let body = json!({
+            "command": ["sh", "task.sh", n.to_string()],
+            "cwd": "app",
+            "mcp_env": {"DEMO_TASK": format!("task-{n}")},
+            "env": {"DEMO_TASK": format!("task-{n}")},
+        });
+        let created = client.call(reqwest::Method::POST, "/v1/runs", Some(body)).await?;
+        ids.push(created["id"].as_str().unwrap_or_default().to_owned());
+    }
+    writeln!(out, "submitted {runs} runs at once: {}", ids.join(", ")).map_err(wrote)?;
+
+    let deadline = tokio::time::Instant::now() + options.timeout;
+    let finished = loop {
+        let mut views = Vec::new();
+        for id in &ids {
+            views.push(client.get(&format!("/v1/runs/{id}")).await?);
+        }
+        let pending: Vec<String> = views
+            .iter()
+            .filter(|v| !matches!(v["state"].as_str(), Some("exited" | "failed" | "cancelled")))
+            .map(|v| {
+                format!(
+                    "{} {} ({})",
+                    v["id"].as_str().unwrap_or("?"),
+                    v["state"].as_str().unwrap_or("?"),
+                    v["path"].as_str().unwrap_or("-")
+                )
+            })
+            .collect();
+        if pending.is_empty() {
+            break views;
+        }
+        progress.show(&format!("waiting for runs to finish: {}", pending.join(", ")));
+        if tokio::time::Instant::now() > deadline {
+            progress.done();
+            return Err(DemoError::Timeout {
+                what: "the runs to finish".into(),
+                seconds: options.timeout.as_secs(),
+                logs: agent_logs(sandboxes),
+            });
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    progress.done();
+
+    let mut rows = Vec::new();
+    for run in &finished {
+        let id = run["id"].as_str().unwrap_or_default().to_owned();
+        let log = client.call(reqwest::Method::GET, &format!("/v1/runs/{id}/log"), None).await?;
+        let output = log
+            .as_str()
+            .unwrap_or_default()
+            .lines()
+            .map(str::trim)
+            .find(|l| !l.is_empty())
+            .unwrap_or_default()
+            .to_owned();
+        let ms = |name: &str| run["durations_ms"][name].as_u64();
+        rows.push(DemoRow {
+            run_id: id,
+            path: run["path"].as_str().unwrap_or("-").to_owned(),
+            submit_to_start_ms: ms("submit_to_start"),
+            queued_ms: ms("queued"),
+            commit_to_sent_ms: ms("commit_to_assignment_sent"),
+            sent_to_confirmed_ms: ms("assignment_sent_to_delivery_confirmed"),
+            confirmed_to_started_ms: ms("delivery_confirmed_to_started"),
+            exit_code: run["exit_code"].as_i64(),
+            output,
+        });
+    }
+    print_table(out, &rows).map_err(wrote)?;
+    for run in &finished {
+        if run["state"] != "exited" || run["exit_code"] != 0 {
+            return Err(DemoError::Unexpected(format!(
+                "run {} ended {} (exit code {}, error {})",
+                run["id"], run["state"], run["exit_code"], run["error"]
+            )));
+        }
+    }
+    for path in ["warm", "cold"] {
+        if !rows.iter().any(|row| row.path == path) {
+            return Err(DemoError::Unexpected(format!("no run took the {path} path")));
+        }
+    }
+    Ok(rows)
+}
+
+fn seconds(ms: Option<u64>) -> String {
+    ms.map_or_else(|| "-".to_owned(), |ms| format!("{:.2}s", ms as f64 / 1000.0))
+}
+
+fn print_table(out: &mut impl Write, rows: &[DemoRow]) -> std::io::Result<()> {
+    writeln!(out)?;
+    writeln!(
+        out,
+        "{:<18} {:<5} {:>13} {:>8} {:>13} {:>16} {:>17} {:>5}",
+        "run", "path", "submit→start", "queued", "commit→sent", "sent→confirmed", "confirmed→start", "exit"
+    )?;
+    for row in rows {
+        writeln!(
+            out,
+            "{:<18} {:<5} {:>13} {:>8} {:>13} {:>16} {:>17} {:>5}",
+            row.run_id,
+            row.path,
+            seconds(row.submit_to_start_ms),
+            seconds(row.queued_ms),
+            seconds(row.commit_to_sent_ms),
+            seconds(row.sent_to_confirmed_ms),
+            seconds(row.confirmed_to_started_ms),
+            row.exit_code.map_or_else(|| "-".to_owned(), |c| c.to_string()),
+        )?;
+    }
+    writeln!(out)?;
+    writeln!(out, "warm: the run was bound to a standby that had already cloned, set up and started its MCP server;")?;
+    writeln!(
+        out,
+        "cold: no standby was free, so a sandbox was created for the run and prepared after it was submitted."
+    )?;
+    for row in rows {
+        writeln!(out, "{} output: {}", row.run_id, row.output)?;
+    }
+    Ok(())
+}

@@ -1,0 +1,458 @@
+//! Drives the [`Dispatch`] state machine: one task owns it, takes commands
+//! from HTTP handlers, sockets, provider tasks and a ticker, and for each
+//! step applies the writes in one store transaction **before** carrying out
+//! the effects (sending frames, launching and retiring sandboxes).
+//!
+//! A store failure is fatal: the machine's memory may then be ahead of the
+//! store, so the engine stops and the server shuts down; the next start
+//! rebuilds everything from what was committed.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use standby_protocol::{AgentState, Event, Run, Secret, ServerMessage};
+use tokio::sync::{mpsc, oneshot, watch};
+
+use crate::dispatch::{
+    Admission, CancelError, ConnId, Dispatch, Effect, Found, LogError, MetricsSnapshot, Refusal, SandboxView, Step,
+};
+use crate::model::{Millis, RunRecord, RunRequest, RunState, SandboxRecord};
+use crate::provider::{AgentLaunch, Details, SandboxProvider};
+use crate::store::{Store, StoreError};
+
+/// What a socket task is told to do.
+#[derive(Debug)]
+pub enum Outbound {
+    /// Write a text frame; for an assignment, report when it is written.
+    Frame { text: String, assignment_of: Option<String> },
+    /// Send a close frame and end the connection.
+    Close,
+}
+
+/// The engine stopped (a store failure, or shutdown) before answering.
+#[derive(Debug, Clone, Copy, thiserror::Error)]
+#[error("the dispatch engine is not running")]
+pub struct EngineGone;
+
+#[derive(Debug)]
+enum Command {
+    Authenticate { token: String, reply: oneshot::Sender<Result<Admission, Refusal>> },
+    Connect { conn: ConnId, sender: mpsc::UnboundedSender<Outbound>, credential_id: String, presented: Secret },
+    Disconnect { conn: ConnId },
+    Heartbeat { conn: ConnId, state: AgentState },
+    AssignmentSent { run_id: String },
+    Submit { run: Box<Run>, request: Box<RunRequest>, reply: oneshot::Sender<RunRecord> },
+    Cancel { run_id: String, reply: oneshot::Sender<Result<RunState, CancelError>> },
+    GetRun { run_id: String, reply: oneshot::Sender<Option<RunRecord>> },
+    ListRuns { reply: oneshot::Sender<Vec<RunRecord>> },
+    GetSandbox { sandbox_id: String, reply: oneshot::Sender<Option<SandboxRecord>> },
+    Sandboxes { reply: oneshot::Sender<Vec<(SandboxView, Details)>> },
+    Event { run_id: String, attempt: u32, event: Event, reply: oneshot::Sender<()> },
+    Log { run_id: String, offset: u64, data: Vec<u8>, reply: oneshot::Sender<Result<u64, LogError>> },
+    Metrics { reply: oneshot::Sender<MetricsSnapshot> },
+    Exited { sandbox_id: String, code: Option<i32> },
+    LaunchFailed { sandbox_id: String, error: String },
+    Probed { sandbox_id: String, found: Found },
+    Drain { reply: oneshot::Sender<()> },
+    Stop,
+}
+
+/// How the engine launches and stops agents.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// The base URL agents are given (`STANDBY_SERVER_URL`).
+    pub server_url: String,
+    pub heartbeat_interval: Duration,
+    /// `STANDBY_LOG` of the agents.
+    pub agent_log: String,
+    /// Between SIGTERM and SIGKILL when a sandbox is stopped.
+    pub stop_grace: Duration,
+    /// How often silence and the pool are checked.
+    pub tick: Duration,
+}
+
+/// A cheap, cloneable way to talk to the engine.
+#[derive(Debug, Clone)]
+pub struct EngineHandle {
+    tx: mpsc::Sender<Command>,
+    next_conn: Arc<AtomicU64>,
+}
+
+impl EngineHandle {
+    async fn ask<T>(&self, make: impl FnOnce(oneshot::Sender<T>) -> Command) -> Result<T, EngineGone> {
+        let (reply, answer) = oneshot::channel();
+        self.tx.send(make(reply)).await.map_err(|_| EngineGone)?;
+        answer.await.map_err(|_| EngineGone)
+    }
+
+    async fn tell(&self, command: Command) {
+        // Only fails when the engine has stopped; the caller is then being
+        // torn down too.
+        let _ = self.tx.send(command).await;
+    }
+
+    pub fn next_conn_id(&self) -> ConnId {
+        self.next_conn.fetch_add(1, Ordering::Relaxed)
+    }
+
+    pub async fn authenticate(&self, token: &str) -> Result<Result<Admission, Refusal>, EngineGone> {
+        let token = token.to_owned();
+        self.ask(|reply| Command::Authenticate { token, reply }).await
+    }
+
+    pub async fn connect(
+        &self,
+        conn: ConnId,
+        sender: mpsc::UnboundedSender<Outbound>,
+        credential_id: &str,
+        presented: Secret,
+    ) {
+        self.tell(Command::Connect { conn, sender, credential_id: credential_id.to_owned(), presented }).await;
+    }
+
+    pub async fn disconnect(&self, conn: ConnId) {
+        self.tell(Command::Disconnect { conn }).await;
+    }
+
+    pub async fn heartbeat(&self, conn: ConnId, state: AgentState) {
+        self.tell(Command::Heartbeat { conn, state }).await;
+    }
+
+    pub async fn assignment_sent(&self, run_id: &str) {
+        self.tell(Command::AssignmentSent { run_id: run_id.to_owned() }).await;
+    }
+
+    pub async fn submit(&self, run: Run, request: RunRequest) -> Result<RunRecord, EngineGone> {
+        self.ask(|reply| Command::Submit { run: Box::new(run), request: Box::new(request), reply }).await
+    }
+
+    pub async fn cancel(&self, run_id: &str) -> Result<Result<RunState, CancelError>, EngineGone> {
+        let run_id = run_id.to_owned();
+        self.ask(|reply| Command::Cancel { run_id, reply }).await
+    }
+
+    pub async fn run(&self, run_id: &str) -> Result<Option<RunRecord>, EngineGone> {
+        let run_id = run_id.to_owned();
+        self.ask(|reply| Command::GetRun { run_id, reply }).await
+    }
+
+    pub async fn runs(&self) -> Result<Vec<RunRecord>, EngineGone> {
+        self.ask(|reply| Command::ListRuns { reply }).await
+    }
+
+    pub async fn sandbox(&self, sandbox_id: &str) -> Result<Option<SandboxRecord>, EngineGone> {
+        let sandbox_id = sandbox_id.to_owned();
+        self.ask(|reply| Command::GetSandbox { sandbox_id, reply }).await
+    }
+
+    pub async fn sandboxes(&self) -> Result<Vec<(SandboxView, Details)>, EngineGone> {
+        self.ask(|reply| Command::Sandboxes { reply }).await
+    }
+
+    pub async fn event(&self, run_id: &str, attempt: u32, event: Event) -> Result<(), EngineGone> {
+        let run_id = run_id.to_owned();
+        self.ask(|reply| Command::Event { run_id, attempt, event, reply }).await
+    }
+
+    pub async fn log(&self, run_id: &str, offset: u64, data: Vec<u8>) -> Result<Result<u64, LogError>, EngineGone> {
+        let run_id = run_id.to_owned();
+        self.ask(|reply| Command::Log { run_id, offset, data, reply }).await
+    }
+
+    pub async fn metrics(&self) -> Result<MetricsSnapshot, EngineGone> {
+        self.ask(|reply| Command::Metrics { reply }).await
+    }
+
+    /// Stops dispatching and launching; exits no longer change state.
+    pub async fn drain(&self) -> Result<(), EngineGone> {
+        self.ask(|reply| Command::Drain { reply }).await
+    }
+
+    /// Ends the engine task, closing every control connection.
+    pub async fn stop(&self) {
+        self.tell(Command::Stop).await;
+    }
+}
+
+/// The task that owns the state machine.
+pub struct Engine<P> {
+    machine: Dispatch,
+    store: Arc<dyn Store>,
+    provider: Arc<P>,
+    config: EngineConfig,
+    conns: HashMap<ConnId, mpsc::UnboundedSender<Outbound>>,
+    /// Serialises launch and retirement of one sandbox.
+    ops: HashMap<String, Arc<tokio::sync::Mutex<()>>>,
+    rx: mpsc::Receiver<Command>,
+    handle: EngineHandle,
+}
+
+impl<P> std::fmt::Debug for Engine<P> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine")
+            .field("machine", &self.machine)
+            .field("conns", &self.conns.len())
+            .finish_non_exhaustive()
+    }
+}
+
+async fn blocking<T: Send + 'static>(
+    store: &Arc<dyn Store>,
+    call: impl FnOnce(&dyn Store) -> Result<T, StoreError> + Send + 'static,
+) -> Result<T, StoreError> {
+    let store = Arc::clone(store);
+    match tokio::task::spawn_blocking(move || call(store.as_ref())).await {
+        Ok(result) => result,
+        Err(join) => std::panic::resume_unwind(join.into_panic()),
+    }
+}
+
+impl<P: SandboxProvider> Engine<P> {
+    /// An engine for `machine`; `initial` is the step [`Dispatch::restore`]
+    /// returned, applied before anything else.
+    pub fn new(
+        machine: Dispatch,
+        store: Arc<dyn Store>,
+        provider: Arc<P>,
+        config: EngineConfig,
+    ) -> (Self, EngineHandle) {
+        let (tx, rx) = mpsc::channel(1024);
+        let handle = EngineHandle { tx, next_conn: Arc::new(AtomicU64::new(1)) };
+        let engine = Self {
+            machine,
+            store,
+            provider,
+            config,
+            conns: HashMap::new(),
+            ops: HashMap::new(),
+            rx,
+            handle: handle.clone(),
+        };
+        (engine, handle)
+    }
+
+    /// Runs until stopped or until the store fails; `fatal` is set on a
+    /// store failure so the server can shut down.
+    pub async fn run(mut self, initial: Step, fatal: watch::Sender<Option<String>>) {
+        if let Err(error) = self.apply(initial).await {
+            let _ = fatal.send(Some(error.to_string()));
+            return;
+        }
+        let mut ticker = tokio::time::interval(self.config.tick);
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            let result = tokio::select! {
+                command = self.rx.recv() => match command {
+                    None | Some(Command::Stop) => break,
+                    Some(command) => self.handle(command).await,
+                },
+                _ = ticker.tick() => {
+                    let step = self.machine.tick(Millis::now());
+                    self.apply(step).await
+                }
+            };
+            if let Err(error) = result {
+                tracing::error!(%error, "store failure: the engine stops");
+                let _ = fatal.send(Some(error.to_string()));
+                break;
+            }
+        }
+        // Dropping the senders ends every socket task.
+        self.conns.clear();
+    }
+
+    async fn handle(&mut self, command: Command) -> Result<(), StoreError> {
+        let now = Millis::now();
+        match command {
+            Command::Authenticate { token, reply } => {
+                let _ = reply.send(self.machine.authenticate(&token));
+            }
+            Command::Connect { conn, sender, credential_id, presented } => {
+                self.conns.insert(conn, sender);
+                let step = self.machine.connected(now, conn, &credential_id, &presented);
+                self.apply(step).await?;
+            }
+            Command::Disconnect { conn } => {
+                self.conns.remove(&conn);
+                self.machine.disconnected(conn);
+            }
+            Command::Heartbeat { conn, state } => {
+                let step = self.machine.heartbeat(now, conn, state);
+                self.apply(step).await?;
+            }
+            Command::AssignmentSent { run_id } => {
+                let step = self.machine.assignment_sent(now, &run_id);
+                self.apply(step).await?;
+            }
+            Command::Submit { run, request, reply } => {
+                let (step, run_id) = self.machine.submit(now, *run, *request);
+                self.apply(step).await?;
+                if let Some(record) = self.machine.run(&run_id) {
+                    let _ = reply.send(record.clone());
+                }
+            }
+            Command::Cancel { run_id, reply } => match self.machine.cancel(now, &run_id) {
+                Ok((step, state)) => {
+                    self.apply(step).await?;
+                    let _ = reply.send(Ok(state));
+                }
+                Err(error) => {
+                    let _ = reply.send(Err(error));
+                }
+            },
+            Command::GetRun { run_id, reply } => {
+                let _ = reply.send(self.machine.run(&run_id).cloned());
+            }
+            Command::ListRuns { reply } => {
+                let _ = reply.send(self.machine.runs().cloned().collect());
+            }
+            Command::GetSandbox { sandbox_id, reply } => {
+                let _ = reply.send(self.machine.sandbox(&sandbox_id).cloned());
+            }
+            Command::Sandboxes { reply } => {
+                let views = self.machine.sandbox_views(now);
+                let with_details = views
+                    .into_iter()
+                    .map(|view| {
+                        let details = self.provider.details(&view.record.id);
+                        (view, details)
+                    })
+                    .collect();
+                let _ = reply.send(with_details);
+            }
+            Command::Event { run_id, attempt, event, reply } => {
+                let step = self.machine.event(now, &run_id, attempt, event);
+                self.apply(step).await?;
+                let _ = reply.send(());
+            }
+            Command::Log { run_id, offset, data, reply } => match self.machine.log(&run_id, offset, &data) {
+                Ok((step, received)) => {
+                    self.apply(step).await?;
+                    let _ = reply.send(Ok(received));
+                }
+                Err(error) => {
+                    let _ = reply.send(Err(error));
+                }
+            },
+            Command::Metrics { reply } => {
+                let _ = reply.send(self.machine.metrics());
+            }
+            Command::Exited { sandbox_id, code } => {
+                let step = self.machine.sandbox_exited(now, &sandbox_id, code);
+                self.apply(step).await?;
+            }
+            Command::LaunchFailed { sandbox_id, error } => {
+                let step = self.machine.launch_failed(now, &sandbox_id, &error);
+                self.apply(step).await?;
+            }
+            Command::Probed { sandbox_id, found } => {
+                let step = self.machine.probed(now, &sandbox_id, found);
+                self.apply(step).await?;
+            }
+            Command::Drain { reply } => {
+                self.machine.shutdown();
+                let _ = reply.send(());
+            }
+            Command::Stop => {}
+        }
+        Ok(())
+    }
+
+    /// Commit, then tell: the writes first, in one transaction; the effects
+    /// only once it succeeded.
+    async fn apply(&mut self, step: Step) -> Result<(), StoreError> {
+        let Step { writes, effects } = step;
+        if !writes.is_empty() {
+            blocking(&self.store, move |store| store.apply(&writes)).await?;
+        }
+        for effect in effects {
+            self.effect(effect);
+        }
+        Ok(())
+    }
+
+    fn ops_lock(&mut self, sandbox_id: &str) -> Arc<tokio::sync::Mutex<()>> {
+        Arc::clone(self.ops.entry(sandbox_id.to_owned()).or_default())
+    }
+
+    fn effect(&mut self, effect: Effect) {
+        match effect {
+            Effect::Send { conn, message } => {
+                let assignment_of = match &message {
+                    ServerMessage::Assignment(assignment) => Some(assignment.execution_id.clone()),
+                    _ => None,
+                };
+                if let (Some(sender), Some(text)) = (self.conns.get(&conn), message.encode()) {
+                    let _ = sender.send(Outbound::Frame { text, assignment_of });
+                }
+            }
+            Effect::Close { conn } => {
+                if let Some(sender) = self.conns.get(&conn) {
+                    let _ = sender.send(Outbound::Close);
+                }
+            }
+            Effect::Launch { sandbox_id, token, create } => {
+                let lock = self.ops_lock(&sandbox_id);
+                let provider = Arc::clone(&self.provider);
+                let handle = self.handle.clone();
+                let launch = AgentLaunch {
+                    server_url: self.config.server_url.clone(),
+                    token,
+                    heartbeat_interval: self.config.heartbeat_interval,
+                    log_filter: self.config.agent_log.clone(),
+                };
+                // Spawned on a worker thread (never the blocking pool): the
+                // local provider's parent-death signal is tied to the thread
+                // that spawns the agent.
+                tokio::spawn(async move {
+                    let _guard = lock.lock().await;
+                    let prepared =
+                        if create { provider.create(&sandbox_id).await } else { provider.start(&sandbox_id).await };
+                    let launched = match prepared {
+                        Ok(()) => provider.launch(&sandbox_id, launch).await,
+                        Err(error) => Err(error),
+                    };
+                    match launched {
+                        Ok(launched) => {
+                            tokio::spawn(async move {
+                                let code = launched.exited.await.unwrap_or(None);
+                                handle.tell(Command::Exited { sandbox_id, code }).await;
+                            });
+                        }
+                        Err(error) => {
+                            tracing::error!(%error, "launch failed");
+                            handle.tell(Command::LaunchFailed { sandbox_id, error: error.to_string() }).await;
+                        }
+                    }
+                });
+            }
+            Effect::Retire { sandbox_id, linger } => {
+                let lock = self.ops_lock(&sandbox_id);
+                let provider = Arc::clone(&self.provider);
+                let grace = self.config.stop_grace;
+                tokio::spawn(async move {
+                    let _guard = lock.lock().await;
+                    if !provider.wait_exit(&sandbox_id, linger).await {
+                        provider.stop(&sandbox_id, grace).await;
+                    }
+                    if let Err(error) = provider.delete(&sandbox_id).await {
+                        tracing::warn!(%error, "deleting a retired sandbox failed");
+                    }
+                });
+            }
+            Effect::Probe { sandbox_id } => {
+                let provider = Arc::clone(&self.provider);
+                let handle = self.handle.clone();
+                tokio::spawn(async move {
+                    let found = provider.state(&sandbox_id).await.unwrap_or_else(|error| {
+                        tracing::warn!(%error, "probing a sandbox failed: taken as missing");
+                        Found::Missing
+                    });
+                    handle.tell(Command::Probed { sandbox_id, found }).await;
+                });
+            }
+        }
+    }
+}

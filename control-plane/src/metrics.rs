@@ -1,0 +1,87 @@
+//! `/metrics` in the Prometheus text exposition format, rendered from the
+//! state machine's records at scrape time: nothing to lose in a restart,
+//! since the records are what the store keeps.
+
+use std::fmt::Write as _;
+
+use crate::dispatch::MetricsSnapshot;
+use crate::model::{RunPath, RunState};
+
+/// Upper bounds of the assignment-to-start histogram, in seconds: from a
+/// warm start (tens of milliseconds) to a slow cold one (minutes).
+const BUCKETS: [f64; 14] = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0];
+
+pub fn render(snapshot: &MetricsSnapshot) -> String {
+    let mut out = String::new();
+    // Writing to a String cannot fail.
+    let _ = render_into(&mut out, snapshot);
+    out
+}
+
+fn render_into(out: &mut String, snapshot: &MetricsSnapshot) -> std::fmt::Result {
+    writeln!(out, "# HELP standby_runs Runs by state and by the path of their latest attempt (none: never bound).")?;
+    writeln!(out, "# TYPE standby_runs gauge")?;
+    for state in RunState::ALL {
+        for path in [None, Some(RunPath::Warm), Some(RunPath::Cold)] {
+            let count = snapshot.runs.get(&(state, path)).copied().unwrap_or(0);
+            let path = path.map_or("none", RunPath::as_str);
+            writeln!(out, "standby_runs{{state=\"{}\",path=\"{path}\"}} {count}", state.as_str())?;
+        }
+    }
+    writeln!(out, "# HELP standby_assignment_to_start_seconds From the assignment frame written to the run started.")?;
+    writeln!(out, "# TYPE standby_assignment_to_start_seconds histogram")?;
+    let seconds: Vec<f64> = snapshot.assignment_to_start_ms.iter().map(|ms| *ms as f64 / 1000.0).collect();
+    for bound in BUCKETS {
+        let count = seconds.iter().filter(|s| **s <= bound).count();
+        writeln!(out, "standby_assignment_to_start_seconds_bucket{{le=\"{bound}\"}} {count}")?;
+    }
+    writeln!(out, "standby_assignment_to_start_seconds_bucket{{le=\"+Inf\"}} {}", seconds.len())?;
+    writeln!(out, "standby_assignment_to_start_seconds_sum {}", seconds.iter().sum::<f64>())?;
+    writeln!(out, "standby_assignment_to_start_seconds_count {}", seconds.len())?;
+    let scalars = [
+        (
+            "standby_connected_standbys",
+            "gauge",
+            "Sandboxes with a live control connection on their standby credential.",
+            snapshot.connected_standbys,
+        ),
+        ("standby_sandboxes", "gauge", "Sandboxes not retired.", snapshot.sandboxes_live),
+        (
+            "standby_reconnects_total",
+            "counter",
+            "Control connections of a sandbox after its first.",
+            snapshot.reconnects,
+        ),
+        (
+            "standby_requeues_total",
+            "counter",
+            "Attempts released before the run started, the run requeued.",
+            snapshot.requeues,
+        ),
+    ];
+    for (name, kind, help, value) in scalars {
+        writeln!(out, "# HELP {name} {help}")?;
+        writeln!(out, "# TYPE {name} {kind}")?;
+        writeln!(out, "{name} {value}")?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn histogram_buckets_are_cumulative() {
+        let mut snapshot = MetricsSnapshot { assignment_to_start_ms: vec![20, 700, 400_000], ..Default::default() };
+        snapshot.runs.insert((RunState::Exited, Some(RunPath::Warm)), 2);
+        let text = render(&snapshot);
+        assert!(text.contains("standby_runs{state=\"exited\",path=\"warm\"} 2"));
+        assert!(text.contains("standby_runs{state=\"queued\",path=\"none\"} 0"));
+        assert!(text.contains("standby_assignment_to_start_seconds_bucket{le=\"0.025\"} 1"));
+        assert!(text.contains("standby_assignment_to_start_seconds_bucket{le=\"1\"} 2"));
+        assert!(text.contains("standby_assignment_to_start_seconds_bucket{le=\"300\"} 2"));
+        assert!(text.contains("standby_assignment_to_start_seconds_bucket{le=\"+Inf\"} 3"));
+        assert!(text.contains("standby_assignment_to_start_seconds_count 3"));
+    }
+}

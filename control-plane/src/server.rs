@@ -1,0 +1,315 @@
+//! The server: HTTP and the control socket on one listener (axum), the
+//! engine task, and an orderly shutdown.
+//!
+//! Shutdown order: stop dispatching, stop every sandbox while HTTP still
+//! serves (so a run stopped by it can still report), stop accepting, end
+//! the engine (which closes every control connection).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Json;
+use axum::Router;
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use standby_protocol::{Secret, Spec, fingerprint};
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use crate::credential::{RandomMint, TokenHash};
+use crate::dispatch::{Dispatch, DispatchConfig};
+use crate::engine::{Engine, EngineConfig, EngineGone, EngineHandle};
+use crate::provider::SandboxProvider;
+use crate::store::{Store, StoreError};
+use crate::{agent_api, api};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error("the server failed: {0}")]
+    Failed(String),
+}
+
+/// Everything `standby-server serve` is configured with, but the store and
+/// the provider.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    pub listen: SocketAddr,
+    /// The base URL agents are given; `http://<bound address>` when unset
+    /// (with `127.0.0.1` for an unspecified address).
+    pub public_url: Option<String>,
+    pub api_key: Secret,
+    /// What standbys prepare (`GET /v1/standby/spec`).
+    pub spec: Spec,
+    pub pool_size: usize,
+    pub heartbeat_interval: Duration,
+    pub max_attempts: u32,
+    pub launch_timeout: Duration,
+    pub linger: Duration,
+    pub stop_grace: Duration,
+    pub agent_log: String,
+}
+
+impl ServerConfig {
+    /// Defaults for everything but the key and the spec.
+    pub fn new(api_key: Secret, spec: Spec) -> Self {
+        Self {
+            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            public_url: None,
+            api_key,
+            spec,
+            pool_size: 2,
+            heartbeat_interval: Duration::from_secs(15),
+            max_attempts: 3,
+            launch_timeout: Duration::from_secs(120),
+            linger: Duration::from_secs(30),
+            stop_grace: Duration::from_secs(10),
+            agent_log: "info".into(),
+        }
+    }
+}
+
+#[derive(Clone)]
+pub(crate) struct AppState {
+    pub engine: EngineHandle,
+    pub store: Arc<dyn Store>,
+    pub api_key: Arc<TokenHash>,
+    pub spec: Arc<Spec>,
+    /// A control connection that sends nothing for this long is closed.
+    pub idle_timeout: Duration,
+}
+
+/// An error answer: `{"error": "...", "field": "..."}` (`field` when one
+/// field is to blame).
+#[derive(Debug)]
+pub struct ApiError {
+    status: StatusCode,
+    message: String,
+    field: Option<String>,
+}
+
+impl ApiError {
+    pub fn new(status: StatusCode, message: impl Into<String>) -> Self {
+        Self { status, message: message.into(), field: None }
+    }
+
+    pub fn with_field(mut self, field: impl Into<String>) -> Self {
+        self.field = Some(field.into());
+        self
+    }
+
+    pub fn status(&self) -> StatusCode {
+        self.status
+    }
+
+    pub fn field(&self) -> Option<&str> {
+        self.field.as_deref()
+    }
+}
+
+impl std::fmt::Display for ApiError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.status, self.message)
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut body = serde_json::json!({ "error": self.message });
+        if let Some(field) = self.field {
+            body["field"] = serde_json::Value::String(field);
+        }
+        (self.status, Json(body)).into_response()
+    }
+}
+
+impl From<EngineGone> for ApiError {
+    fn from(_: EngineGone) -> Self {
+        Self::new(StatusCode::SERVICE_UNAVAILABLE, "the server is shutting down")
+    }
+}
+
+impl From<StoreError> for ApiError {
+    fn from(error: StoreError) -> Self {
+        tracing::error!(%error, "store read failed");
+        Self::new(StatusCode::INTERNAL_SERVER_ERROR, "the store could not be read")
+    }
+}
+
+/// The credential of an `Authorization: Bearer …` header.
+pub(crate) fn bearer(headers: &HeaderMap) -> Option<&str> {
+    let value = headers.get(header::AUTHORIZATION)?.to_str().ok()?;
+    let (scheme, token) = value.split_once(' ')?;
+    scheme.eq_ignore_ascii_case("bearer").then(|| token.trim()).filter(|token| !token.is_empty())
+}
+
+/// A blocking store read, off the async threads.
+pub(crate) async fn from_store<T: Send + 'static>(
+    state: &AppState,
+    call: impl FnOnce(&dyn Store) -> Result<T, StoreError> + Send + 'static,
+) -> Result<T, ApiError> {
+    let store = Arc::clone(&state.store);
+    match tokio::task::spawn_blocking(move || call(store.as_ref())).await {
+        Ok(result) => Ok(result?),
+        Err(join) => std::panic::resume_unwind(join.into_panic()),
+    }
+}
+
+fn router(state: AppState) -> Router {
+    Router::new()
+        .route("/healthz", get(|| async { "ok" }))
+        .route(standby_protocol::SOCKET_PATH, get(agent_api::socket))
+        .route(standby_protocol::SPEC_PATH, get(agent_api::spec))
+        .route("/v1/executions/{id}/secrets", get(agent_api::secrets))
+        .route("/v1/executions/{id}/attachments", get(agent_api::attachments))
+        .route("/v1/executions/{id}/attachments/{name}", get(agent_api::attachment))
+        .route("/v1/executions/{id}/git-credentials", post(agent_api::git_credentials))
+        .route("/v1/executions/{id}/metadata", get(agent_api::metadata))
+        .route("/v1/executions/{id}/cloud-credentials", post(agent_api::cloud_credentials))
+        .route("/v1/executions/{id}/events", post(agent_api::events))
+        .route("/v1/executions/{id}/log", post(agent_api::log))
+        .route("/v1/runs", post(api::submit).get(api::list))
+        .route("/v1/runs/{id}", get(api::get))
+        .route("/v1/runs/{id}/log", get(api::log))
+        .route("/v1/runs/{id}/events", get(api::events))
+        .route("/v1/runs/{id}/cancel", post(api::cancel))
+        .route("/v1/sandboxes", get(api::sandboxes))
+        .route("/metrics", get(api::metrics))
+        .with_state(state)
+}
+
+/// A started server.
+#[derive(Debug)]
+pub struct RunningServer<P> {
+    addr: SocketAddr,
+    url: String,
+    engine: EngineHandle,
+    provider: Arc<P>,
+    stop_grace: Duration,
+    stop_serving: watch::Sender<bool>,
+    fatal: watch::Receiver<Option<String>>,
+    serve: JoinHandle<std::io::Result<()>>,
+    engine_task: JoinHandle<()>,
+}
+
+/// Binds, restores the state from the store, and serves.
+pub async fn start<P: SandboxProvider>(
+    config: ServerConfig,
+    store: Arc<dyn Store>,
+    provider: Arc<P>,
+) -> Result<RunningServer<P>, ServerError> {
+    let listener =
+        TcpListener::bind(config.listen).await.map_err(|source| ServerError::Bind { addr: config.listen, source })?;
+    let addr = listener.local_addr().map_err(|source| ServerError::Bind { addr: config.listen, source })?;
+    let url = config.public_url.clone().map(|url| url.trim_end_matches('/').to_owned()).unwrap_or_else(|| {
+        let host = if addr.ip().is_unspecified() { "127.0.0.1".to_owned() } else { addr.ip().to_string() };
+        let host = if addr.is_ipv6() && !addr.ip().is_unspecified() { format!("[{host}]") } else { host };
+        format!("http://{host}:{}", addr.port())
+    });
+    let loader = Arc::clone(&store);
+    let snapshot = tokio::task::spawn_blocking(move || loader.load())
+        .await
+        .map_err(|join| ServerError::Failed(format!("loading the store panicked: {join}")))??;
+    let dispatch_config = DispatchConfig {
+        heartbeat_interval: config.heartbeat_interval,
+        pool_size: config.pool_size,
+        max_attempts: config.max_attempts,
+        launch_timeout: config.launch_timeout,
+        linger: config.linger,
+        pool_fingerprint: fingerprint(&config.spec.workspace),
+    };
+    let now = crate::model::Millis::now();
+    let (machine, initial) = Dispatch::restore(dispatch_config, Box::new(RandomMint), snapshot, now);
+    let engine_config = EngineConfig {
+        server_url: url.clone(),
+        heartbeat_interval: config.heartbeat_interval,
+        agent_log: config.agent_log.clone(),
+        stop_grace: config.stop_grace,
+        tick: (config.heartbeat_interval / 2).clamp(Duration::from_millis(50), Duration::from_secs(1)),
+    };
+    let (engine, handle) = Engine::new(machine, Arc::clone(&store), Arc::clone(&provider), engine_config);
+    let (fatal_tx, fatal) = watch::channel(None);
+    let engine_task = tokio::spawn(engine.run(initial, fatal_tx));
+    let state = AppState {
+        engine: handle.clone(),
+        store,
+        api_key: Arc::new(TokenHash::of(config.api_key.expose())),
+        spec: Arc::new(config.spec.clone()),
+        idle_timeout: config.heartbeat_interval * (crate::dispatch::HEARTBEAT_WINDOW + 1),
+    };
+    let (stop_serving, mut stopped) = watch::channel(false);
+    let serve = tokio::spawn(async move {
+        axum::serve(listener, router(state))
+            .with_graceful_shutdown(async move {
+                let _ = stopped.wait_for(|stop| *stop).await;
+            })
+            .await
+    });
+    tracing::info!(%addr, url, pool_size = config.pool_size, "standby-server listening");
+    Ok(RunningServer {
+        addr,
+        url,
+        engine: handle,
+        provider,
+        stop_grace: config.stop_grace,
+        stop_serving,
+        fatal,
+        serve,
+        engine_task,
+    })
+}
+
+impl<P: SandboxProvider> RunningServer<P> {
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The base URL (agents' `STANDBY_SERVER_URL`, the API's base).
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    pub fn engine(&self) -> &EngineHandle {
+        &self.engine
+    }
+
+    /// Resolves with a message when the server fails on its own (a store
+    /// failure); never otherwise.
+    pub async fn failed(&mut self) -> String {
+        match self.fatal.wait_for(Option::is_some).await {
+            Ok(message) => message.clone().unwrap_or_default(),
+            Err(_) => std::future::pending().await,
+        }
+    }
+
+    /// Stops dispatching, stops every sandbox (a running run is asked to
+    /// stop and may still report), then stops serving.
+    pub async fn shutdown(self) -> Result<(), ServerError> {
+        tracing::info!("shutting down: stopping sandboxes");
+        let _ = self.engine.drain().await;
+        self.provider.stop_all(self.stop_grace).await;
+        let _ = self.stop_serving.send(true);
+        self.engine.stop().await;
+        let _ = self.engine_task.await;
+        match tokio::time::timeout(Duration::from_secs(5), self.serve).await {
+            Ok(Ok(Ok(()))) | Err(_) => {}
+            Ok(Ok(Err(error))) => return Err(ServerError::Failed(format!("serving failed: {error}"))),
+            Ok(Err(join)) => return Err(ServerError::Failed(format!("the HTTP task failed: {join}"))),
+        }
+        let failure = self.fatal.borrow().clone();
+        match failure {
+            Some(message) => Err(ServerError::Failed(message)),
+            None => Ok(()),
+        }
+    }
+}
