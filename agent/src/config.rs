@@ -91,7 +91,7 @@ pub struct Args {
     pub insecure: bool,
 
     /// Run the install steps one after another (benchmarking only).
-    #[arg(long, value_name = "PLAN", default_value = "parallel", hide = true)]
+    #[arg(long, env = "STANDBY_INSTALL_PLAN", value_name = "PLAN", default_value = "parallel", hide = true)]
     pub install_plan: InstallPlan,
 }
 
