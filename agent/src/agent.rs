@@ -146,6 +146,7 @@ impl Driver {
 
         let (login_tx, login_rx) =
             watch::channel(Login { kind: Credential::Standby, secret: self.config.token.clone() });
+        let login_rx_for_spec = login_rx.clone();
         let (status_tx, status_rx) = watch::channel(self.machine.heartbeat());
         let (control_tx, mut control_rx) = mpsc::channel(16);
         let control_config = ControlConfig {
@@ -156,8 +157,13 @@ impl Driver {
         let control = control::spawn(control_config, login_rx, status_rx, control_tx, control_stop_rx);
 
         let (prep_tx, mut prep_rx) = mpsc::channel(1);
-        let mut prep: Option<JoinHandle<Result<Prepared, PrepFailure>>> =
-            Some(tokio::spawn(prepare_all(self.config.clone(), self.api.clone(), spec_source, prep_tx)));
+        let mut prep: Option<JoinHandle<Result<Prepared, PrepFailure>>> = Some(tokio::spawn(prepare_all(
+            self.config.clone(),
+            self.api.clone(),
+            spec_source,
+            login_rx_for_spec,
+            prep_tx,
+        )));
 
         let mut finish = None;
         while finish.is_none() {
@@ -191,6 +197,12 @@ impl Driver {
                         Ok(prepared) => {
                             self.prepared = Some(prepared);
                             Input::PrepareFinished(Ok(()))
+                        }
+                        // Once an assignment is accepted the standby credential
+                        // is revoked; a spec fetch it fails is a failed
+                        // preparation (requeueable), not a standby refusal.
+                        Err(PrepFailure::Refused(status)) if self.machine.execution_id().is_some() => {
+                            Input::PrepareFinished(Err(format!("fetching the spec: the server answered {status} after the assignment was accepted")))
                         }
                         Err(PrepFailure::Refused(status)) => Input::Refused { credential: Credential::Standby, status },
                         Err(PrepFailure::Failed(message)) => {
@@ -452,11 +464,12 @@ async fn prepare_all(
     config: Config,
     api: Api,
     source: SpecSource,
+    login: watch::Receiver<Login>,
     events: mpsc::Sender<PrepEvent>,
 ) -> Result<Prepared, PrepFailure> {
     let spec = match source {
         SpecSource::File(spec) => *spec,
-        SpecSource::Server => fetch_spec(&api, &config.token).await?,
+        SpecSource::Server => fetch_spec(&api, &login).await?,
     };
     let _ = events.send(PrepEvent::SpecLoaded(Box::new(spec.clone()))).await;
     let root = &config.workspace;
@@ -477,19 +490,23 @@ fn default_shell() -> Vec<String> {
 }
 
 /// `GET /v1/standby/spec`, retrying transient failures without end (the
-/// deadline and SIGTERM still apply: they end the task from outside).
-async fn fetch_spec(api: &Api, token: &Secret) -> Result<Spec, PrepFailure> {
+/// deadline and SIGTERM still apply: they end the task from outside). Each
+/// attempt uses the credential the agent currently holds: an assignment
+/// accepted during the fetch revokes the standby credential, and the run
+/// credential is the one that can still be presented.
+async fn fetch_spec(api: &Api, login: &watch::Receiver<Login>) -> Result<Spec, PrepFailure> {
     let path = standby_protocol::SPEC_PATH;
     let forever = Instant::now() + Duration::from_secs(100 * 365 * 24 * 3600);
     tracing::info!("fetching the spec");
-    retry(&format!("GET {path}"), forever, call_backoff().with_max_delay(control::BACKOFF_CAP), || {
-        api.get_json(token, path)
+    let backoff = call_backoff().with_max_delay(control::BACKOFF_CAP);
+    retry(&format!("GET {path}"), forever, backoff, || {
+        let secret = login.borrow().secret.clone();
+        async move { api.get_json(&secret, path).await }
     })
     .await
-    .map_err(|e| match e.class() {
-        Class::Unauthorized => PrepFailure::Refused(401),
-        Class::Gone => PrepFailure::Refused(410),
-        Class::Transient | Class::Fatal => PrepFailure::Failed(format!("fetching the spec: {e}")),
+    .map_err(|e| match (e.class(), e.status()) {
+        (Class::Unauthorized | Class::Gone, Some(status)) => PrepFailure::Refused(status),
+        _ => PrepFailure::Failed(format!("fetching the spec: {e}")),
     })
 }
 

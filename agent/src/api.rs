@@ -97,6 +97,13 @@ pub fn parse_retry_after(value: &str, now: std::time::SystemTime) -> Option<Dura
     Some(at.duration_since(now).unwrap_or_default())
 }
 
+/// Installs the process-wide TLS provider (ring) that reqwest and
+/// tungstenite use; reqwest is built without one. Idempotent: every place
+/// that builds an HTTP client calls it first.
+pub fn install_tls_provider() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+}
+
 /// A client for one server.
 #[derive(Debug, Clone)]
 pub struct Api {
@@ -106,6 +113,7 @@ pub struct Api {
 
 impl Api {
     pub fn new(base: &reqwest::Url) -> Result<Self, reqwest::Error> {
+        install_tls_provider();
         let client = reqwest::Client::builder()
             .connect_timeout(Duration::from_secs(10))
             .read_timeout(Duration::from_secs(60))

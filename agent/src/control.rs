@@ -31,7 +31,9 @@ pub const MAX_MESSAGE_BYTES: usize = 1 << 20;
 /// Upper bound of the reconnect backoff.
 pub const BACKOFF_CAP: Duration = Duration::from_secs(30);
 /// First reconnect delay (before jitter, which adds up to as much again).
-pub const BACKOFF_MIN: Duration = Duration::from_millis(250);
+/// The 500 ms jitter window spreads a fleet dropped at once (a server
+/// restart) so that about a fifth of it comes back in any 100 ms.
+pub const BACKOFF_MIN: Duration = Duration::from_millis(500);
 /// A connection that stayed up this long resets the backoff. A shorter one
 /// does not: a server that accepts upgrades and then drops them must meet a
 /// growing delay, not a reconnect every quarter second.
@@ -80,7 +82,9 @@ pub fn spawn(
     tokio::spawn(run(config, login, status, events, shutdown))
 }
 
-fn backoff() -> impl Iterator<Item = Duration> {
+/// The reconnect delays: exponential from [`BACKOFF_MIN`], capped at
+/// [`BACKOFF_CAP`], each with jitter of up to the delay itself.
+pub fn backoff() -> impl Iterator<Item = Duration> {
     ExponentialBuilder::default()
         .with_min_delay(BACKOFF_MIN)
         .with_max_delay(BACKOFF_CAP)

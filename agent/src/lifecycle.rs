@@ -120,8 +120,19 @@ enum Phase {
         stop: Option<(StopReason, Instant)>,
         killed: bool,
     },
+    /// An install call was refused with the run credential. A server that
+    /// cancels revokes the credential first and sends `cancel` right after,
+    /// so the agent waits briefly for it before concluding the run was
+    /// withdrawn (cancelled: exit 0 and reported; withdrawn: exit 14).
+    Withdrawing {
+        execution_id: String,
+        until: Instant,
+    },
     Done,
 }
+
+/// How long a refused install call waits for the `cancel` that may follow.
+pub const WITHDRAW_GRACE: Duration = Duration::from_secs(1);
 
 /// Timeouts that shape the lifecycle.
 #[derive(Debug, Clone, Copy)]
@@ -168,6 +179,7 @@ impl Lifecycle {
                 (state, Some(execution_id.clone()))
             }
             Phase::Running { execution_id, .. } => (AgentState::Running, Some(execution_id.clone())),
+            Phase::Withdrawing { execution_id, .. } => (AgentState::Finishing, Some(execution_id.clone())),
             Phase::Done => (AgentState::Finishing, None),
         }
     }
@@ -175,7 +187,9 @@ impl Lifecycle {
     /// The accepted execution, if any.
     pub fn execution_id(&self) -> Option<&str> {
         match &self.phase {
-            Phase::Installing { execution_id, .. } | Phase::Running { execution_id, .. } => Some(execution_id),
+            Phase::Installing { execution_id, .. }
+            | Phase::Running { execution_id, .. }
+            | Phase::Withdrawing { execution_id, .. } => Some(execution_id),
             Phase::Waiting | Phase::Done => None,
         }
     }
@@ -194,6 +208,7 @@ impl Lifecycle {
                 [confirm, install].into_iter().flatten().min()
             }
             Phase::Running { stop: Some((_, kill_at)), killed: false, .. } => Some(*kill_at),
+            Phase::Withdrawing { until, .. } => Some(*until),
             Phase::Running { .. } | Phase::Done => None,
         }
     }
@@ -210,7 +225,7 @@ impl Lifecycle {
             }
             Input::Refused { credential, status } => self.on_refused(now, credential, status),
             Input::Server { credential, message } => self.on_message(now, credential, message),
-            Input::InstallFinished(result) => self.on_installed(result),
+            Input::InstallFinished(result) => self.on_installed(now, result),
             Input::RunFailedToStart(failure) => self.finish(Some(failure.event()), Exit::InstallFailed),
             Input::RunExited { code } => self.on_run_exited(code),
             Input::Terminate => self.on_terminate(now),
@@ -254,7 +269,9 @@ impl Lifecycle {
         match (&self.phase, credential) {
             (Phase::Waiting, Credential::Standby) if status == 410 => self.finish(None, Exit::Unavailable),
             (Phase::Waiting, Credential::Standby) => self.finish(None, Exit::Unauthorized),
-            (Phase::Installing { .. }, Credential::Run) => self.finish(None, Exit::Withdrawn),
+            (Phase::Installing { .. } | Phase::Withdrawing { .. }, Credential::Run) => {
+                self.finish(None, Exit::Withdrawn)
+            }
             (Phase::Running { .. }, Credential::Run) => self.stop_run(now, StopReason::Withdrawn),
             _ => {
                 tracing::debug!(?credential, status, "stale refusal ignored");
@@ -329,7 +346,9 @@ impl Lifecycle {
                 }
                 Vec::new()
             }
-            Phase::Running { execution_id, .. } if *execution_id == incoming => {
+            Phase::Running { execution_id, .. } | Phase::Withdrawing { execution_id, .. }
+                if *execution_id == incoming =>
+            {
                 tracing::debug!(execution_id = %incoming, "assignment replay ignored");
                 Vec::new()
             }
@@ -340,14 +359,16 @@ impl Lifecycle {
         }
     }
 
-    fn on_installed(&mut self, result: Result<(), InstallFailure>) -> Vec<Action> {
-        let Phase::Installing { installed, confirmed, .. } = &mut self.phase else {
+    fn on_installed(&mut self, now: Instant, result: Result<(), InstallFailure>) -> Vec<Action> {
+        let Phase::Installing { installed, confirmed, execution_id, .. } = &mut self.phase else {
             return Vec::new();
         };
         match result {
             Err(InstallFailure { refused: Some(status), stage, .. }) => {
-                tracing::warn!(stage, status, "the run credential was refused during the install: withdrawn");
-                self.finish(None, Exit::Withdrawn)
+                tracing::warn!(stage, status, "the run credential was refused during the install");
+                let execution_id = std::mem::take(execution_id);
+                self.phase = Phase::Withdrawing { execution_id, until: now + WITHDRAW_GRACE };
+                Vec::new()
             }
             Err(failure) => self.finish(Some(failure.event()), Exit::InstallFailed),
             Ok(()) => {
@@ -398,6 +419,7 @@ impl Lifecycle {
                 Exit::InstallFailed,
             ),
             Phase::Running { .. } => self.stop_run(now, StopReason::Terminate),
+            Phase::Withdrawing { .. } => self.finish(None, Exit::Withdrawn),
             Phase::Done => Vec::new(),
         }
     }
@@ -434,7 +456,11 @@ impl Lifecycle {
                 *killed = true;
                 vec![Action::SignalRun(RunSignal::Kill)]
             }
-            Phase::Running { .. } | Phase::Done => Vec::new(),
+            Phase::Withdrawing { until, .. } if now >= *until => {
+                tracing::info!("no cancel followed the refusal: the run was withdrawn");
+                self.finish(None, Exit::Withdrawn)
+            }
+            Phase::Running { .. } | Phase::Withdrawing { .. } | Phase::Done => Vec::new(),
         }
     }
 }
@@ -677,11 +703,20 @@ mod tests {
     }
 
     #[test]
-    fn run_credential_refused_by_an_install_call_is_withdrawn() {
+    fn run_credential_refused_by_an_install_call_is_withdrawn_unless_a_cancel_follows() {
+        let refused = || InstallFailure::refused("secrets", "GET /v1/executions/exe_1/secrets: 401", 401);
         let (mut m, now) = installing();
-        let failure = InstallFailure::refused("secrets", "GET /v1/executions/exe_1/secrets: 401", 401);
-        let actions = m.handle(now, Input::InstallFinished(Err(failure)));
+        assert!(m.handle(now, Input::InstallFinished(Err(refused()))).is_empty(), "waits for a cancel");
+        assert_eq!(m.next_deadline(), Some(now + WITHDRAW_GRACE));
+        assert!(m.handle(now, server(Credential::Run, assignment("exe_1"))).is_empty(), "never starts");
+        let actions = m.handle(now + WITHDRAW_GRACE, Input::Tick);
         assert_eq!(finish(&actions), (None, Exit::Withdrawn));
+
+        let (mut m, now) = installing();
+        m.handle(now, Input::InstallFinished(Err(refused())));
+        let cancel = ServerMessage::Cancel(Cancel { execution_id: "exe_1".into() });
+        let actions = m.handle(now, server(Credential::Run, cancel));
+        assert_eq!(finish(&actions), (Some(EventKind::Cancelled), Exit::Success));
     }
 
     #[test]

@@ -1,16 +1,18 @@
 //! Log setup: `tracing` to stderr, as text or JSON.
 //!
 //! Dependencies that handle frames and headers (tungstenite, hyper, reqwest,
-//! h2, rustls) are capped at `info` whatever the filter says: at `debug` and
-//! `trace` they print frame payloads and request headers, which carry the
-//! run credential and the assignment.
+//! h2, rustls, rmcp) are capped at `info` whatever the filter says: at
+//! `debug` and `trace` they print frame payloads, request headers and MCP
+//! lines, which carry the run credential and the assignment.
+
+use std::io::IsTerminal;
 
 use tracing_subscriber::EnvFilter;
 
 use crate::config::LogFormat;
 
 const CAPPED_DEPENDENCIES: &[&str] =
-    &["tungstenite", "tokio_tungstenite", "hyper", "hyper_util", "reqwest", "h2", "rustls", "axum"];
+    &["tungstenite", "tokio_tungstenite", "hyper", "hyper_util", "reqwest", "h2", "rustls", "axum", "rmcp"];
 
 /// The filter the agent logs with: `filter` (from `STANDBY_LOG`), else
 /// `RUST_LOG`, else `info`, with the dependency caps appended last so they
@@ -28,7 +30,9 @@ pub fn filter(filter: Option<&str>) -> Result<EnvFilter, String> {
 
 /// Installs the global subscriber. Fails only if one is already installed.
 pub fn init(filter: EnvFilter, format: LogFormat) -> Result<(), String> {
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    // Colour only for a person at a terminal, never in collected logs.
+    let ansi = std::io::stderr().is_terminal();
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(ansi);
     let result = match format {
         LogFormat::Text => builder.try_init(),
         LogFormat::Json => builder.json().flatten_event(true).with_current_span(false).try_init(),

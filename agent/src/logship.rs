@@ -322,7 +322,7 @@ mod tests {
         // reqwest is built without a default crypto provider; the agent's
         // main installs one, tests do it here (a second install is refused,
         // which is fine).
-        let _ = rustls::crypto::ring::default_provider().install_default();
+        crate::api::install_tls_provider();
         let server = Server { received: Arc::default(), answer: Arc::new(answer) };
         let app = axum::Router::new()
             .route("/v1/executions/{id}/log", axum::routing::post(receive))

@@ -28,8 +28,7 @@ fn main() -> ExitCode {
         eprintln!("standby: cannot set up logging: {message}");
         return Exit::Internal.into();
     }
-    // One process-wide TLS provider (ring) for both reqwest and tungstenite.
-    let _ = rustls::crypto::ring::default_provider().install_default();
+    standby_agent::api::install_tls_provider();
     let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
         Ok(runtime) => runtime,
         Err(e) => {

@@ -6,27 +6,47 @@
 //! else: a server is a program the run talks to, not the run, so it never
 //! sees the run's secrets, credentials or `env`. Each runs in the workspace
 //! root in a process group of its own (so stopping it stops what it
-//! started), with stdin closed and its output appended to
-//! `<workspace>/.standby/mcp-<name>.log`, whose tail explains a server that
-//! never came up.
+//! started), with its stderr appended to `<workspace>/.standby/mcp-<name>.log`,
+//! whose tail explains a server that never came up.
+//!
+//! How a server is reached decides how it is started and when it is ready:
+//!
+//! - `transport: "stdio"`: the agent holds its stdin and stdout and serves
+//!   it to the run over MCP streamable HTTP at a loopback URL that survives
+//!   restarts ([`bridge`]); ready once the MCP `initialize` exchange
+//!   succeeds (and `ready_tcp` accepts, when given).
+//! - `transport: "http"`: ready when `ready_tcp` accepts a connection, or
+//!   without one, when its `url` answers an MCP `initialize`.
+//! - no transport: a plain process, stdin closed and stdout in the log;
+//!   ready when `ready_tcp` accepts, or at once.
+//!
+//! The first two are listed for the run in `<workspace>/.standby/mcp.json`.
+
+mod bridge;
+mod connection;
+mod framing;
 
 use std::collections::{BTreeMap, HashSet};
 use std::fmt;
 use std::fs::{File, OpenOptions};
+use std::future::Future;
 use std::io::{self, Read, Seek, SeekFrom, Write};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{ExitStatus, Stdio};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use futures::future::{join_all, try_join_all};
 use nix::sys::signal::Signal;
-use serde_json::json;
+use serde_json::{Value, json};
 use standby_protocol::{McpServer, McpTransport};
 use tokio::net::TcpStream;
 use tokio::process::{Child, Command};
 use tracing::{debug, info, warn};
 
+use self::bridge::{Backend, Bridge};
+use self::connection::{Connection, MAX_MESSAGE_BYTES, Message, initialize_request, initialize_result};
 use crate::git::describe_status;
 use crate::process::{child_env, register, unregister};
 use crate::reaper::signal_group;
@@ -35,18 +55,20 @@ use crate::reaper::signal_group;
 const STATE_DIR: &str = ".standby";
 /// The file that lists the HTTP-reachable servers for the run.
 const CONFIG_FILE: &str = "mcp.json";
-/// How often `ready_tcp` is tried.
+/// How often `ready_tcp` (or an HTTP server's `url`) is tried.
 const READY_POLL: Duration = Duration::from_millis(50);
-/// Bound on one connection attempt to `ready_tcp` (a host that drops
-/// packets would otherwise stall the polling).
+/// Bound on one connection attempt to `ready_tcp` or `url` (a host that
+/// drops packets would otherwise stall the polling).
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
+/// Bound on one `initialize` attempt at an HTTP server's `url`.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long a server has to exit after SIGTERM before SIGKILL.
 const STOP_GRACE: Duration = Duration::from_secs(2);
 /// Lines of a server's log quoted in an error.
 const TAIL_LINES: usize = 20;
 /// How far back from the end of a log those lines are looked for.
 const TAIL_BYTES: u64 = 16 * 1024;
-/// Longest server name accepted: it becomes part of a file name.
+/// Longest server name accepted: it becomes part of a file name and a URL.
 const MAX_NAME_LEN: usize = 64;
 
 /// Why a server could not be started, made ready, restarted or listed;
@@ -62,6 +84,10 @@ pub enum McpError {
     Duplicate { name: String },
     #[error("MCP server {server:?} has an empty command")]
     EmptyCommand { server: String },
+    #[error("MCP server {server:?} has transport \"http\" but no url")]
+    NoUrl { server: String },
+    #[error("MCP server {server:?}: url {url:?} is not an http:// or https:// URL")]
+    BadUrl { server: String, url: String },
     #[error("MCP server {server:?}: ready_tcp {addr:?} is not a usable address: {source}")]
     ReadyAddress { server: String, addr: String, source: io::Error },
     #[error("MCP server {server:?}: cannot {action} {}: {source}", path.display())]
@@ -69,12 +95,13 @@ pub enum McpError {
     #[error("MCP server {server:?}: cannot start {program:?}: {source}")]
     Spawn { server: String, program: String, source: io::Error },
     #[error(
-        "MCP server {server:?} never became ready: {addr} accepted no connection within {}; \
-         last lines of {}:\n{tail}",
+        "MCP server {server:?} never became ready: {waited_for} within {}; last lines of {}:\n{tail}",
         humantime::format_duration(*timeout),
         log.display()
     )]
-    NeverReady { server: String, addr: String, timeout: Duration, log: PathBuf, tail: String },
+    NeverReady { server: String, waited_for: String, timeout: Duration, log: PathBuf, tail: String },
+    #[error("MCP server {server:?} failed the MCP handshake: {reason}; last lines of {}:\n{tail}", log.display())]
+    Handshake { server: String, reason: String, log: PathBuf, tail: String },
     #[error(
         "MCP server {server:?} exited before it was ready ({status}); last lines of {}:\n{tail}",
         log.display()
@@ -82,21 +109,28 @@ pub enum McpError {
     ExitedEarly { server: String, status: String, log: PathBuf, tail: String },
     #[error("MCP server {server:?}: cannot wait for it: {source}")]
     Wait { server: String, source: io::Error },
+    #[error("cannot open the MCP bridge on 127.0.0.1: {source}")]
+    Bridge { source: io::Error },
     #[error("cannot write the MCP configuration {}: {source}", path.display())]
     Config { path: PathBuf, source: io::Error },
 }
 
-/// The spec's MCP servers and the processes running them.
+/// The spec's MCP servers, the processes running them, and the bridge that
+/// serves the stdio ones.
 pub struct McpSupervisor {
     workspace: PathBuf,
     ready_timeout: Duration,
     servers: Vec<Supervised>,
+    /// `Some` when a server has transport `stdio`.
+    bridge: Option<Bridge>,
 }
 
 struct Supervised {
     spec: McpServer,
     /// `None` once stopped, or after a failed restart.
     running: Option<Running>,
+    /// The server's place in the bridge, for a stdio server.
+    backend: Option<Arc<Backend>>,
 }
 
 impl fmt::Debug for McpSupervisor {
@@ -112,16 +146,17 @@ impl fmt::Debug for McpSupervisor {
         f.debug_struct("McpSupervisor")
             .field("workspace", &self.workspace)
             .field("servers", &servers)
+            .field("bridge", &self.bridge)
             .finish_non_exhaustive()
     }
 }
 
 impl McpSupervisor {
-    /// Starts every server at once and waits until each is ready: its
-    /// `ready_tcp` accepts a connection within `ready_timeout`, or at once
-    /// without one. A server that exits first fails at once. On any
-    /// failure the servers already started are killed and the first error
-    /// is returned.
+    /// Opens the bridge when a server speaks stdio, starts every server at
+    /// once and waits until each is ready (see the module's documentation),
+    /// each within `ready_timeout`; then writes `mcp.json`. A server that
+    /// exits first fails at once. On any failure the servers already
+    /// started are killed and the first error is returned.
     pub async fn start(servers: &[McpServer], workspace: &Path, ready_timeout: Duration) -> Result<Self, McpError> {
         check_servers(servers)?;
         if let Some(first) = servers.first() {
@@ -133,38 +168,69 @@ impl McpSupervisor {
                 source,
             })?;
         }
+        let stdio: Vec<&str> =
+            servers.iter().filter(|server| is_stdio(server)).map(|server| server.name.as_str()).collect();
+        let bridge = if stdio.is_empty() {
+            None
+        } else {
+            // A request may wait out a whole restart: the stop, then the start.
+            let wait = STOP_GRACE + ready_timeout;
+            Some(Bridge::open(stdio, wait).await.map_err(|source| McpError::Bridge { source })?)
+        };
+        let backends: Vec<Option<Arc<Backend>>> = servers
+            .iter()
+            .map(|server| bridge.as_ref().filter(|_| is_stdio(server)).and_then(|bridge| bridge.backend(&server.name)))
+            .collect();
         // On the first error the other launches are dropped, which kills
         // their servers (see `Running`'s `Drop`).
-        let running = try_join_all(servers.iter().map(|server| launch(server, workspace, None, ready_timeout))).await?;
-        Ok(Self {
+        let running = try_join_all(
+            servers
+                .iter()
+                .zip(&backends)
+                .map(|(server, backend)| launch(server, workspace, None, ready_timeout, backend.as_ref())),
+        )
+        .await?;
+        let supervisor = Self {
             workspace: workspace.to_path_buf(),
             ready_timeout,
             servers: servers
                 .iter()
                 .cloned()
                 .zip(running)
-                .map(|(spec, running)| Supervised { spec, running: Some(running) })
+                .zip(backends)
+                .map(|((spec, running), backend)| Supervised { spec, running: Some(running), backend })
                 .collect(),
-        })
+            bridge,
+        };
+        supervisor.write_config(workspace)?;
+        Ok(supervisor)
     }
 
     /// Restarts every server at once with `mcp_env` overlaid on its spec
     /// `env`: stop (SIGTERM to its group, SIGKILL after 2 s), start, wait
     /// until ready. Returns the failures, empty when all restarted; a
-    /// server that failed stays stopped.
+    /// server that failed stays stopped, and its bridge endpoint answers
+    /// requests with an error. Requests to a stdio server's endpoint wait
+    /// while it restarts.
     pub async fn restart(&mut self, mcp_env: &BTreeMap<String, String>) -> Vec<McpError> {
         let workspace = &self.workspace;
         let ready_timeout = self.ready_timeout;
         let results = join_all(self.servers.iter_mut().map(|server| async move {
+            if let Some(backend) = &server.backend {
+                backend.starting();
+            }
             if let Some(running) = server.running.take() {
                 running.stop().await;
             }
-            match launch(&server.spec, workspace, Some(mcp_env), ready_timeout).await {
+            match launch(&server.spec, workspace, Some(mcp_env), ready_timeout, server.backend.as_ref()).await {
                 Ok(running) => {
                     server.running = Some(running);
                     None
                 }
                 Err(error) => {
+                    if let Some(backend) = &server.backend {
+                        backend.down(format!("MCP server {:?} failed to restart", server.spec.name));
+                    }
                     warn!(server = %server.spec.name, %error, "MCP server failed to restart");
                     Some(error)
                 }
@@ -174,9 +240,17 @@ impl McpSupervisor {
         results.into_iter().flatten().collect()
     }
 
-    /// Stops every server and reaps it. Idempotent.
+    /// Stops every server and reaps it, then the bridge. Idempotent.
     pub async fn stop(&mut self) {
+        for server in &self.servers {
+            if let Some(backend) = &server.backend {
+                backend.down(format!("MCP server {:?} is stopped: the agent is shutting down", server.spec.name));
+            }
+        }
         join_all(self.servers.iter_mut().filter_map(|server| server.running.take()).map(Running::stop)).await;
+        if let Some(bridge) = self.bridge.as_mut() {
+            bridge.close().await;
+        }
     }
 
     /// The pids of the running servers.
@@ -185,18 +259,20 @@ impl McpSupervisor {
     }
 
     /// Writes `<workspace>/.standby/mcp.json`, listing the servers with
-    /// transport `http` and a `url` as `{"mcpServers": {"<name>": {"type":
-    /// "http", "url": "…"}}}`, atomically (a reader never sees half a
-    /// file). Returns its path, or `None` (and removes a stale file) when no
-    /// server qualifies. Stdio servers are not listed until the agent
-    /// bridges them to HTTP.
+    /// transport `http` at their `url` and those with transport `stdio` at
+    /// their bridge URL, as `{"mcpServers": {"<name>": {"type": "http",
+    /// "url": "…"}}}`, atomically (a reader never sees half a file), and
+    /// only when its content changes. Returns its path, or `None` (and
+    /// removes a stale file) when no server qualifies.
     pub fn write_config(&self, workspace: &Path) -> Result<Option<PathBuf>, McpError> {
-        let listed: serde_json::Map<String, serde_json::Value> = self
+        let listed: serde_json::Map<String, Value> = self
             .servers
             .iter()
-            .filter(|server| server.spec.transport == Some(McpTransport::Http))
             .filter_map(|server| {
-                let url = server.spec.url.as_ref()?;
+                let url = match server.spec.transport? {
+                    McpTransport::Http => server.spec.url.clone()?,
+                    McpTransport::Stdio => self.bridge.as_ref()?.url(&server.spec.name),
+                };
                 Some((server.spec.name.clone(), json!({"type": "http", "url": url})))
             })
             .collect();
@@ -212,6 +288,9 @@ impl McpSupervisor {
         let mut bytes = serde_json::to_vec_pretty(&json!({ "mcpServers": listed }))
             .map_err(|error| config_error(io::Error::other(error)))?;
         bytes.push(b'\n');
+        if std::fs::read(&path).is_ok_and(|existing| existing == bytes) {
+            return Ok(Some(path));
+        }
         std::fs::create_dir_all(&dir).map_err(config_error)?;
         let temp = dir.join(format!(".{CONFIG_FILE}.{}.tmp", std::process::id()));
         let written = write_synced(&temp, &bytes).and_then(|()| std::fs::rename(&temp, &path));
@@ -224,14 +303,18 @@ impl McpSupervisor {
     }
 }
 
+fn is_stdio(server: &McpServer) -> bool {
+    server.transport == Some(McpTransport::Stdio)
+}
+
 fn write_synced(path: &Path, bytes: &[u8]) -> io::Result<()> {
     let mut file = File::create(path)?;
     file.write_all(bytes)?;
     file.sync_all()
 }
 
-/// Refuses names that are unsafe in a file name, duplicates, and empty
-/// commands, before anything starts.
+/// Refuses names that are unsafe in a file name, duplicates, empty
+/// commands and HTTP servers without a usable URL, before anything starts.
 fn check_servers(servers: &[McpServer]) -> Result<(), McpError> {
     let mut seen = HashSet::new();
     for server in servers {
@@ -249,17 +332,34 @@ fn check_servers(servers: &[McpServer]) -> Result<(), McpError> {
         if server.command.is_empty() {
             return Err(McpError::EmptyCommand { server: name.clone() });
         }
+        if server.transport == Some(McpTransport::Http) {
+            let Some(url) = &server.url else { return Err(McpError::NoUrl { server: name.clone() }) };
+            if !(url.starts_with("http://") || url.starts_with("https://")) {
+                return Err(McpError::BadUrl { server: name.clone(), url: url.clone() });
+            }
+        }
     }
     Ok(())
 }
 
+/// Why a server is not ready, short of a timeout or an exit.
+enum NotReady {
+    /// It answered the handshake, but not as it should.
+    Refused(String),
+    /// It closed its stdout before answering: it is probably exiting.
+    Closed(String),
+}
+
 /// Starts one server and waits until it is ready; on failure it is killed
-/// and reaped before the error (with its log's tail) is returned.
+/// and reaped before the error (with its log's tail) is returned. A stdio
+/// server is started with its pipes held by the bridge, which `backend`
+/// serves once the server is ready.
 async fn launch(
     spec: &McpServer,
     workspace: &Path,
     mcp_env: Option<&BTreeMap<String, String>>,
     ready_timeout: Duration,
+    backend: Option<&Arc<Backend>>,
 ) -> Result<Running, McpError> {
     let name = &spec.name;
     let Some((program, args)) = spec.command.split_first() else {
@@ -280,18 +380,15 @@ async fn launch(
     if let Some(mcp_env) = mcp_env {
         env.extend(mcp_env.clone());
     }
-    let child = Command::new(program)
-        .args(args)
-        .env_clear()
-        .envs(&env)
-        .current_dir(workspace)
-        .stdin(Stdio::null())
-        .stdout(log)
-        .stderr(stderr)
-        .process_group(0)
-        .kill_on_drop(true)
-        .spawn()
-        .map_err(|source| McpError::Spawn { server: name.clone(), program: program.clone(), source })?;
+    let mut command = Command::new(program);
+    command.args(args).env_clear().envs(&env).current_dir(workspace).stderr(stderr).process_group(0).kill_on_drop(true);
+    if backend.is_some() {
+        command.stdin(Stdio::piped()).stdout(Stdio::piped());
+    } else {
+        command.stdin(Stdio::null()).stdout(log);
+    }
+    let mut child =
+        command.spawn().map_err(|source| McpError::Spawn { server: name.clone(), program: program.clone(), source })?;
     let Some(pid) = child.id() else {
         return Err(McpError::Wait {
             server: name.clone(),
@@ -299,17 +396,46 @@ async fn launch(
         });
     };
     register(pid);
-    let mut running = Running { name: name.clone(), pid, child: Some(child) };
+    let pipes = (child.stdin.take(), child.stdout.take());
+    let connection = match (backend, pipes) {
+        (Some(backend), (Some(stdin), Some(stdout))) => {
+            Some(Connection::open(name, stdin, stdout, Arc::downgrade(backend)))
+        }
+        _ => None,
+    };
+    let mut running = Running { name: name.clone(), pid, child: Some(child), connection: connection.clone() };
     debug!(server = %name, pid, "MCP server started");
 
-    let Some(addrs) = ready_addrs else {
+    let http_url = spec.url.as_deref().filter(|_| spec.transport == Some(McpTransport::Http));
+    if connection.is_none() && ready_addrs.is_none() && http_url.is_none() {
         info!(server = %name, pid, "MCP server started (no readiness check)");
         return Ok(running);
+    }
+    let waited_for = Mutex::new(String::new());
+    let readiness = async {
+        if let Some(connection) = &connection {
+            set(&waited_for, "it answered no MCP initialize on stdio".to_owned());
+            if let Err(reason) = connection.initialize().await {
+                return Err(if connection.is_closed() { NotReady::Closed(reason) } else { NotReady::Refused(reason) });
+            }
+        }
+        if let Some(addrs) = &ready_addrs {
+            let addr = spec.ready_tcp.as_deref().unwrap_or_default();
+            set(&waited_for, format!("{addr} accepted no connection"));
+            accepts(addrs).await;
+        } else if let Some(url) = http_url {
+            set(&waited_for, format!("{url} answered no MCP initialize"));
+            answers_initialize(url, &waited_for).await;
+        }
+        Ok(())
     };
-    let addr = spec.ready_tcp.clone().unwrap_or_default();
+    let ready = running.wait_ready(readiness, ready_timeout).await;
     let tail = || log_tail(&log_path, log_start);
-    match running.wait_ready(&addrs, ready_timeout).await {
+    match ready {
         Ready::Yes => {
+            if let (Some(backend), Some(connection)) = (backend, connection) {
+                backend.up(connection);
+            }
             info!(server = %name, pid, "MCP server ready");
             Ok(running)
         }
@@ -317,11 +443,15 @@ async fn launch(
             running.kill().await;
             Err(McpError::NeverReady {
                 server: name.clone(),
-                addr,
+                waited_for: waited_for.into_inner().unwrap_or_else(PoisonError::into_inner),
                 timeout: ready_timeout,
                 log: log_path.clone(),
                 tail: tail(),
             })
+        }
+        Ready::Refused(reason) => {
+            running.kill().await;
+            Err(McpError::Handshake { server: name.clone(), reason, log: log_path.clone(), tail: tail() })
         }
         Ready::Exited(status) => {
             running.exited();
@@ -337,6 +467,10 @@ async fn launch(
             Err(McpError::Wait { server: name.clone(), source })
         }
     }
+}
+
+fn set(slot: &Mutex<String>, value: String) {
+    *slot.lock().unwrap_or_else(PoisonError::into_inner) = value;
 }
 
 fn io_error(server: &str, action: &'static str, path: &Path) -> impl FnOnce(io::Error) -> McpError {
@@ -385,6 +519,7 @@ fn log_tail(path: &Path, start: u64) -> String {
 enum Ready {
     Yes,
     TimedOut,
+    Refused(String),
     Exited(ExitStatus),
     WaitFailed(io::Error),
 }
@@ -396,6 +531,8 @@ struct Running {
     pid: u32,
     /// `None` once the server is reaped.
     child: Option<Child>,
+    /// The bridge's hold on a stdio server's pipes.
+    connection: Option<Arc<Connection>>,
 }
 
 impl Running {
@@ -403,18 +540,27 @@ impl Running {
         i32::try_from(self.pid).unwrap_or(i32::MAX)
     }
 
-    async fn wait_ready(&mut self, addrs: &[SocketAddr], timeout: Duration) -> Ready {
+    /// Waits for `readiness` within `timeout`, unless the server exits
+    /// first. A server that closed its stdout during the handshake is given
+    /// [`STOP_GRACE`] to exit, so that its exit status is what is reported.
+    async fn wait_ready(&mut self, readiness: impl Future<Output = Result<(), NotReady>>, timeout: Duration) -> Ready {
         let Some(child) = self.child.as_mut() else {
             return Ready::WaitFailed(io::Error::other("the server is already reaped"));
         };
-        tokio::select! {
-            status = child.wait() => match status {
+        let outcome = tokio::select! {
+            status = child.wait() => return match status {
                 Ok(status) => Ready::Exited(status),
                 Err(error) => Ready::WaitFailed(error),
             },
-            accepted = tokio::time::timeout(timeout, accepts(addrs)) => match accepted {
-                Ok(()) => Ready::Yes,
-                Err(_) => Ready::TimedOut,
+            outcome = tokio::time::timeout(timeout, readiness) => outcome,
+        };
+        match outcome {
+            Err(_) => Ready::TimedOut,
+            Ok(Ok(())) => Ready::Yes,
+            Ok(Err(NotReady::Refused(reason))) => Ready::Refused(reason),
+            Ok(Err(NotReady::Closed(reason))) => match tokio::time::timeout(STOP_GRACE, child.wait()).await {
+                Ok(Ok(status)) => Ready::Exited(status),
+                _ => Ready::Refused(reason),
             },
         }
     }
@@ -468,6 +614,9 @@ impl Running {
 
 impl Drop for Running {
     fn drop(&mut self) {
+        if let Some(connection) = self.connection.take() {
+            connection.close();
+        }
         if self.child.take().is_some() {
             signal_group(self.pgid(), Signal::SIGKILL);
             unregister(self.pid);
@@ -485,6 +634,101 @@ async fn accepts(addrs: &[SocketAddr]) {
         }
         tokio::time::sleep(READY_POLL).await;
     }
+}
+
+/// Resolves once `url` answers an MCP `initialize`, keeping the reason of
+/// the last failed attempt in `waited_for`.
+async fn answers_initialize(url: &str, waited_for: &Mutex<String>) {
+    crate::api::install_tls_provider();
+    let client = match reqwest::Client::builder().connect_timeout(CONNECT_TIMEOUT).timeout(PROBE_TIMEOUT).build() {
+        Ok(client) => client,
+        Err(error) => {
+            set(waited_for, format!("{url} answered no MCP initialize (no HTTP client: {error})"));
+            return std::future::pending().await;
+        }
+    };
+    loop {
+        match probe_initialize(&client, url).await {
+            Ok(()) => return,
+            Err(why) => set(waited_for, format!("{url} answered no MCP initialize (last attempt: {why})")),
+        }
+        tokio::time::sleep(READY_POLL).await;
+    }
+}
+
+/// One `initialize` at an HTTP server; the session it opened is ended.
+async fn probe_initialize(client: &reqwest::Client, url: &str) -> Result<(), String> {
+    let response = client
+        .post(url)
+        .header(reqwest::header::ACCEPT, "application/json, text/event-stream")
+        .json(&initialize_request(0))
+        .send()
+        .await
+        .map_err(|error| error.to_string())?;
+    let status = response.status();
+    if !status.is_success() {
+        return Err(format!("HTTP status {status}"));
+    }
+    let session = response.headers().get("mcp-session-id").cloned();
+    let events = response
+        .headers()
+        .get(reqwest::header::CONTENT_TYPE)
+        .and_then(|value| value.to_str().ok())
+        .is_some_and(|value| value.starts_with("text/event-stream"));
+    let answer = read_answer(response, events).await?;
+    initialize_result(&answer)?;
+    if let Some(session) = session {
+        // Best effort: the server forgets the probe's session.
+        let _ = client.delete(url).header("mcp-session-id", session).send().await;
+    }
+    Ok(())
+}
+
+/// The JSON-RPC answer in a response body: the body itself, or the first
+/// answer among its server-sent events.
+async fn read_answer(mut response: reqwest::Response, events: bool) -> Result<Message, String> {
+    let mut body = Vec::new();
+    while let Some(chunk) = response.chunk().await.map_err(|error| error.to_string())? {
+        body.extend_from_slice(&chunk);
+        if body.len() > MAX_MESSAGE_BYTES {
+            return Err(format!("the answer is larger than {MAX_MESSAGE_BYTES} bytes"));
+        }
+        if events && let Some(answer) = event_answer(&body, false) {
+            return Ok(answer);
+        }
+    }
+    if events {
+        return event_answer(&body, true).ok_or_else(|| "the event stream holds no answer".to_owned());
+    }
+    match serde_json::from_slice(&body) {
+        Ok(Value::Object(answer)) => Ok(answer),
+        Ok(_) => Err("the answer is not a JSON object".to_owned()),
+        Err(error) => Err(format!("the answer is not JSON: {error}")),
+    }
+}
+
+/// The first JSON-RPC answer among the complete server-sent events of
+/// `body` (all of them once the body `ended`).
+fn event_answer(body: &[u8], ended: bool) -> Option<Message> {
+    let text = String::from_utf8_lossy(body).replace("\r\n", "\n");
+    let mut events: Vec<&str> = text.split("\n\n").collect();
+    if !ended {
+        // The last piece may be an event still arriving.
+        events.pop();
+    }
+    events.into_iter().find_map(|event| {
+        let data: Vec<&str> = event
+            .lines()
+            .filter_map(|line| line.strip_prefix("data:"))
+            .map(|data| data.strip_prefix(' ').unwrap_or(data))
+            .collect();
+        match serde_json::from_str(&data.join("\n")) {
+            Ok(Value::Object(message)) if message.contains_key("result") || message.contains_key("error") => {
+                Some(message)
+            }
+            _ => None,
+        }
+    })
 }
 
 #[cfg(test)]
@@ -726,32 +970,430 @@ while True:
         assert!(!dir.path().join(STATE_DIR).exists(), "nothing was started");
     }
 
+    /// A stdio MCP server speaking JSON-RPC by hand, so that it can also
+    /// misbehave. `MODE`: `silent` never answers, `refuse` answers
+    /// `initialize` with an error, `exit` exits instead; `GATE` (a path)
+    /// holds the `initialize` answer until it exists. Its tools: `env`
+    /// (the value of variable `name`), `crash` (exits mid-call), `garbage`
+    /// (a line of non-JSON before the answer), `big` (an answer of `bytes`
+    /// bytes, `id` last like TypeScript servers write it), `progress` (a
+    /// progress notification before the answer), `notify` (a log message
+    /// notification before the answer), `hang` (never answers).
+    /// Cancellations are written to stderr.
+    const STDIO_SERVER: &str = r#"
+import json, os, sys, time
+def send(message):
+    sys.stdout.write(json.dumps(message) + "\n")
+    sys.stdout.flush()
+mode = os.environ.get("MODE", "")
+if mode == "silent":
+    print("not answering on purpose", file=sys.stderr, flush=True)
+    time.sleep(300)
+for line in sys.stdin:
+    message = json.loads(line)
+    method, id = message.get("method"), message.get("id")
+    params = message.get("params") or {}
+    if method == "initialize":
+        if mode == "refuse":
+            send({"jsonrpc": "2.0", "id": id, "error": {"code": -32603, "message": "refused on purpose"}})
+            continue
+        if mode == "exit":
+            sys.exit("exiting on purpose")
+        gate = os.environ.get("GATE")
+        while gate and not os.path.exists(gate):
+            time.sleep(0.01)
+        send({"jsonrpc": "2.0", "id": id, "result": {"protocolVersion": params["protocolVersion"],
+              "capabilities": {"tools": {}}, "serverInfo": {"name": "probe", "version": "1"}}})
+    elif method == "tools/call":
+        name, args = params["name"], params.get("arguments") or {}
+        token = (params.get("_meta") or {}).get("progressToken")
+        text = name
+        if name == "env":
+            text = os.environ.get(args["name"], "")
+        elif name == "crash":
+            os._exit(3)
+        elif name == "hang":
+            continue
+        elif name == "garbage":
+            sys.stdout.write("this is not JSON\n")
+        elif name == "big":
+            body = json.dumps({"content": [{"type": "text", "text": "x" * args["bytes"]}]})
+            sys.stdout.write('{"jsonrpc": "2.0", "result": ' + body + ', "id": ' + json.dumps(id) + "}\n")
+            sys.stdout.flush()
+            continue
+        elif name == "progress":
+            send({"jsonrpc": "2.0", "method": "notifications/progress", "params": {"progressToken": token, "progress": 1}})
+        elif name == "notify":
+            send({"jsonrpc": "2.0", "method": "notifications/message", "params": {"level": "info", "data": "hello"}})
+        send({"jsonrpc": "2.0", "id": id, "result": {"content": [{"type": "text", "text": text}]}})
+    elif method == "notifications/cancelled":
+        print("cancelled", json.dumps(params), file=sys.stderr, flush=True)
+    elif method is not None and id is not None:
+        send({"jsonrpc": "2.0", "id": id, "error": {"code": -32601, "message": "no such method"}})
+"#;
+
+    /// A [`STDIO_SERVER`] named `name`, its script in `dir`.
+    fn stdio_server(dir: &Path, name: &str) -> McpServer {
+        let script = dir.join("stdio-server.py");
+        std::fs::write(&script, STDIO_SERVER).expect("write the stdio server");
+        let mut spec = server(name, &["python3", &script.display().to_string()]);
+        spec.transport = Some(McpTransport::Stdio);
+        spec
+    }
+
+    fn read_config(workspace: &Path) -> serde_json::Value {
+        let path = workspace.join(".standby/mcp.json");
+        serde_json::from_slice(&std::fs::read(&path).expect("mcp.json is written")).expect("mcp.json is JSON")
+    }
+
+    /// The URL `mcp.json` lists for `name`.
+    fn listed_url(workspace: &Path, name: &str) -> String {
+        let config = read_config(workspace);
+        config["mcpServers"][name]["url"].as_str().expect("the server is listed with a url").to_owned()
+    }
+
+    /// A streamable-HTTP client of the bridge, as a harness would be one.
+    struct Client {
+        http: reqwest::Client,
+        url: String,
+        session: Option<String>,
+    }
+
+    impl Client {
+        fn new(url: &str) -> Self {
+            crate::api::install_tls_provider();
+            Self { http: reqwest::Client::new(), url: url.to_owned(), session: None }
+        }
+
+        /// A client with a session: `initialize` answered, `initialized` sent.
+        async fn connect(url: &str) -> Self {
+            let mut client = Self::new(url);
+            let (status, headers, answer) = client.post(&initialize_request(1)).await;
+            assert_eq!(status, 200, "{answer}");
+            assert_eq!(answer["id"], 1, "{answer}");
+            assert_eq!(answer["result"]["serverInfo"]["name"], "probe", "the server's own result: {answer}");
+            let session = headers.get("mcp-session-id").expect("a session id").to_str().expect("ASCII");
+            client.session = Some(session.to_owned());
+            let (status, _, _) = client.post(&json!({"jsonrpc": "2.0", "method": "notifications/initialized"})).await;
+            assert_eq!(status, 202);
+            client
+        }
+
+        fn request(&self, method: reqwest::Method) -> reqwest::RequestBuilder {
+            let request = self.http.request(method, &self.url).header("accept", "application/json, text/event-stream");
+            match &self.session {
+                Some(session) => request.header("mcp-session-id", session),
+                None => request,
+            }
+        }
+
+        async fn post(&self, body: &Value) -> (u16, reqwest::header::HeaderMap, Value) {
+            let response = self.request(reqwest::Method::POST).json(body).send().await.expect("the bridge answers");
+            let status = response.status().as_u16();
+            let headers = response.headers().clone();
+            let text = response.text().await.expect("a body");
+            (status, headers, serde_json::from_str(&text).unwrap_or(Value::String(text)))
+        }
+
+        /// `tools/call` of `tool`: the text it returned, or the error's message.
+        async fn call(&self, id: u64, tool: &str, arguments: Value) -> Result<String, String> {
+            let call = json!({"jsonrpc": "2.0", "id": id, "method": "tools/call",
+                              "params": {"name": tool, "arguments": arguments}});
+            let (status, _, answer) = self.post(&call).await;
+            assert_eq!(status, 200, "{answer}");
+            assert_eq!(answer["id"], id, "answered under the client's id: {answer}");
+            match answer["result"]["content"][0]["text"].as_str() {
+                Some(text) => Ok(text.to_owned()),
+                None => Err(answer["error"]["message"].as_str().expect("an error message").to_owned()),
+            }
+        }
+    }
+
     #[tokio::test]
-    async fn write_config_lists_the_http_servers() {
+    async fn write_config_lists_the_http_and_stdio_servers() {
         let dir = tempfile::tempdir().expect("a workspace");
         let mut http = server("web", &["sleep", "300"]);
         http.transport = Some(McpTransport::Http);
         http.url = Some("http://127.0.0.1:7001/mcp".to_owned());
         let plain = server("plain", &["sleep", "300"]);
-        let mut stdio = server("stdio", &["sleep", "300"]);
-        stdio.transport = Some(McpTransport::Stdio);
+        let stdio = stdio_server(dir.path(), "stdio");
+        // Ready at once: the HTTP server's readiness is tried on a port that
+        // accepts (the test's own listener).
+        let listener = TcpListener::bind("127.0.0.1:0").expect("a listener");
+        http.ready_tcp = Some(listener.local_addr().expect("bound").to_string());
         let mut supervisor =
             McpSupervisor::start(&[http, plain.clone(), stdio], dir.path(), TIMEOUT).await.expect("starts");
-        let path = supervisor.write_config(dir.path()).expect("written").expect("one server is listed");
-        assert_eq!(path, dir.path().join(".standby/mcp.json"));
-        let config: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).expect("readable")).expect("JSON");
-        assert_eq!(config, json!({"mcpServers": {"web": {"type": "http", "url": "http://127.0.0.1:7001/mcp"}}}));
+        let path = dir.path().join(".standby/mcp.json");
+        let written = std::fs::metadata(&path).and_then(|meta| meta.modified()).expect("written at start");
+        assert_eq!(supervisor.write_config(dir.path()).expect("written"), Some(path.clone()));
+        let rewritten = std::fs::metadata(&path).and_then(|meta| meta.modified()).expect("still there");
+        assert_eq!(written, rewritten, "an unchanged configuration is not rewritten");
+        let url = listed_url(dir.path(), "stdio");
+        assert!(url.starts_with("http://127.0.0.1:") && url.ends_with("/mcp/stdio"), "{url}");
+        assert_eq!(
+            read_config(dir.path()),
+            json!({"mcpServers": {
+                "web": {"type": "http", "url": "http://127.0.0.1:7001/mcp"},
+                "stdio": {"type": "http", "url": url},
+            }})
+        );
         let mut names: Vec<String> = std::fs::read_dir(dir.path().join(STATE_DIR))
             .expect("listable")
             .map(|entry| entry.expect("an entry").file_name().to_string_lossy().into_owned())
+            .filter(|name| name.ends_with(".log") || name.ends_with(".json"))
             .collect();
         names.sort();
         assert_eq!(names, ["mcp-plain.log", "mcp-stdio.log", "mcp-web.log", "mcp.json"]);
         supervisor.stop().await;
 
         let mut unlisted = McpSupervisor::start(&[plain], dir.path(), TIMEOUT).await.expect("starts");
-        assert_eq!(unlisted.write_config(dir.path()).expect("nothing to write"), None);
         assert!(!path.exists(), "no file when no server is listed");
+        assert_eq!(unlisted.write_config(dir.path()).expect("nothing to write"), None);
         unlisted.stop().await;
+    }
+
+    #[tokio::test]
+    async fn an_http_server_without_ready_tcp_is_ready_when_its_url_answers_initialize() {
+        // Refuses the first two attempts, then answers as an MCP server
+        // that streams its answer as server-sent events.
+        let script = r#"
+import http.server, json, sys
+attempts = 0
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_POST(self):
+        global attempts
+        attempts += 1
+        request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if attempts < 3:
+            self.send_response(503); self.end_headers(); return
+        answer = {"jsonrpc": "2.0", "id": request["id"], "result": {"protocolVersion": "2025-06-18",
+                  "capabilities": {}, "serverInfo": {"name": "web", "version": "1"}}}
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Mcp-Session-Id", "s1")
+        self.end_headers()
+        self.wfile.write(b"event: message\r\ndata: " + json.dumps(answer).encode() + b"\r\n\r\n")
+    def do_DELETE(self):
+        print("session ended:", self.headers["Mcp-Session-Id"], file=sys.stderr, flush=True)
+        self.send_response(200); self.end_headers()
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
+"#;
+        let dir = tempfile::tempdir().expect("a workspace");
+        let port = free_port();
+        let mut spec = server("web", &["python3", "-c", script, &port.to_string()]);
+        spec.transport = Some(McpTransport::Http);
+        spec.url = Some(format!("http://127.0.0.1:{port}/mcp"));
+        let mut supervisor = McpSupervisor::start(&[spec], dir.path(), TIMEOUT).await.expect("ready");
+        let log = dir.path().join(".standby/mcp-web.log");
+        wait_until("the probe's session is ended", || {
+            std::fs::read_to_string(&log).is_ok_and(|log| log.contains("session ended: s1"))
+        })
+        .await;
+        assert_eq!(listed_url(dir.path(), "web"), format!("http://127.0.0.1:{port}/mcp"));
+        supervisor.stop().await;
+
+        let silent = format!("http://127.0.0.1:{}/mcp", free_port());
+        let mut spec = server("mute", &["sleep", "300"]);
+        spec.transport = Some(McpTransport::Http);
+        spec.url = Some(silent.clone());
+        let error = McpSupervisor::start(&[spec], dir.path(), Duration::from_secs(1)).await.expect_err("never ready");
+        let message = error.to_string();
+        assert!(
+            message
+                .starts_with(&format!("MCP server \"mute\" never became ready: {silent} answered no MCP initialize")),
+            "{message}"
+        );
+        assert!(message.contains("last attempt:"), "{message}");
+    }
+
+    #[tokio::test]
+    async fn a_stdio_server_is_served_at_its_url_and_keeps_it_across_restarts() {
+        let dir = tempfile::tempdir().expect("a workspace");
+        let mut spec = stdio_server(dir.path(), "probe");
+        spec.env = BTreeMap::from([("MODE_OF_RUN".to_owned(), "standby".to_owned())]);
+        let mut supervisor = McpSupervisor::start(&[spec], dir.path(), TIMEOUT).await.expect("starts");
+        let url = listed_url(dir.path(), "probe");
+        let client = Client::connect(&url).await;
+        assert_eq!(client.call(2, "env", json!({"name": "MODE_OF_RUN"})).await, Ok("standby".to_owned()));
+        // A sessionless client (a script) is served too.
+        assert_eq!(Client::new(&url).call(3, "env", json!({"name": "MODE_OF_RUN"})).await, Ok("standby".to_owned()));
+
+        // The new process holds its handshake until the gate opens, so the
+        // request below is made while the server restarts.
+        let gate = dir.path().join("gate");
+        let mcp_env = BTreeMap::from([
+            ("MODE_OF_RUN".to_owned(), "run".to_owned()),
+            ("GATE".to_owned(), gate.display().to_string()),
+        ]);
+        let old = supervisor.pids()[0];
+        let backend = supervisor.servers[0].backend.clone().expect("a stdio server has a backend");
+        let during = async {
+            wait_until("the old server is gone", || live_in_group(old).is_empty()).await;
+            let call = tokio::spawn({
+                let client = Client { http: client.http.clone(), url: url.clone(), session: client.session.clone() };
+                async move { client.call(4, "env", json!({"name": "MODE_OF_RUN"})).await }
+            });
+            wait_until("the request waits for the restart", || backend.waiting() == 1).await;
+            std::fs::write(&gate, "").expect("open the gate");
+            call.await.expect("the call task")
+        };
+        let (failures, answer) = tokio::join!(supervisor.restart(&mcp_env), during);
+        assert!(failures.is_empty(), "{failures:?}");
+        assert_eq!(answer, Ok("run".to_owned()), "the request waited for the restarted server");
+        assert_eq!(listed_url(dir.path(), "probe"), url, "the URL survives the restart");
+        assert_eq!(client.call(5, "env", json!({"name": "MODE_OF_RUN"})).await, Ok("run".to_owned()));
+        supervisor.stop().await;
+        let after = client.request(reqwest::Method::POST).json(&json!({"jsonrpc": "2.0", "id": 6, "method": "ping"}));
+        assert!(after.send().await.is_err(), "nothing is served once stopped");
+    }
+
+    #[tokio::test]
+    async fn bad_output_and_crashes_are_isolated() {
+        let dir = tempfile::tempdir().expect("a workspace");
+        let specs = [stdio_server(dir.path(), "flaky"), stdio_server(dir.path(), "steady")];
+        let mut supervisor = McpSupervisor::start(&specs, dir.path(), TIMEOUT).await.expect("starts");
+        let flaky = Client::connect(&listed_url(dir.path(), "flaky")).await;
+        let steady = Client::connect(&listed_url(dir.path(), "steady")).await;
+
+        assert_eq!(flaky.call(1, "garbage", json!({})).await, Ok("garbage".to_owned()), "garbage is stepped over");
+        let error = flaky.call(2, "big", json!({"bytes": MAX_MESSAGE_BYTES})).await.expect_err("too big");
+        assert!(error.contains("answered with more than 4194304 bytes"), "{error}");
+        assert_eq!(flaky.call(3, "big", json!({"bytes": 10})).await, Ok("xxxxxxxxxx".to_owned()));
+
+        let error = flaky.call(4, "crash", json!({})).await.expect_err("the server died mid-call");
+        assert!(error.contains("stopped before it answered"), "{error}");
+        let error = flaky.call(5, "env", json!({"name": "HOME"})).await.expect_err("the server is gone");
+        assert!(error.contains("exited"), "{error}");
+        assert_eq!(steady.call(6, "garbage", json!({})).await, Ok("garbage".to_owned()), "the other server carries on");
+
+        let failures = supervisor.restart(&BTreeMap::new()).await;
+        assert!(failures.is_empty(), "{failures:?}");
+        assert_eq!(flaky.call(7, "env", json!({"name": "MODE"})).await, Ok(String::new()), "back after a restart");
+        supervisor.stop().await;
+    }
+
+    #[tokio::test]
+    async fn sessions_streams_progress_and_cancellation() {
+        let dir = tempfile::tempdir().expect("a workspace");
+        let mut supervisor =
+            McpSupervisor::start(&[stdio_server(dir.path(), "probe")], dir.path(), TIMEOUT).await.expect("starts");
+        let url = listed_url(dir.path(), "probe");
+        let client = Client::connect(&url).await;
+
+        let mut stream = client.request(reqwest::Method::GET).send().await.expect("a stream");
+        assert_eq!(stream.status(), 200);
+        let call = json!({"jsonrpc": "2.0", "id": "c-1", "method": "tools/call",
+                          "params": {"name": "progress", "arguments": {}, "_meta": {"progressToken": "mine"}}});
+        let (_, _, answer) = client.post(&call).await;
+        assert_eq!(answer["result"]["content"][0]["text"], "progress", "{answer}");
+        assert_eq!(client.call(2, "notify", json!({})).await, Ok("notify".to_owned()));
+        let mut events = String::new();
+        while !(events.contains("notifications/progress") && events.contains("notifications/message")) {
+            let chunk = tokio::time::timeout(TIMEOUT, stream.chunk()).await.expect("an event").expect("a chunk");
+            events.push_str(&String::from_utf8_lossy(&chunk.expect("the stream is open")));
+        }
+        assert!(events.contains(r#""progressToken":"mine""#), "the client's own token: {events}");
+
+        // A client that stops waiting cancels its request at the server.
+        let hang = json!({"jsonrpc": "2.0", "id": 9, "method": "tools/call", "params": {"name": "hang"}});
+        let gave_up = tokio::time::timeout(Duration::from_millis(300), client.post(&hang)).await;
+        assert!(gave_up.is_err(), "the server never answers");
+        let log = dir.path().join(".standby/mcp-probe.log");
+        wait_until("the server hears of the cancellation", || {
+            std::fs::read_to_string(&log)
+                .is_ok_and(|log| log.contains("cancelled {") && log.contains("\"requestId\": "))
+        })
+        .await;
+
+        // A client's cancellation ends its request and reaches the server.
+        let hang = json!({"jsonrpc": "2.0", "id": 10, "method": "tools/call", "params": {"name": "hang"}});
+        let waiting = tokio::spawn({
+            let client = Client { http: client.http.clone(), url: url.clone(), session: client.session.clone() };
+            async move { client.post(&hang).await.2 }
+        });
+        let cancel = json!({"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": 10}});
+        let log_lines = || std::fs::read_to_string(&log).map(|log| log.matches("cancelled {").count()).unwrap_or(0);
+        // No event says the request reached the bridge: the cancellation is
+        // repeated (one for no pending request is dropped) until it lands.
+        let deadline = tokio::time::Instant::now() + TIMEOUT;
+        while !waiting.is_finished() {
+            assert!(tokio::time::Instant::now() < deadline, "the cancellation never ended the request");
+            assert_eq!(client.post(&cancel).await.0, 202);
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let answer = waiting.await.expect("the request task");
+        assert_eq!(
+            (answer["id"].clone(), answer["error"]["message"].clone()),
+            (json!(10), json!("cancelled by the client"))
+        );
+        wait_until("the server hears of the second cancellation", || log_lines() == 2).await;
+
+        let (status, _, _) = Client { session: Some("nope".to_owned()), ..Client::new(&url) }.post(&call).await;
+        assert_eq!(status, 404, "an unknown session must initialize again");
+        let ended = client.request(reqwest::Method::DELETE).send().await.expect("an answer");
+        assert_eq!(ended.status(), 200);
+        assert_eq!(client.post(&call).await.0, 404, "the session is ended");
+        let foreign =
+            Client::new(&url).request(reqwest::Method::POST).header("origin", "http://evil.example").json(&call);
+        assert_eq!(foreign.send().await.expect("an answer").status(), 403);
+        let batch = Client::new(&url).post(&json!([call])).await;
+        assert_eq!((batch.0, batch.2["error"]["code"].clone()), (400, json!(-32600)));
+        let elsewhere = Client::new(&url.replace("/mcp/probe", "/mcp/other")).post(&call).await;
+        assert_eq!(elsewhere.0, 404);
+        supervisor.stop().await;
+    }
+
+    #[tokio::test]
+    async fn a_stdio_server_that_fails_its_handshake_fails_with_its_name_and_log() {
+        let dir = tempfile::tempdir().expect("a workspace");
+        let mut silent = stdio_server(dir.path(), "silent");
+        silent.env = BTreeMap::from([("MODE".to_owned(), "silent".to_owned())]);
+        let error = McpSupervisor::start(&[silent], dir.path(), Duration::from_secs(1)).await.expect_err("never ready");
+        assert!(matches!(error, McpError::NeverReady { .. }), "{error:?}");
+        let message = error.to_string();
+        assert!(
+            message.starts_with(
+                "MCP server \"silent\" never became ready: it answered no MCP initialize on stdio within 1s"
+            ),
+            "{message}"
+        );
+        assert!(message.ends_with("mcp-silent.log:\nnot answering on purpose"), "{message}");
+
+        let mut refusing = stdio_server(dir.path(), "refusing");
+        refusing.env = BTreeMap::from([("MODE".to_owned(), "refuse".to_owned())]);
+        let error = McpSupervisor::start(&[refusing], dir.path(), TIMEOUT).await.expect_err("refused");
+        let message = error.to_string();
+        assert!(
+            message.starts_with(
+                "MCP server \"refusing\" failed the MCP handshake: it answered initialize with an error: refused on purpose"
+            ),
+            "{message}"
+        );
+
+        let mut exiting = stdio_server(dir.path(), "exiting");
+        exiting.env = BTreeMap::from([("MODE".to_owned(), "exit".to_owned())]);
+        let error = McpSupervisor::start(&[exiting], dir.path(), TIMEOUT).await.expect_err("exits");
+        let McpError::ExitedEarly { server, status, tail, .. } = &error else { panic!("{error:?}") };
+        assert_eq!(
+            (server.as_str(), status.as_str(), tail.as_str()),
+            ("exiting", "exit status 1", "exiting on purpose")
+        );
+    }
+
+    #[tokio::test]
+    async fn an_http_server_needs_a_url() {
+        let dir = tempfile::tempdir().expect("a workspace");
+        let mut spec = server("web", &["sleep", "300"]);
+        spec.transport = Some(McpTransport::Http);
+        let error = McpSupervisor::start(&[spec.clone()], dir.path(), TIMEOUT).await.expect_err("no url");
+        assert_eq!(error.to_string(), "MCP server \"web\" has transport \"http\" but no url");
+        spec.url = Some("ftp://127.0.0.1/mcp".to_owned());
+        let error = McpSupervisor::start(&[spec], dir.path(), TIMEOUT).await.expect_err("not http");
+        assert_eq!(
+            error.to_string(),
+            "MCP server \"web\": url \"ftp://127.0.0.1/mcp\" is not an http:// or https:// URL"
+        );
     }
 }

@@ -177,6 +177,8 @@ pub(crate) async fn spec(State(state): State<AppState>, headers: HeaderMap) -> R
     if let Some(workspace) = sandbox.workspace {
         spec.workspace = workspace;
     }
+    // The credential was checked: a run bound to the sandbox may be told now.
+    state.engine.spec_served(&sandbox_id).await;
     Ok(Json(spec))
 }
 
@@ -255,6 +257,28 @@ pub(crate) async fn cloud_credentials(
 
 const EVENT_TYPES: [&str; 4] = ["started", "exited", "cancelled", "install_failed"];
 
+/// The field to blame in an event body that did not parse, when serde could
+/// not say: an event is an internally tagged enum, which serde buffers
+/// before it reads the fields, so its type errors carry no path.
+fn event_field(value: &serde_json::Value) -> Option<&'static str> {
+    let is_text = |name: &str| value.get(name).is_some_and(serde_json::Value::is_string);
+    if !is_text("event_id") {
+        return Some("event_id");
+    }
+    match value.get("type").and_then(serde_json::Value::as_str) {
+        None => Some("type"),
+        Some("exited") => {
+            let code = value.get("code").and_then(serde_json::Value::as_i64);
+            code.is_none_or(|code| i32::try_from(code).is_err()).then_some("code")
+        }
+        Some("install_failed") => {
+            let flag = value.get("requeueable").is_some_and(serde_json::Value::is_boolean);
+            (!flag).then_some("requeueable").or_else(|| ["stage", "message"].into_iter().find(|name| !is_text(name)))
+        }
+        Some(_) => None,
+    }
+}
+
 /// `POST /v1/executions/{id}/events`: acknowledged once stored; a repeat of
 /// an `event_id` is acknowledged and ignored; a type this server does not
 /// know is acknowledged (`202`) and dropped.
@@ -273,6 +297,12 @@ pub(crate) async fn events(
             if unknown && value.get("event_id").is_some_and(serde_json::Value::is_string) {
                 tracing::info!(run_id, "event of an unknown type acknowledged and dropped");
                 return Ok((StatusCode::ACCEPTED, Json(serde_json::json!({}))).into_response());
+            }
+            if error.field().is_none()
+                && let Some(field) = event_field(&value)
+            {
+                return Err(ApiError::new(StatusCode::BAD_REQUEST, format!("{field}: missing or of the wrong type"))
+                    .with_field(field));
             }
             return Err(error);
         }

@@ -15,7 +15,7 @@ use standby_protocol::{GitCredential, Run, Secret, Workspace};
 
 use crate::credential::hex;
 use crate::dispatch::CancelError;
-use crate::model::{Attempt, Millis, RunRecord, RunRequest, RunState, StoredAttachment};
+use crate::model::{Attempt, Millis, Resume, RunRecord, RunRequest, RunState, StoredAttachment, ThreadRecord};
 use crate::server::{ApiError, AppState, bearer, from_store};
 
 /// `POST /v1/runs`.
@@ -43,6 +43,10 @@ pub struct Submission {
     pub strict_mcp: bool,
     #[serde(default)]
     pub workspace: Option<Workspace>,
+    /// The conversation the run is a turn of: the sandbox is kept for the
+    /// thread's next turn.
+    #[serde(default)]
+    pub thread_id: Option<String>,
 }
 
 /// An attachment given inline: UTF-8 `content` or `content_base64`.
@@ -116,6 +120,15 @@ fn check_names<'a>(field: &str, names: impl Iterator<Item = &'a String>) -> Resu
         if name.is_empty() || name.contains('=') || name.contains('\0') {
             return Err(bad(format!("{field}.{name}"), "is not a valid environment variable name"));
         }
+    }
+    Ok(())
+}
+
+/// A thread id is shown in logs and URLs: short, plain characters.
+fn check_thread_id(thread_id: &str) -> Result<(), ApiError> {
+    let plain = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-' | ':');
+    if thread_id.is_empty() || thread_id.len() > 128 || !thread_id.chars().all(plain) {
+        return Err(bad("thread_id", "must be 1 to 128 letters, digits, `.`, `_`, `-` or `:`"));
     }
     Ok(())
 }
@@ -267,6 +280,36 @@ struct Durations {
     commit_to_assignment_sent: Option<u64>,
     assignment_sent_to_delivery_confirmed: Option<u64>,
     delivery_confirmed_to_started: Option<u64>,
+    /// A follow-up turn's resume: claimed → its sandbox's agent ready.
+    resume: Option<u64>,
+}
+
+#[derive(Debug, Serialize)]
+struct WaitView {
+    reason: String,
+    since: String,
+}
+
+#[derive(Debug, Serialize)]
+struct ResumeView {
+    sandbox_id: String,
+    from: &'static str,
+    began_at: String,
+    ready_at: Option<String>,
+    /// Why the resume was given up and the run placed like a new one.
+    fallback: Option<String>,
+}
+
+impl From<&Resume> for ResumeView {
+    fn from(resume: &Resume) -> Self {
+        Self {
+            sandbox_id: resume.sandbox_id.clone(),
+            from: resume.from.as_str(),
+            began_at: resume.began_at.rfc3339(),
+            ready_at: resume.ready_at.map(Millis::rfc3339),
+            fallback: resume.fallback.clone(),
+        }
+    }
 }
 
 #[derive(Debug, Serialize)]
@@ -275,6 +318,10 @@ struct RunView {
     state: RunState,
     path: Option<&'static str>,
     command: Vec<String>,
+    thread_id: Option<String>,
+    /// Why it is `waiting`.
+    wait: Option<WaitView>,
+    resume: Option<ResumeView>,
     attempts: Vec<AttemptView>,
     exit_code: Option<i32>,
     error: Option<String>,
@@ -298,6 +345,13 @@ fn view(run: &RunRecord) -> RunView {
         state: run.state,
         path: run.path().map(|path| path.as_str()),
         command: run.run.command.clone(),
+        thread_id: run.thread_id.clone(),
+        wait: run
+            .wait
+            .as_ref()
+            .filter(|_| run.state == RunState::Waiting)
+            .map(|wait| WaitView { reason: wait.reason.clone(), since: wait.since.rfc3339() }),
+        resume: run.resume.as_ref().map(ResumeView::from),
         attempts: run.attempts.iter().map(AttemptView::from).collect(),
         exit_code: run.exit_code,
         error: run.error.clone(),
@@ -316,6 +370,7 @@ fn view(run: &RunRecord) -> RunView {
             commit_to_assignment_sent: span(committed, sent),
             assignment_sent_to_delivery_confirmed: span(sent, confirmed),
             delivery_confirmed_to_started: span(confirmed, started),
+            resume: run.resume.as_ref().and_then(|resume| span(Some(resume.began_at), resume.ready_at)),
         },
     }
 }
@@ -336,9 +391,13 @@ pub(crate) async fn submit(
     body: Bytes,
 ) -> Result<Response, ApiError> {
     authorize(&state, &headers)?;
-    let submission: Submission = parse_json(&body)?;
+    let mut submission: Submission = parse_json(&body)?;
+    let thread_id = submission.thread_id.take();
+    if let Some(thread_id) = &thread_id {
+        check_thread_id(thread_id)?;
+    }
     let (run, request) = submission.validate()?;
-    let record = state.engine.submit(run, request).await?;
+    let record = state.engine.submit_turn(run, request, thread_id).await?;
     tracing::info!(run_id = %record.id, state = %record.state, "run submitted");
     Ok((StatusCode::CREATED, Json(view(&record))).into_response())
 }
@@ -425,6 +484,16 @@ pub(crate) async fn sandboxes(State(state): State<AppState>, headers: HeaderMap)
                 "created_at": record.created_at.rfc3339(),
                 "connected": view.connected,
                 "candidate": view.candidate,
+                "running": view.running,
+                "thread_id": record.thread_id,
+                "park": record.park.as_ref().map(|park| serde_json::json!({
+                    "mode": park.mode.as_str(),
+                    "since": park.since.rfc3339(),
+                    "until": park.until.map(Millis::rfc3339),
+                })),
+                "expires_at": record.expires_at.map(Millis::rfc3339),
+                "deadline": record.deadline.map(Millis::rfc3339),
+                "auto_stop_minutes": record.auto_stop_minutes,
                 "last_heartbeat_at": view.last_heartbeat_at.map(Millis::rfc3339),
                 "last_state": view.last_state,
                 "connections": record.connections,
@@ -439,6 +508,28 @@ pub(crate) async fn sandboxes(State(state): State<AppState>, headers: HeaderMap)
         })
         .collect();
     Ok(Json(serde_json::json!({ "sandboxes": views })).into_response())
+}
+
+/// `GET /v1/threads/{id}`: the thread's pointer.
+pub(crate) async fn thread(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path(thread_id): Path<String>,
+) -> Result<Response, ApiError> {
+    authorize(&state, &headers)?;
+    let thread: ThreadRecord = state
+        .engine
+        .thread(&thread_id)
+        .await?
+        .ok_or_else(|| ApiError::new(StatusCode::NOT_FOUND, format!("no thread `{thread_id}`")))?;
+    Ok(Json(serde_json::json!({
+        "id": thread.id,
+        "generation": thread.generation,
+        "sandbox_id": thread.sandbox_id,
+        "holder": thread.holder,
+        "updated_at": thread.updated_at.rfc3339(),
+    }))
+    .into_response())
 }
 
 pub(crate) async fn metrics(State(state): State<AppState>, headers: HeaderMap) -> Result<Response, ApiError> {
@@ -482,6 +573,17 @@ mod tests {
             field(r#"{"command": ["ls"], "git_credentials": [{"protocol": "https", "host": "h", "username": "u"}]}"#),
             "git_credentials[0].password"
         );
+    }
+
+    #[test]
+    fn thread_ids_are_plain() {
+        for good in ["t1", "chat:42", "user.7_thread-3"] {
+            assert!(check_thread_id(good).is_ok(), "{good}");
+        }
+        for bad in ["", "a b", "../x", &"x".repeat(129)] {
+            let error = check_thread_id(bad).expect_err("refused");
+            assert_eq!(error.field(), Some("thread_id"));
+        }
     }
 
     #[test]

@@ -7,6 +7,11 @@
 //!
 //! It builds nothing: it runs the `standby` binary it is given (by default
 //! the one next to its own executable).
+//!
+//! `--threads` shows follow-up turns instead: for a few rounds, a turn of a
+//! thread, then its follow-up on each path — the sandbox still running
+//! (Tier 2), the sandbox stopped and started again (Tier 1), and no kept
+//! sandbox at all (cold) — and the median submit-to-start time of each.
 
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
@@ -53,6 +58,9 @@ pub struct DemoOptions {
     pub pool_size: usize,
     /// Bound on each wait (standbys ready, runs finished).
     pub timeout: Duration,
+    /// Added to the sample's setup step (a `sleep`), standing in for a
+    /// dependency install: what a cold sandbox pays and a kept one skips.
+    pub setup_cost: Duration,
 }
 
 /// One row of the demo's table.
@@ -128,12 +136,16 @@ fn on_path(program: &str) -> bool {
 }
 
 /// The sample repository and the spec that prepares it.
-fn sample(dir: &Path) -> Result<(Spec, bool), DemoError> {
+fn sample(dir: &Path, setup_cost: Duration) -> Result<(Spec, bool), DemoError> {
+    let setup =
+        if setup_cost.is_zero() { SETUP.to_owned() } else { format!("{SETUP}sleep {:.3}\n", setup_cost.as_secs_f64()) };
     let repo = dir.join("sample-repo");
     std::fs::create_dir_all(&repo).map_err(io("create", &repo))?;
-    for (name, content) in
-        [("README.md", "# Sample\nA repository the demo's standbys prepare.\n"), ("setup.sh", SETUP), ("task.sh", TASK)]
-    {
+    for (name, content) in [
+        ("README.md", "# Sample\nA repository the demo's standbys prepare.\n"),
+        ("setup.sh", &setup),
+        ("task.sh", TASK),
+    ] {
         let path = repo.join(name);
         std::fs::write(&path, content).map_err(io("write", &path))?;
     }
@@ -254,27 +266,223 @@ fn agent_logs(root: &Path) -> String {
 
 /// Runs the demo, writing the table to `out`; the rows.
 pub async fn run(options: &DemoOptions, out: &mut impl Write) -> Result<Vec<DemoRow>, DemoError> {
+    with_server(
+        options,
+        Duration::from_millis(500),
+        |_| {},
+        async |server, key, sandboxes, mcp| drive(options, server, key, sandboxes, mcp, out).await,
+    )
+    .await
+}
+
+/// Starts the server on a sample repository in a temporary directory, runs
+/// `body`, stops the server and removes everything.
+async fn with_server<T>(
+    options: &DemoOptions,
+    heartbeat: Duration,
+    configure: impl FnOnce(&mut ServerConfig),
+    body: impl AsyncFnOnce(&RunningServer<LocalProvider>, &Secret, &Path, bool) -> Result<T, DemoError>,
+) -> Result<T, DemoError> {
     if !options.agent_bin.is_file() {
         return Err(DemoError::NoAgent(options.agent_bin.clone()));
     }
     let dir =
         tempfile::Builder::new().prefix("standby-demo-").tempdir().map_err(io("create", &std::env::temp_dir()))?;
-    let (spec, mcp) = sample(dir.path())?;
+    let (spec, mcp) = sample(dir.path(), options.setup_cost)?;
     let sandboxes = dir.path().join("sandboxes");
     let provider = Arc::new(LocalProvider::new(sandboxes.clone(), options.agent_bin.clone()));
     let store = Arc::new(SqliteStore::open(&dir.path().join("standby.db"))?);
     let key = Secret::new(format!("demo-{}", crate::credential::hex(&rand::random::<[u8; 16]>())));
     let mut config = ServerConfig::new(key.clone(), spec);
     config.pool_size = options.pool_size;
-    config.heartbeat_interval = Duration::from_millis(500);
+    config.heartbeat_interval = heartbeat;
     config.linger = Duration::from_secs(5);
     config.stop_grace = Duration::from_secs(5);
     config.launch_timeout = Duration::from_secs(60);
+    configure(&mut config);
     let server = start(config, store, provider).await?;
-    let result = drive(options, &server, &key, &sandboxes, mcp, out).await;
+    let result = body(&server, &key, &sandboxes, mcp).await;
     server.shutdown().await?;
     drop(dir);
     result
+}
+
+/// One follow-up turn of the threads demo.
+#[derive(Debug, Clone)]
+pub struct FollowUp {
+    pub round: usize,
+    /// `parked_running` (Tier 2), `parked_stopped` (Tier 1) or `cold`.
+    pub path: String,
+    pub submit_to_start_ms: u64,
+}
+
+/// How long a thread's sandbox stays running in the threads demo (its
+/// Tier 1 follow-ups wait for the end of it).
+const DEMO_WARM_IDLE: Duration = Duration::from_secs(2);
+
+/// `demo --threads`: follow-up turns on each path, `rounds` times, and the
+/// median submit-to-start time of each path.
+pub async fn run_threads(
+    options: &DemoOptions,
+    rounds: usize,
+    out: &mut impl Write,
+) -> Result<Vec<FollowUp>, DemoError> {
+    let threads = DemoOptions { pool_size: 0, ..options.clone() };
+    let configure = |config: &mut ServerConfig| {
+        config.lifecycle.warm_idle = DEMO_WARM_IDLE;
+        config.lifecycle.park_stopped = true;
+    };
+    with_server(&threads, Duration::from_millis(250), configure, async |server, key, sandboxes, _| {
+        drive_threads(options, rounds, server, key, sandboxes, out).await
+    })
+    .await
+}
+
+async fn drive_threads<P: SandboxProvider>(
+    options: &DemoOptions,
+    rounds: usize,
+    server: &RunningServer<P>,
+    key: &Secret,
+    sandboxes: &Path,
+    out: &mut impl Write,
+) -> Result<Vec<FollowUp>, DemoError> {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let http = reqwest::Client::builder()
+        .timeout(Duration::from_secs(30))
+        .build()
+        .map_err(|e| DemoError::Http { call: "client".into(), message: e.to_string() })?;
+    let client = Client { http, base: server.url().to_owned(), key: key.clone() };
+    let wrote = |e: std::io::Error| DemoError::Io { action: "write", path: "stdout".into(), source: e };
+    writeln!(
+        out,
+        "standby demo --threads: server at {}, no standbys, warm idle window {}, heartbeat 250ms, {rounds} rounds",
+        server.url(),
+        humantime::format_duration(DEMO_WARM_IDLE)
+    )
+    .map_err(wrote)?;
+    let mut progress = Progress::new();
+    let mut rows = Vec::new();
+    for round in 1..=rounds {
+        for path in ["parked_running", "parked_stopped", "cold"] {
+            progress.show(&format!("round {round}/{rounds}: a follow-up turn on the {path} path"));
+            let thread = format!("demo-{path}-{round}");
+            let first = turn(&client, &thread, options.timeout, sandboxes).await?;
+            let sandbox_id = first["attempts"][0]["sandbox_id"].as_str().unwrap_or_default().to_owned();
+            let follow_thread = match path {
+                "parked_running" => {
+                    wait_parked(&client, &sandbox_id, "running", options.timeout, sandboxes).await?;
+                    thread
+                }
+                "parked_stopped" => {
+                    wait_parked(&client, &sandbox_id, "stopped", options.timeout, sandboxes).await?;
+                    thread
+                }
+                // Nothing kept for it: what every follow-up costs without
+                // the lifecycle.
+                _ => format!("{thread}-fresh"),
+            };
+            let second = turn(&client, &follow_thread, options.timeout, sandboxes).await?;
+            let taken = second["path"].as_str().unwrap_or("-").to_owned();
+            if taken != path {
+                progress.done();
+                return Err(DemoError::Unexpected(format!(
+                    "a follow-up meant for the {path} path took {taken}: {second}"
+                )));
+            }
+            let submit_to_start_ms = second["durations_ms"]["submit_to_start"].as_u64().unwrap_or_default();
+            rows.push(FollowUp { round, path: taken, submit_to_start_ms });
+        }
+    }
+    progress.done();
+    print_follow_ups(out, &rows).map_err(wrote)?;
+    Ok(rows)
+}
+
+/// Submits a turn of `thread` and waits until it exited 0; its view.
+async fn turn(client: &Client, thread: &str, timeout: Duration, sandboxes: &Path) -> Result<Value, DemoError> {
+    let script = "cat build/info.txt >> turns.txt; wc -l < turns.txt";
+    let body = json!({"command": ["sh", "-c", script], "cwd": "app", "thread_id": thread});
+    let created = client.call(reqwest::Method::POST, "/v1/runs", Some(body)).await?;
+    let id = created["id"].as_str().unwrap_or_default().to_owned();
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        let run = client.get(&format!("/v1/runs/{id}")).await?;
+        match run["state"].as_str() {
+            Some("exited") if run["exit_code"] == 0 => return Ok(run),
+            Some("exited" | "failed" | "cancelled") => {
+                return Err(DemoError::Unexpected(format!("turn {id} of {thread} did not exit 0: {run}")));
+            }
+            _ => {}
+        }
+        if tokio::time::Instant::now() > deadline {
+            return Err(DemoError::Timeout {
+                what: format!("turn {id} of {thread}"),
+                seconds: timeout.as_secs(),
+                logs: agent_logs(sandboxes),
+            });
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Waits until the sandbox is parked `mode` and settled: its fresh agent
+/// ready (`running`), or its processes gone (`stopped`).
+async fn wait_parked(
+    client: &Client,
+    sandbox_id: &str,
+    mode: &str,
+    timeout: Duration,
+    sandboxes: &Path,
+) -> Result<(), DemoError> {
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        let listing = client.get("/v1/sandboxes").await?;
+        let settled = listing["sandboxes"].as_array().into_iter().flatten().any(|s| {
+            s["id"] == sandbox_id
+                && s["state"] == "parked"
+                && s["park"]["mode"] == mode
+                && if mode == "running" { s["last_state"] == "ready" } else { s["running"] == false }
+        });
+        if settled {
+            return Ok(());
+        }
+        if tokio::time::Instant::now() > deadline {
+            return Err(DemoError::Timeout {
+                what: format!("sandbox {sandbox_id} to be parked {mode}"),
+                seconds: timeout.as_secs(),
+                logs: agent_logs(sandboxes),
+            });
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn median(mut values: Vec<u64>) -> Option<u64> {
+    values.sort_unstable();
+    let n = values.len();
+    match n {
+        0 => None,
+        _ if n % 2 == 1 => values.get(n / 2).copied(),
+        _ => Some((values[n / 2 - 1] + values[n / 2]) / 2),
+    }
+}
+
+fn print_follow_ups(out: &mut impl Write, rows: &[FollowUp]) -> std::io::Result<()> {
+    writeln!(out)?;
+    writeln!(out, "{:<6} {:<16} {:>13}", "round", "path", "submit→start")?;
+    for row in rows {
+        writeln!(out, "{:<6} {:<16} {:>13}", row.round, row.path, seconds(Some(row.submit_to_start_ms)))?;
+    }
+    writeln!(out)?;
+    for (path, meaning) in [
+        ("parked_running", "Tier 2: the thread's sandbox still running, a fresh agent ready in it"),
+        ("parked_stopped", "Tier 1: the thread's sandbox stopped, started again for the turn"),
+        ("cold", "nothing kept: a sandbox created for the turn"),
+    ] {
+        let times: Vec<u64> = rows.iter().filter(|r| r.path == path).map(|r| r.submit_to_start_ms).collect();
+        writeln!(out, "median {path:<15} {:>8}  ({} turns; {meaning})", seconds(median(times.clone())), times.len())?;
+    }
+    Ok(())
 }
 
 async fn drive<P: SandboxProvider>(

@@ -29,7 +29,29 @@
 //!   attempts remain; otherwise the run fails with the agent's message.
 //! - A committed sandbox that exits, or stops heartbeating, before
 //!   confirmation is written off (both credentials revoked) and the run
-//!   requeued the same way.
+//!   requeued the same way. One that exits after confirmation, before
+//!   `started` arrives, may have started the run: the run fails (at most
+//!   once).
+//!
+//! The warm pool's lifecycle (in [`pool`] and [`threads`]):
+//! - Sandboxes that cost compute (a process exists or is being started:
+//!   standbys, busy ones, parked-running ones, retired ones not yet gone)
+//!   never exceed the running cap. A run that needs a new one at the cap
+//!   waits in order (`waiting`), and the oldest parked-running sandbox is
+//!   stopped (or released) to make room.
+//! - Standbys have a TTL: from a jittered point a replacement is made, and
+//!   the old one is retired once the replacement is ready (or at 95% of
+//!   its TTL at the latest).
+//! - A turn of a thread keeps its sandbox for the thread's next turn:
+//!   parked running (Tier 2: a fresh agent, until the warm idle window
+//!   ends) or parked stopped (Tier 1: provider stopped, filesystem kept).
+//!   The next turn resumes it and is bound only once its agent is ready;
+//!   a resume that fails places the run like a new one, with the reason
+//!   recorded. Turns of one thread take the sandbox one at a time, through
+//!   a pointer written compare-and-set.
+
+mod pool;
+mod threads;
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::time::Duration;
@@ -40,9 +62,12 @@ use standby_protocol::{
 
 use crate::credential::{self, CredentialKind, Mint, TokenHash};
 use crate::model::{
-    Attempt, AttemptOutcome, CredentialRecord, CredentialState, Millis, RunPath, RunRecord, RunRequest, RunState,
-    SandboxKind, SandboxRecord, SandboxState, StoredEvent,
+    Attempt, AttemptOutcome, CredentialRecord, CredentialState, Millis, ParkMode, RunPath, RunRecord, RunRequest,
+    RunState, SandboxKind, SandboxRecord, SandboxState, StoredEvent, ThreadRecord,
 };
+use crate::policy::AutoStop;
+
+pub use threads::StalePointer;
 
 /// Identifies one control connection, allocated by the driver.
 pub type ConnId = u64;
@@ -65,6 +90,39 @@ pub struct DispatchConfig {
     pub linger: Duration,
     /// Fingerprint of the pool spec's workspace.
     pub pool_fingerprint: Fingerprint,
+    pub lifecycle: Lifecycle,
+}
+
+/// The pool policy and the thread tiers.
+#[derive(Debug, Clone)]
+pub struct Lifecycle {
+    /// Most sandboxes costing compute at once; `0`: no cap.
+    pub running_cap: usize,
+    /// A standby is replaced within this; zero: never.
+    pub standby_ttl: Duration,
+    /// Tier 2: how long a thread's sandbox stays running after a turn;
+    /// zero: not at all.
+    pub warm_idle: Duration,
+    /// Tier 1: a thread's sandbox is kept stopped (after the warm idle
+    /// window, or at once); otherwise it is released.
+    pub park_stopped: bool,
+    /// The provider's idle auto-stop, floored for sandboxes kept warm.
+    pub auto_stop: AutoStop,
+    /// How long a resumed sandbox's agent may take to be ready.
+    pub resume_timeout: Duration,
+}
+
+impl Default for Lifecycle {
+    fn default() -> Self {
+        Self {
+            running_cap: 0,
+            standby_ttl: Duration::ZERO,
+            warm_idle: Duration::from_secs(300),
+            park_stopped: true,
+            auto_stop: AutoStop::default(),
+            resume_timeout: Duration::from_secs(60),
+        }
+    }
 }
 
 impl DispatchConfig {
@@ -81,7 +139,17 @@ pub enum Write {
     Sandbox(Box<SandboxRecord>),
     Credential(Box<CredentialRecord>),
     Event(Box<StoredEvent>),
-    Log { run_id: String, offset: u64, data: Vec<u8> },
+    Log {
+        run_id: String,
+        offset: u64,
+        data: Vec<u8>,
+    },
+    /// The thread pointer, written only if the stored one still has
+    /// generation `expected` (`0`: none stored yet).
+    Thread {
+        record: Box<ThreadRecord>,
+        expected: u64,
+    },
 }
 
 /// Something the driver does after the step's writes are durable.
@@ -92,13 +160,28 @@ pub enum Effect {
     /// Close a control connection after the frames queued before it.
     Close { conn: ConnId },
     /// Launch the agent of a sandbox with its standby credential, creating
-    /// the sandbox first when `create`.
-    Launch { sandbox_id: String, token: Secret, create: bool },
+    /// the sandbox first when `create` (with the provider auto-stop
+    /// `auto_stop`, in provider minutes).
+    Launch { sandbox_id: String, token: Secret, create: bool, auto_stop: u32 },
     /// Let the sandbox exit on its own for up to `linger`, then stop it and
     /// delete it.
     Retire { sandbox_id: String, linger: Duration },
     /// Ask the provider what became of a sandbox (after a restart).
     Probe { sandbox_id: String },
+    /// A turn ended and its sandbox is kept: let its agent exit on its own
+    /// for up to `linger` (stop it then), make sure no process is left,
+    /// and set the provider auto-stop (best effort).
+    Park { sandbox_id: String, linger: Duration, auto_stop: u32 },
+    /// Stop the sandbox's processes and keep its filesystem (Tier 1).
+    Stop { sandbox_id: String },
+    /// Make a kept sandbox run again: read its provider state, start it if
+    /// stopped or archived, raise a shorter auto-stop (bounded, best
+    /// effort), launch a fresh agent with `token`. Failures come back as
+    /// [`Dispatch::resume_failed`].
+    Resume { sandbox_id: String, token: Secret, auto_stop: u32 },
+    /// The sandbox is busy (preparing, installing or running): the
+    /// provider's idle auto-stop clock starts over.
+    Touch { sandbox_id: String },
 }
 
 /// The outcome of one input.
@@ -161,6 +244,9 @@ pub enum Found {
     Running,
     /// Exists but its agent is not running: it can be started again.
     Stopped,
+    /// Stopped long enough that the provider packed it away; it can be
+    /// started again, more slowly.
+    Archived,
     Missing,
 }
 
@@ -174,6 +260,7 @@ pub struct Snapshot {
     pub event_ids: Vec<(String, String)>,
     /// Bytes of log received per run.
     pub log_lengths: Vec<(String, u64)>,
+    pub threads: Vec<ThreadRecord>,
 }
 
 #[derive(Debug, Clone)]
@@ -192,14 +279,71 @@ struct Live {
     /// after a restart it is minted anew.
     run_token: Option<Secret>,
     launched_at: Millis,
+    /// Its agent process is not running (and none is being started): it
+    /// costs no compute.
     exited: bool,
     ever_ready: bool,
+    /// Start it again ([`Effect::Resume`]) once its current agent exits.
+    resume_after_exit: bool,
+    /// Its agent fetched its spec (with the standby credential).
+    spec_served: bool,
+    /// An assignment waits for [`Live::may_assign`].
+    assignment_withheld: bool,
+}
+
+impl Live {
+    fn new(record: SandboxRecord, now: Millis, exited: bool) -> Self {
+        Self {
+            record,
+            heartbeat: None,
+            run_token: None,
+            launched_at: now,
+            exited,
+            ever_ready: false,
+            resume_after_exit: false,
+            spec_served: false,
+            assignment_withheld: false,
+        }
+    }
+
+    /// Whether its agent may be told its assignment on a standby
+    /// connection: once the agent has its spec (fetched, or it says it is
+    /// past preparing). Telling it earlier starts delivery confirmation,
+    /// which revokes the standby credential, while the agent may still be
+    /// fetching its spec with it: that fetch would be refused and the agent
+    /// would never finish preparing.
+    fn may_assign(&self) -> bool {
+        self.spec_served
+            || self.ever_ready
+            || self.heartbeat.as_ref().is_some_and(|heartbeat| heartbeat.state != AgentState::Preparing)
+    }
+
+    fn park_mode(&self) -> Option<ParkMode> {
+        self.record.park.as_ref().map(|park| park.mode)
+    }
+}
+
+/// What became of a queued run in one dispatch.
+#[derive(Debug)]
+enum Placement {
+    Placed,
+    /// Not bound; `for_slot`: it needs a new running slot (and, when
+    /// `cold_only`, cannot take a standby).
+    Wait {
+        reason: String,
+        for_slot: bool,
+        cold_only: bool,
+    },
 }
 
 #[derive(Debug, Clone)]
 struct Conn {
     sandbox_id: String,
     kind: CredentialKind,
+    /// The credential it was admitted with: a kept sandbox gets a new
+    /// standby credential per agent, and only the current agent's
+    /// connections are its standby connections.
+    credential_id: String,
 }
 
 /// A sandbox as the API shows it.
@@ -210,6 +354,9 @@ pub struct SandboxView {
     pub last_state: Option<AgentState>,
     pub connected: bool,
     pub candidate: bool,
+    /// A process of it exists or is being started: it counts against the
+    /// running cap.
+    pub running: bool,
 }
 
 /// Numbers for `/metrics`.
@@ -223,6 +370,13 @@ pub struct MetricsSnapshot {
     pub reconnects: u64,
     pub requeues: u64,
     pub sandboxes_live: u64,
+    /// Sandboxes counting against the running cap.
+    pub sandboxes_running: u64,
+    pub running_cap: u64,
+    pub parked_running: u64,
+    pub parked_stopped: u64,
+    /// Resumes of a parked sandbox given up for a fresh sandbox.
+    pub resume_fallbacks: u64,
 }
 
 pub struct Dispatch {
@@ -239,6 +393,11 @@ pub struct Dispatch {
     /// Pool standbys in a row that ended without ever being ready.
     pool_failures: u32,
     pool_backoff_until: Millis,
+    threads: BTreeMap<String, ThreadRecord>,
+    /// Queued runs that need a new running slot and have none (as of the
+    /// last dispatch), and how many of them cannot take a standby.
+    blocked: usize,
+    blocked_cold: usize,
 }
 
 impl std::fmt::Debug for Dispatch {
@@ -281,28 +440,49 @@ impl Dispatch {
             draining: false,
             pool_failures: 0,
             pool_backoff_until: Millis(0),
+            threads: BTreeMap::new(),
+            blocked: 0,
+            blocked_cold: 0,
         }
     }
 
     /// Rebuilds the machine from the store. Every sandbox that was not
-    /// retired is probed: its connections died with the old process.
+    /// retired is probed: its connections died with the old process. A
+    /// resume in progress is undone (the run queued again, the sandbox
+    /// parked stopped), and parked-running sandboxes count as stopped: their
+    /// agents went with the old process.
     pub fn restore(config: DispatchConfig, mint: Box<dyn Mint>, snapshot: Snapshot, now: Millis) -> (Self, Step) {
         let mut machine = Self::new(config, mint);
         let mut step = Step::default();
-        let mut queued: Vec<&RunRecord> = snapshot.runs.iter().filter(|run| run.state == RunState::Queued).collect();
+        let mut queued: Vec<&RunRecord> = snapshot.runs.iter().filter(|run| run.state.is_unbound()).collect();
         queued.sort_by_key(|run| (run.submitted_at, run.id.clone()));
         machine.queue = queued.iter().map(|run| run.id.clone()).collect();
         machine.runs = snapshot.runs.into_iter().map(|run| (run.id.clone(), run)).collect();
         machine.credentials = snapshot.credentials.into_iter().map(|c| (c.id.clone(), c)).collect();
         machine.events_seen = snapshot.event_ids.into_iter().collect();
         machine.log_lengths = snapshot.log_lengths.into_iter().collect();
+        machine.threads = snapshot.threads.into_iter().map(|t| (t.id.clone(), t)).collect();
+        let resuming: Vec<String> =
+            machine.runs.values().filter(|run| run.state == RunState::Resuming).map(|run| run.id.clone()).collect();
+        for run_id in resuming {
+            machine.update_run(&mut step, &run_id, |run| run.state = RunState::Queued);
+        }
         for record in snapshot.sandboxes {
-            if record.state != SandboxState::Retired {
+            let retired = record.state == SandboxState::Retired;
+            if !retired {
                 step.effects.push(Effect::Probe { sandbox_id: record.id.clone() });
             }
-            let live =
-                Live { record, heartbeat: None, run_token: None, launched_at: now, exited: false, ever_ready: false };
-            machine.sandboxes.insert(live.record.id.clone(), live);
+            let id = record.id.clone();
+            machine.sandboxes.insert(id.clone(), Live::new(record, now, retired));
+            let state = machine.sandboxes.get(&id).map(|live| live.record.state);
+            let running = machine.sandboxes.get(&id).and_then(Live::park_mode) == Some(ParkMode::Running);
+            if state == Some(SandboxState::Resuming) || running {
+                machine.update_sandbox(&mut step, &id, |record| {
+                    record.state = SandboxState::Parked;
+                    record.run_id = None;
+                    record.park = Some(crate::model::Park { mode: ParkMode::Stopped, since: now, until: None });
+                });
+            }
         }
         machine.dispatch_queued(now, &mut step);
         machine.top_up(now, &mut step);
@@ -337,8 +517,13 @@ impl Dispatch {
                 connected: self.standby_conns(&live.record.id).next().is_some()
                     || self.run_conns(&live.record.id).next().is_some(),
                 candidate: self.is_candidate(now, live),
+                running: !live.exited,
             })
             .collect()
+    }
+
+    pub fn thread(&self, thread_id: &str) -> Option<&ThreadRecord> {
+        self.threads.get(thread_id)
     }
 
     pub fn metrics(&self) -> MetricsSnapshot {
@@ -365,7 +550,20 @@ impl Dispatch {
             if live.record.state != SandboxState::Retired {
                 snapshot.sandboxes_live += 1;
             }
+            if !live.exited {
+                snapshot.sandboxes_running += 1;
+            }
+            if live.record.state == SandboxState::Parked {
+                match live.park_mode() {
+                    Some(ParkMode::Running) => snapshot.parked_running += 1,
+                    Some(ParkMode::Stopped) => snapshot.parked_stopped += 1,
+                    None => {}
+                }
+            }
         }
+        snapshot.resume_fallbacks =
+            self.runs.values().filter(|run| run.resume.as_ref().is_some_and(|r| r.fallback.is_some())).count() as u64;
+        snapshot.running_cap = self.config.lifecycle.running_cap as u64;
         snapshot
     }
 
@@ -406,6 +604,18 @@ impl Dispatch {
 
     /// Queues a run and dispatches it at once if it can be.
     pub fn submit(&mut self, now: Millis, run: Run, request: RunRequest) -> (Step, String) {
+        self.submit_turn(now, run, request, None)
+    }
+
+    /// Queues a run, as a turn of `thread_id` when given, and dispatches it
+    /// at once if it can be.
+    pub fn submit_turn(
+        &mut self,
+        now: Millis,
+        run: Run,
+        request: RunRequest,
+        thread_id: Option<String>,
+    ) -> (Step, String) {
         let mut step = Step::default();
         let id = self.mint.id("exe");
         let record = RunRecord {
@@ -418,6 +628,10 @@ impl Dispatch {
             exit_code: None,
             error: None,
             ended_at: None,
+            thread_id,
+            thread_generation: None,
+            wait: None,
+            resume: None,
         };
         step.writes.push(Write::NewRun(Box::new(record.clone()), Box::new(request)));
         self.runs.insert(id.clone(), record);
@@ -433,25 +647,29 @@ impl Dispatch {
         let mut step = Step::default();
         let run = self.runs.get(run_id).ok_or_else(|| CancelError::NotFound(run_id.to_owned()))?;
         match run.state {
-            RunState::Queued => {
+            RunState::Queued | RunState::Waiting => {
                 self.queue.retain(|queued| queued != run_id);
+                self.end_run(now, &mut step, run_id, RunState::Cancelled, None, Some("cancelled".into()));
+            }
+            RunState::Resuming => {
+                self.queue.retain(|queued| queued != run_id);
+                self.unclaim_resume(now, &mut step, run_id);
                 self.end_run(now, &mut step, run_id, RunState::Cancelled, None, Some("cancelled".into()));
             }
             RunState::Committed | RunState::Confirmed => {
                 let sandbox_id = self.fence(now, &mut step, run_id, AttemptOutcome::Cancelled, "cancelled".into());
-                self.end_run(now, &mut step, run_id, RunState::Cancelled, None, Some("cancelled".into()));
                 if let Some(sandbox_id) = sandbox_id {
                     let cancel = ServerMessage::Cancel(Cancel { execution_id: run_id.to_owned() });
-                    self.retire_sandbox(
-                        now,
-                        &mut step,
-                        &sandbox_id,
-                        "its run was cancelled",
-                        CredentialState::Retired,
-                        Some(cancel),
-                        self.config.linger,
-                    );
+                    let conns: Vec<ConnId> = self.all_conns(&sandbox_id).collect();
+                    for conn in conns {
+                        step.effects.push(Effect::Send { conn, message: cancel.clone() });
+                    }
+                    // The agent never starts the run and exits: a thread's
+                    // sandbox is kept all the same, with the files of the
+                    // turns before.
+                    self.end_turn(now, &mut step, run_id, &sandbox_id, "its run was cancelled");
                 }
+                self.end_run(now, &mut step, run_id, RunState::Cancelled, None, Some("cancelled".into()));
             }
             RunState::Running => {
                 let sandbox_id = run.current().map(|attempt| attempt.sandbox_id.clone());
@@ -490,7 +708,10 @@ impl Dispatch {
             return step;
         }
         let sandbox_id = credential.sandbox_id.clone();
-        self.conns.insert(conn, Conn { sandbox_id: sandbox_id.clone(), kind: credential.kind });
+        self.conns.insert(
+            conn,
+            Conn { sandbox_id: sandbox_id.clone(), kind: credential.kind, credential_id: credential_id.to_owned() },
+        );
         self.update_sandbox(&mut step, &sandbox_id, |record| match credential.kind {
             CredentialKind::Standby => record.connections += 1,
             CredentialKind::Run => record.run_connections += 1,
@@ -503,8 +724,11 @@ impl Dispatch {
                 let unconfirmed = self.runs.get(&run_id).is_some_and(|run| {
                     run.state.is_pre_start() && run.current().is_some_and(|a| a.delivery_confirmed_at.is_none())
                 });
-                if unconfirmed {
+                let may_assign = self.sandboxes.get(&sandbox_id).is_some_and(Live::may_assign);
+                if unconfirmed && may_assign {
                     self.send_assignment(&mut step, conn, &run_id);
+                } else if unconfirmed && let Some(live) = self.sandboxes.get_mut(&sandbox_id) {
+                    live.assignment_withheld = true;
                 }
             }
             CredentialKind::Run => {
@@ -586,6 +810,34 @@ impl Dispatch {
         token
     }
 
+    /// The sandbox's agent was served its spec: a withheld assignment can
+    /// go out now.
+    pub fn spec_served(&mut self, sandbox_id: &str) -> Step {
+        let mut step = Step::default();
+        let Some(live) = self.sandboxes.get_mut(sandbox_id) else { return step };
+        live.spec_served = true;
+        if live.assignment_withheld {
+            self.send_withheld(&mut step, sandbox_id);
+        }
+        step
+    }
+
+    fn send_withheld(&mut self, step: &mut Step, sandbox_id: &str) {
+        let Some(live) = self.sandboxes.get_mut(sandbox_id) else { return };
+        live.assignment_withheld = false;
+        let Some(run_id) = live.record.run_id.clone() else { return };
+        let unconfirmed = self.runs.get(&run_id).is_some_and(|run| {
+            run.state == RunState::Committed
+                && run.current().is_some_and(|a| a.sandbox_id == sandbox_id && a.delivery_confirmed_at.is_none())
+        });
+        if unconfirmed {
+            let standby: Vec<ConnId> = self.standby_conns(sandbox_id).collect();
+            for conn in standby {
+                self.send_assignment(step, conn, &run_id);
+            }
+        }
+    }
+
     pub fn disconnected(&mut self, conn: ConnId) {
         self.conns.remove(&conn);
     }
@@ -614,14 +866,27 @@ impl Dispatch {
             return step;
         };
         live.heartbeat = Some(Heartbeat { at: now, state });
+        if live.assignment_withheld && live.may_assign() {
+            self.send_withheld(&mut step, &sandbox_id);
+        }
+        let Some(live) = self.sandboxes.get_mut(&sandbox_id) else {
+            return step;
+        };
         if state == AgentState::Ready {
             live.ever_ready = true;
-            if live.record.kind == SandboxKind::Warm {
+            if live.record.kind == SandboxKind::Warm && live.record.state == SandboxState::Standby {
                 self.pool_failures = 0;
             }
-            if live.record.state == SandboxState::Standby {
-                self.dispatch_queued(now, &mut step);
+            match live.record.state {
+                SandboxState::Standby => {
+                    self.dispatch_queued(now, &mut step);
+                    self.expire_standbys(now, &mut step);
+                }
+                SandboxState::Resuming => self.resumed_ready(now, &mut step, &sandbox_id),
+                _ => {}
             }
+        } else {
+            step.effects.push(Effect::Touch { sandbox_id });
         }
         step
     }
@@ -665,35 +930,19 @@ impl Dispatch {
                 });
             }
             EventKind::Exited { code } => {
-                self.end_run(now, &mut step, run_id, RunState::Exited, Some(code), None);
                 self.finish_attempt(now, &mut step, run_id, AttemptOutcome::Finished, format!("exited {code}"));
                 if let Some(sandbox_id) = sandbox_id {
-                    self.retire_sandbox(
-                        now,
-                        &mut step,
-                        &sandbox_id,
-                        "its run finished",
-                        CredentialState::Retired,
-                        None,
-                        self.config.linger,
-                    );
+                    self.end_turn(now, &mut step, run_id, &sandbox_id, "its run finished");
                 }
+                self.end_run(now, &mut step, run_id, RunState::Exited, Some(code), None);
             }
             EventKind::Cancelled => {
-                self.end_run(now, &mut step, run_id, RunState::Cancelled, None, Some("cancelled".into()));
                 let outcome = if state.is_pre_start() { AttemptOutcome::Cancelled } else { AttemptOutcome::Finished };
                 self.finish_attempt(now, &mut step, run_id, outcome, "cancelled".into());
                 if let Some(sandbox_id) = sandbox_id {
-                    self.retire_sandbox(
-                        now,
-                        &mut step,
-                        &sandbox_id,
-                        "its run was cancelled",
-                        CredentialState::Retired,
-                        None,
-                        self.config.linger,
-                    );
+                    self.end_turn(now, &mut step, run_id, &sandbox_id, "its run was cancelled");
                 }
+                self.end_run(now, &mut step, run_id, RunState::Cancelled, None, Some("cancelled".into()));
             }
             EventKind::InstallFailed { requeueable, stage, message } if state.is_pre_start() => {
                 let reason = format!("install failed at {stage}: {message}");
@@ -736,6 +985,10 @@ impl Dispatch {
         let Some(live) = self.sandboxes.get_mut(sandbox_id) else {
             return step;
         };
+        if live.exited {
+            // Already counted (a stop of a sandbox whose agent was gone).
+            return step;
+        }
         live.exited = true;
         let ever_ready = live.ever_ready;
         let kind = live.record.kind;
@@ -748,7 +1001,11 @@ impl Dispatch {
             return step;
         }
         let reason = describe_exit(code);
-        self.sandbox_lost(now, &mut step, sandbox_id, state, run_id, &reason);
+        match state {
+            SandboxState::Parked => self.parked_exited(now, &mut step, sandbox_id, &reason),
+            SandboxState::Resuming => self.resuming_exited(now, &mut step, sandbox_id, &reason),
+            _ => self.sandbox_lost(now, &mut step, sandbox_id, state, run_id, &reason),
+        }
         self.update_sandbox(&mut step, sandbox_id, |record| record.exit_code = code);
         if kind == SandboxKind::Warm && state == SandboxState::Standby && !ever_ready {
             self.pool_failed(now);
@@ -771,6 +1028,7 @@ impl Dispatch {
     ) {
         match (state, run_id) {
             (SandboxState::Retired, _) => {}
+            (SandboxState::Resuming, _) => self.resume_fallback(now, step, sandbox_id, reason),
             (SandboxState::Assigned, Some(run_id)) => {
                 let run_state = self.runs.get(&run_id).map(|run| run.state);
                 let on_this = self
@@ -779,14 +1037,20 @@ impl Dispatch {
                     .and_then(|run| run.current())
                     .is_some_and(|attempt| attempt.sandbox_id == sandbox_id);
                 match run_state {
-                    Some(s) if s.is_pre_start() && on_this => {
-                        let when = if s == RunState::Committed {
-                            "before delivery was confirmed"
-                        } else {
-                            "before the run started"
-                        };
-                        let why = format!("sandbox {sandbox_id} written off {when}: {reason}");
+                    Some(RunState::Committed) if on_this => {
+                        let why = format!("sandbox {sandbox_id} written off before delivery was confirmed: {reason}");
                         self.release(now, step, &run_id, true, why, true, Duration::ZERO);
+                    }
+                    // Once delivery is confirmed the agent may start the run
+                    // at any moment, and reports `started` concurrently: its
+                    // death cannot be told from one before the start. At most
+                    // once: the run fails rather than run a second time.
+                    Some(RunState::Confirmed) if on_this => {
+                        let why = format!(
+                            "sandbox {sandbox_id} ended after delivery was confirmed, before the run was reported \
+                             started (it may have started it, so it is not run again): {reason}"
+                        );
+                        self.release(now, step, &run_id, false, why, true, Duration::ZERO);
                     }
                     Some(RunState::Running | RunState::Cancelling) if on_this => {
                         let error = format!("sandbox {sandbox_id} ended without reporting the run's end: {reason}");
@@ -829,8 +1093,11 @@ impl Dispatch {
         };
         let (state, run_id, kind) = (live.record.state, live.record.run_id.clone(), live.record.kind);
         let reason = format!("launch failed: {error}");
+        if let Some(live) = self.sandboxes.get_mut(sandbox_id) {
+            live.exited = true;
+        }
         self.sandbox_lost(now, &mut step, sandbox_id, state, run_id, &reason);
-        if kind == SandboxKind::Warm {
+        if kind == SandboxKind::Warm && state == SandboxState::Standby {
             self.pool_failed(now);
         }
         self.dispatch_queued(now, &mut step);
@@ -844,13 +1111,33 @@ impl Dispatch {
     /// of the old one was kept. A sandbox that held a run is written off.
     pub fn probed(&mut self, now: Millis, sandbox_id: &str, found: Found) -> Step {
         let mut step = Step::default();
-        let Some(live) = self.sandboxes.get(sandbox_id) else {
+        let Some(live) = self.sandboxes.get_mut(sandbox_id) else {
             return step;
         };
+        if found != Found::Running {
+            live.exited = true;
+        }
         let (state, run_id) = (live.record.state, live.record.run_id.clone());
+        let expired = live
+            .record
+            .deadline
+            .is_some_and(|deadline| now >= crate::policy::retire_at(live.record.created_at, deadline));
         match (found, state) {
-            (Found::Running, _) | (_, SandboxState::Retired) => {}
-            (Found::Stopped, SandboxState::Standby) if !self.draining => {
+            (_, SandboxState::Retired) => {}
+            (Found::Running, SandboxState::Parked | SandboxState::Resuming) => {
+                // Not this process's agent: its exit would never be seen.
+                // Stop it; the sandbox stays parked stopped.
+                step.effects.push(Effect::Stop { sandbox_id: sandbox_id.to_owned() });
+                live.exited = true;
+            }
+            (Found::Running, _) => {}
+            (Found::Stopped | Found::Archived, SandboxState::Parked | SandboxState::Resuming) => {
+                // A turn claimed it before the probe answered: start it now.
+                if live.resume_after_exit && !self.draining {
+                    self.emit_resume(now, &mut step, sandbox_id);
+                }
+            }
+            (Found::Stopped, SandboxState::Standby) if !self.draining && !expired => {
                 let old = live.record.standby_credential_id.clone();
                 self.set_credential(&mut step, &old, CredentialState::Revoked);
                 let (credential_id, token) = self.new_credential(&mut step, CredentialKind::Standby, sandbox_id, None);
@@ -862,13 +1149,18 @@ impl Dispatch {
                     live.launched_at = now;
                     live.exited = false;
                 }
-                step.effects.push(Effect::Launch { sandbox_id: sandbox_id.to_owned(), token, create: false });
+                step.effects.push(Effect::Launch {
+                    sandbox_id: sandbox_id.to_owned(),
+                    token,
+                    create: false,
+                    auto_stop: 0,
+                });
             }
-            (Found::Stopped | Found::Missing, _) => {
-                let reason = if found == Found::Missing {
-                    "the sandbox was missing after a server restart"
-                } else {
-                    "the sandbox stopped while the server was down"
+            (Found::Stopped | Found::Archived | Found::Missing, _) => {
+                let reason = match found {
+                    Found::Missing => "the sandbox was missing after a server restart",
+                    _ if expired => "its standby TTL ran out while the server was down",
+                    _ => "the sandbox stopped while the server was down",
                 };
                 self.sandbox_lost(now, &mut step, sandbox_id, state, run_id, reason);
             }
@@ -895,8 +1187,8 @@ impl Dispatch {
                 None => now > connect_by,
             };
             match record.state {
-                SandboxState::Retired => {}
-                SandboxState::Standby if silent => {
+                SandboxState::Retired | SandboxState::Parked | SandboxState::Resuming => {}
+                SandboxState::Standby if silent && !live.exited => {
                     lost.push((record.id.clone(), record.state, None, "no heartbeat within three intervals"));
                 }
                 SandboxState::Standby => {}
@@ -935,6 +1227,8 @@ impl Dispatch {
                 self.sandbox_lost(now, &mut step, &sandbox_id, state, run_id, reason);
             }
         }
+        self.tick_threads(now, &mut step);
+        self.expire_standbys(now, &mut step);
         self.dispatch_queued(now, &mut step);
         self.top_up(now, &mut step);
         step
@@ -967,27 +1261,93 @@ impl Dispatch {
             .map(|live| live.record.id.clone())
     }
 
+    /// Places queued runs in order. A run that needs a new running slot at
+    /// the cap waits, and so does every later run that needs one (they
+    /// wait in order); later runs that need no new slot (a ready standby,
+    /// their thread's running sandbox) go on. Then parked-running sandboxes
+    /// (and, for runs that cannot take one, standbys) are stopped to make
+    /// room for the runs that wait.
     fn dispatch_queued(&mut self, now: Millis, step: &mut Step) {
         if self.draining {
             return;
         }
-        while let Some(run_id) = self.queue.pop_front() {
+        let queue = std::mem::take(&mut self.queue);
+        let mut kept = VecDeque::new();
+        let (mut blocked, mut blocked_cold) = (0, 0);
+        for run_id in queue {
             let Some(run) = self.runs.get(&run_id) else { continue };
-            if run.state != RunState::Queued {
+            if !matches!(run.state, RunState::Queued | RunState::Waiting) {
                 continue;
             }
-            let warm = if run.had_warm_attempt() { None } else { self.candidate(now) };
-            match warm {
-                Some(sandbox_id) => {
-                    self.commit(now, step, &run_id, &sandbox_id, RunPath::Warm);
-                    let standby: Vec<ConnId> = self.standby_conns(&sandbox_id).collect();
-                    for conn in standby {
-                        self.send_assignment(step, conn, &run_id);
+            match self.place(now, step, &run_id, blocked > 0) {
+                Placement::Placed => {}
+                Placement::Wait { reason, for_slot, cold_only } => {
+                    if for_slot {
+                        blocked += 1;
+                        blocked_cold += usize::from(cold_only);
                     }
+                    self.set_waiting(now, step, &run_id, reason, for_slot);
+                    kept.push_back(run_id);
                 }
-                None => self.commit_cold(now, step, &run_id),
             }
         }
+        // Anything queued while placing comes after the runs already waiting.
+        kept.extend(std::mem::take(&mut self.queue));
+        self.queue = kept;
+        self.blocked = blocked;
+        self.blocked_cold = blocked_cold;
+        self.make_room(now, step);
+    }
+
+    /// Binds `run_id` if it can be: to its thread's parked sandbox, a ready
+    /// standby, or a new cold sandbox (given a running slot, and no earlier
+    /// run waiting for one).
+    fn place(&mut self, now: Millis, step: &mut Step, run_id: &str, behind_waiting: bool) -> Placement {
+        let Some(run) = self.runs.get(run_id) else { return Placement::Placed };
+        let prepared_before = run.had_prepared_attempt();
+        if let Some(thread_id) = run.thread_id.clone() {
+            if let Some(holder) = self.thread_busy(&thread_id, run_id) {
+                let reason = format!("turn {holder} of thread {thread_id} holds the thread's sandbox");
+                return Placement::Wait { reason, for_slot: false, cold_only: false };
+            }
+            if !prepared_before
+                && let Some(placement) = self.place_on_thread(now, step, run_id, &thread_id, behind_waiting)
+            {
+                return placement;
+            }
+        }
+        let warm = if prepared_before { None } else { self.candidate(now) };
+        if let Some(sandbox_id) = warm {
+            self.commit(now, step, run_id, &sandbox_id, RunPath::Warm);
+            self.claim_thread(now, step, run_id, &sandbox_id);
+            let standby: Vec<ConnId> = self.standby_conns(&sandbox_id).collect();
+            for conn in standby {
+                self.send_assignment(step, conn, run_id);
+            }
+            return Placement::Placed;
+        }
+        if behind_waiting || !self.slot_free() {
+            return Placement::Wait { reason: self.cap_reason(), for_slot: true, cold_only: prepared_before };
+        }
+        if let Some(sandbox_id) = self.commit_cold(now, step, run_id) {
+            self.claim_thread(now, step, run_id, &sandbox_id);
+        }
+        Placement::Placed
+    }
+
+    fn set_waiting(&mut self, now: Millis, step: &mut Step, run_id: &str, reason: String, for_slot: bool) {
+        let unchanged = self
+            .runs
+            .get(run_id)
+            .is_some_and(|run| run.state == RunState::Waiting && run.wait.as_ref().is_some_and(|w| w.reason == reason));
+        if unchanged {
+            return;
+        }
+        self.update_run(step, run_id, |run| {
+            let since = run.wait.as_ref().filter(|_| run.state == RunState::Waiting).map_or(now, |w| w.since);
+            run.state = RunState::Waiting;
+            run.wait = Some(crate::model::Wait { reason, since, for_slot });
+        });
     }
 
     /// Binds `run_id` to `sandbox_id` with a new run credential. The caller
@@ -997,6 +1357,7 @@ impl Dispatch {
         let (credential_id, token) = self.new_credential(step, CredentialKind::Run, sandbox_id, Some((run_id, number)));
         self.update_run(step, run_id, |run| {
             run.state = RunState::Committed;
+            run.wait = None;
             run.attempts.push(Attempt {
                 number,
                 sandbox_id: sandbox_id.to_owned(),
@@ -1014,6 +1375,7 @@ impl Dispatch {
         self.update_sandbox(step, sandbox_id, |record| {
             record.state = SandboxState::Assigned;
             record.run_id = Some(run_id.to_owned());
+            record.park = None;
         });
         if let Some(live) = self.sandboxes.get_mut(sandbox_id) {
             live.run_token = Some(token);
@@ -1023,13 +1385,16 @@ impl Dispatch {
     /// Creates a sandbox for `run_id`, prepared with the run's workspace
     /// (the pool's when it names none), binds the run to it, then launches
     /// it: the assignment is waiting before its agent ever connects.
-    fn commit_cold(&mut self, now: Millis, step: &mut Step, run_id: &str) {
-        let Some(run) = self.runs.get(run_id) else { return };
+    fn commit_cold(&mut self, now: Millis, step: &mut Step, run_id: &str) -> Option<String> {
+        let run = self.runs.get(run_id)?;
         let workspace = run.run.workspace.clone();
         let fingerprint = run.fingerprint.clone().unwrap_or_else(|| self.config.pool_fingerprint.clone());
         let (sandbox_id, token) = self.create_sandbox(now, step, SandboxKind::Cold, workspace, fingerprint);
+        let auto_stop = self.config.lifecycle.auto_stop.minutes;
+        self.update_sandbox(step, &sandbox_id, |record| record.auto_stop_minutes = Some(auto_stop));
         self.commit(now, step, run_id, &sandbox_id, RunPath::Cold);
-        step.effects.push(Effect::Launch { sandbox_id, token, create: true });
+        step.effects.push(Effect::Launch { sandbox_id: sandbox_id.clone(), token, create: true, auto_stop });
+        Some(sandbox_id)
     }
 
     fn create_sandbox(
@@ -1056,37 +1421,15 @@ impl Dispatch {
             retired_at: None,
             retire_reason: None,
             exit_code: None,
+            thread_id: None,
+            park: None,
+            expires_at: None,
+            deadline: None,
+            auto_stop_minutes: None,
         };
         step.writes.push(Write::Sandbox(Box::new(record.clone())));
-        let live =
-            Live { record, heartbeat: None, run_token: None, launched_at: now, exited: false, ever_ready: false };
-        self.sandboxes.insert(sandbox_id.clone(), live);
+        self.sandboxes.insert(sandbox_id.clone(), Live::new(record, now, false));
         (sandbox_id, token)
-    }
-
-    /// Keeps `pool_size` warm standbys with no run, unless a run of launch
-    /// failures put the pool in backoff.
-    fn top_up(&mut self, now: Millis, step: &mut Step) {
-        if self.draining || now < self.pool_backoff_until {
-            return;
-        }
-        let live = self
-            .sandboxes
-            .values()
-            .filter(|l| l.record.kind == SandboxKind::Warm && l.record.state == SandboxState::Standby && !l.exited)
-            .count();
-        for _ in live..self.config.pool_size {
-            let fingerprint = self.config.pool_fingerprint.clone();
-            let (sandbox_id, token) = self.create_sandbox(now, step, SandboxKind::Warm, None, fingerprint);
-            step.effects.push(Effect::Launch { sandbox_id, token, create: true });
-        }
-    }
-
-    fn pool_failed(&mut self, now: Millis) {
-        self.pool_failures = self.pool_failures.saturating_add(1);
-        let exponent = self.pool_failures.saturating_sub(1).min(6);
-        let delay = Duration::from_secs(1u64 << exponent).min(Duration::from_secs(60));
-        self.pool_backoff_until = now.plus(delay);
     }
 
     // ---- releasing runs and sandboxes -----------------------------------------
@@ -1167,6 +1510,7 @@ impl Dispatch {
             return;
         }
         let credential_id = live.record.standby_credential_id.clone();
+        let thread_id = live.record.thread_id.clone();
         if self.credentials.get(&credential_id).is_some_and(|c| c.state == CredentialState::Active) {
             self.set_credential(step, &credential_id, standby_state);
         }
@@ -1174,7 +1518,14 @@ impl Dispatch {
             record.state = SandboxState::Retired;
             record.retired_at = Some(now);
             record.retire_reason = Some(reason.to_owned());
+            record.park = None;
         });
+        if let Some(live) = self.sandboxes.get_mut(sandbox_id) {
+            live.resume_after_exit = false;
+        }
+        if let Some(thread_id) = thread_id {
+            self.forget_sandbox(now, step, &thread_id, sandbox_id);
+        }
         if let Some(message) = notify {
             let conns: Vec<ConnId> = self.all_conns(sandbox_id).collect();
             for conn in conns {
@@ -1209,10 +1560,12 @@ impl Dispatch {
             run.state = state;
             run.exit_code = exit_code;
             run.ended_at = Some(now);
+            run.wait = None;
             if state != RunState::Exited {
                 run.error = error;
             }
         });
+        self.turn_over(now, step, run_id);
     }
 
     // ---- record helpers ------------------------------------------------------
@@ -1262,10 +1615,16 @@ impl Dispatch {
         }
     }
 
+    /// Connections of the sandbox's current standby credential.
     fn standby_conns<'a>(&'a self, sandbox_id: &'a str) -> impl Iterator<Item = ConnId> + 'a {
+        let current = self.sandboxes.get(sandbox_id).map(|live| live.record.standby_credential_id.as_str());
         self.conns
             .iter()
-            .filter(move |(_, conn)| conn.sandbox_id == sandbox_id && conn.kind == CredentialKind::Standby)
+            .filter(move |(_, conn)| {
+                conn.sandbox_id == sandbox_id
+                    && conn.kind == CredentialKind::Standby
+                    && Some(conn.credential_id.as_str()) == current
+            })
             .map(|(id, _)| *id)
     }
 

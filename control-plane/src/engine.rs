@@ -1,13 +1,17 @@
 //! Drives the [`Dispatch`] state machine: one task owns it, takes commands
 //! from HTTP handlers, sockets, provider tasks and a ticker, and for each
 //! step applies the writes in one store transaction **before** carrying out
-//! the effects (sending frames, launching and retiring sandboxes).
+//! the effects (sending frames, launching, parking, resuming and retiring
+//! sandboxes). A sandbox's provider operations run one after another, in
+//! the order the machine emitted them.
 //!
 //! A store failure is fatal: the machine's memory may then be ahead of the
 //! store, so the engine stops and the server shuts down; the next start
 //! rebuilds everything from what was committed.
 
 use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -18,9 +22,14 @@ use tokio::sync::{mpsc, oneshot, watch};
 use crate::dispatch::{
     Admission, CancelError, ConnId, Dispatch, Effect, Found, LogError, MetricsSnapshot, Refusal, SandboxView, Step,
 };
-use crate::model::{Millis, RunRecord, RunRequest, RunState, SandboxRecord};
-use crate::provider::{AgentLaunch, Details, SandboxProvider};
+use crate::model::{Millis, RunRecord, RunRequest, RunState, SandboxRecord, ThreadRecord};
+use crate::policy::raised_auto_stop;
+use crate::provider::{AgentLaunch, Details, Launched, SandboxProvider};
 use crate::store::{Store, StoreError};
+
+/// Bound on setting a sandbox's auto-stop: it is best effort, and never
+/// holds up a launch or a resume for longer.
+const AUTO_STOP_BOUND: Duration = Duration::from_secs(5);
 
 /// What a socket task is told to do.
 #[derive(Debug)]
@@ -30,6 +39,9 @@ pub enum Outbound {
     /// Send a close frame and end the connection.
     Close,
 }
+
+/// A provider operation on one sandbox, queued behind its earlier ones.
+type Op = Pin<Box<dyn Future<Output = ()> + Send>>;
 
 /// The engine stopped (a store failure, or shutdown) before answering.
 #[derive(Debug, Clone, Copy, thiserror::Error)]
@@ -43,7 +55,8 @@ enum Command {
     Disconnect { conn: ConnId },
     Heartbeat { conn: ConnId, state: AgentState },
     AssignmentSent { run_id: String },
-    Submit { run: Box<Run>, request: Box<RunRequest>, reply: oneshot::Sender<RunRecord> },
+    Submit { run: Box<Run>, request: Box<RunRequest>, thread_id: Option<String>, reply: oneshot::Sender<RunRecord> },
+    GetThread { thread_id: String, reply: oneshot::Sender<Option<ThreadRecord>> },
     Cancel { run_id: String, reply: oneshot::Sender<Result<RunState, CancelError>> },
     GetRun { run_id: String, reply: oneshot::Sender<Option<RunRecord>> },
     ListRuns { reply: oneshot::Sender<Vec<RunRecord>> },
@@ -54,6 +67,8 @@ enum Command {
     Metrics { reply: oneshot::Sender<MetricsSnapshot> },
     Exited { sandbox_id: String, code: Option<i32> },
     LaunchFailed { sandbox_id: String, error: String },
+    SpecServed { sandbox_id: String },
+    ResumeFailed { sandbox_id: String, reason: String, gone: bool },
     Probed { sandbox_id: String, found: Found },
     Drain { reply: oneshot::Sender<()> },
     Stop,
@@ -71,6 +86,8 @@ pub struct EngineConfig {
     pub stop_grace: Duration,
     /// How often silence and the pool are checked.
     pub tick: Duration,
+    /// Bound on each provider call of a resume (state, start).
+    pub resume_timeout: Duration,
 }
 
 /// A cheap, cloneable way to talk to the engine.
@@ -125,7 +142,27 @@ impl EngineHandle {
     }
 
     pub async fn submit(&self, run: Run, request: RunRequest) -> Result<RunRecord, EngineGone> {
-        self.ask(|reply| Command::Submit { run: Box::new(run), request: Box::new(request), reply }).await
+        self.submit_turn(run, request, None).await
+    }
+
+    /// Submits a run as a turn of `thread_id` (when given).
+    pub async fn submit_turn(
+        &self,
+        run: Run,
+        request: RunRequest,
+        thread_id: Option<String>,
+    ) -> Result<RunRecord, EngineGone> {
+        self.ask(|reply| Command::Submit { run: Box::new(run), request: Box::new(request), thread_id, reply }).await
+    }
+
+    /// A sandbox's agent was served its spec.
+    pub async fn spec_served(&self, sandbox_id: &str) {
+        self.tell(Command::SpecServed { sandbox_id: sandbox_id.to_owned() }).await;
+    }
+
+    pub async fn thread(&self, thread_id: &str) -> Result<Option<ThreadRecord>, EngineGone> {
+        let thread_id = thread_id.to_owned();
+        self.ask(|reply| Command::GetThread { thread_id, reply }).await
     }
 
     pub async fn cancel(&self, run_id: &str) -> Result<Result<RunState, CancelError>, EngineGone> {
@@ -183,8 +220,10 @@ pub struct Engine<P> {
     provider: Arc<P>,
     config: EngineConfig,
     conns: HashMap<ConnId, mpsc::UnboundedSender<Outbound>>,
-    /// Serialises launch and retirement of one sandbox.
-    ops: HashMap<String, Arc<tokio::sync::Mutex<()>>>,
+    /// One queue per sandbox: its provider operations (launch, park, stop,
+    /// resume, retire) run one after another in the order the machine
+    /// emitted them.
+    ops: HashMap<String, mpsc::UnboundedSender<Op>>,
     rx: mpsc::Receiver<Command>,
     handle: EngineHandle,
 }
@@ -286,8 +325,8 @@ impl<P: SandboxProvider> Engine<P> {
                 let step = self.machine.assignment_sent(now, &run_id);
                 self.apply(step).await?;
             }
-            Command::Submit { run, request, reply } => {
-                let (step, run_id) = self.machine.submit(now, *run, *request);
+            Command::Submit { run, request, thread_id, reply } => {
+                let (step, run_id) = self.machine.submit_turn(now, *run, *request, thread_id);
                 self.apply(step).await?;
                 if let Some(record) = self.machine.run(&run_id) {
                     let _ = reply.send(record.clone());
@@ -307,6 +346,9 @@ impl<P: SandboxProvider> Engine<P> {
             }
             Command::ListRuns { reply } => {
                 let _ = reply.send(self.machine.runs().cloned().collect());
+            }
+            Command::GetThread { thread_id, reply } => {
+                let _ = reply.send(self.machine.thread(&thread_id).cloned());
             }
             Command::GetSandbox { sandbox_id, reply } => {
                 let _ = reply.send(self.machine.sandbox(&sandbox_id).cloned());
@@ -347,6 +389,14 @@ impl<P: SandboxProvider> Engine<P> {
                 let step = self.machine.launch_failed(now, &sandbox_id, &error);
                 self.apply(step).await?;
             }
+            Command::SpecServed { sandbox_id } => {
+                let step = self.machine.spec_served(&sandbox_id);
+                self.apply(step).await?;
+            }
+            Command::ResumeFailed { sandbox_id, reason, gone } => {
+                let step = self.machine.resume_failed(now, &sandbox_id, &reason, gone);
+                self.apply(step).await?;
+            }
             Command::Probed { sandbox_id, found } => {
                 let step = self.machine.probed(now, &sandbox_id, found);
                 self.apply(step).await?;
@@ -373,8 +423,30 @@ impl<P: SandboxProvider> Engine<P> {
         Ok(())
     }
 
-    fn ops_lock(&mut self, sandbox_id: &str) -> Arc<tokio::sync::Mutex<()>> {
-        Arc::clone(self.ops.entry(sandbox_id.to_owned()).or_default())
+    fn agent_launch(&self, token: Secret) -> AgentLaunch {
+        AgentLaunch {
+            server_url: self.config.server_url.clone(),
+            token,
+            heartbeat_interval: self.config.heartbeat_interval,
+            log_filter: self.config.agent_log.clone(),
+        }
+    }
+
+    /// Queues `op` behind the sandbox's earlier operations. The queue's
+    /// task runs on a worker thread (never the blocking pool): the local
+    /// provider's parent-death signal is tied to the thread that spawns the
+    /// agent.
+    fn queue(&mut self, sandbox_id: &str, op: impl Future<Output = ()> + Send + 'static) {
+        let sender = self.ops.entry(sandbox_id.to_owned()).or_insert_with(|| {
+            let (sender, mut queue) = mpsc::unbounded_channel::<Op>();
+            tokio::spawn(async move {
+                while let Some(op) = queue.recv().await {
+                    op.await;
+                }
+            });
+            sender
+        });
+        let _ = sender.send(Box::pin(op));
     }
 
     fn effect(&mut self, effect: Effect) {
@@ -393,34 +465,23 @@ impl<P: SandboxProvider> Engine<P> {
                     let _ = sender.send(Outbound::Close);
                 }
             }
-            Effect::Launch { sandbox_id, token, create } => {
-                let lock = self.ops_lock(&sandbox_id);
+            Effect::Launch { sandbox_id, token, create, auto_stop } => {
                 let provider = Arc::clone(&self.provider);
                 let handle = self.handle.clone();
-                let launch = AgentLaunch {
-                    server_url: self.config.server_url.clone(),
-                    token,
-                    heartbeat_interval: self.config.heartbeat_interval,
-                    log_filter: self.config.agent_log.clone(),
-                };
-                // Spawned on a worker thread (never the blocking pool): the
-                // local provider's parent-death signal is tied to the thread
-                // that spawns the agent.
-                tokio::spawn(async move {
-                    let _guard = lock.lock().await;
+                let launch = self.agent_launch(token);
+                let id = sandbox_id.clone();
+                self.queue(&id, async move {
                     let prepared =
                         if create { provider.create(&sandbox_id).await } else { provider.start(&sandbox_id).await };
+                    if prepared.is_ok() && create {
+                        set_auto_stop(provider.as_ref(), &sandbox_id, auto_stop).await;
+                    }
                     let launched = match prepared {
                         Ok(()) => provider.launch(&sandbox_id, launch).await,
                         Err(error) => Err(error),
                     };
                     match launched {
-                        Ok(launched) => {
-                            tokio::spawn(async move {
-                                let code = launched.exited.await.unwrap_or(None);
-                                handle.tell(Command::Exited { sandbox_id, code }).await;
-                            });
-                        }
+                        Ok(launched) => watch_exit(handle, sandbox_id, launched),
                         Err(error) => {
                             tracing::error!(%error, "launch failed");
                             handle.tell(Command::LaunchFailed { sandbox_id, error: error.to_string() }).await;
@@ -428,12 +489,51 @@ impl<P: SandboxProvider> Engine<P> {
                     }
                 });
             }
-            Effect::Retire { sandbox_id, linger } => {
-                let lock = self.ops_lock(&sandbox_id);
+            Effect::Resume { sandbox_id, token, auto_stop } => {
+                let provider = Arc::clone(&self.provider);
+                let handle = self.handle.clone();
+                let launch = self.agent_launch(token);
+                let (bound, grace) = (self.config.resume_timeout, self.config.stop_grace);
+                let id = sandbox_id.clone();
+                self.queue(&id, async move {
+                    match resume(provider.as_ref(), &sandbox_id, launch, auto_stop, bound, grace).await {
+                        Ok(launched) => watch_exit(handle, sandbox_id, launched),
+                        Err((reason, gone)) => {
+                            tracing::warn!(sandbox_id, reason, "resuming a kept sandbox failed");
+                            handle.tell(Command::ResumeFailed { sandbox_id, reason, gone }).await;
+                        }
+                    }
+                });
+            }
+            Effect::Park { sandbox_id, linger, auto_stop } => {
                 let provider = Arc::clone(&self.provider);
                 let grace = self.config.stop_grace;
-                tokio::spawn(async move {
-                    let _guard = lock.lock().await;
+                let id = sandbox_id.clone();
+                self.queue(&id, async move {
+                    if !provider.wait_exit(&sandbox_id, linger).await {
+                        tracing::info!(sandbox_id, "a finished turn's agent did not exit by itself: stopped");
+                    }
+                    // Stops whatever is left (with no agent running, only
+                    // processes that escaped it): a parked sandbox keeps
+                    // its files, not its processes.
+                    provider.stop(&sandbox_id, grace).await;
+                    set_auto_stop(provider.as_ref(), &sandbox_id, auto_stop).await;
+                });
+            }
+            Effect::Stop { sandbox_id } => {
+                let provider = Arc::clone(&self.provider);
+                let grace = self.config.stop_grace;
+                let id = sandbox_id.clone();
+                self.queue(&id, async move {
+                    provider.stop(&sandbox_id, grace).await;
+                });
+            }
+            Effect::Touch { sandbox_id } => self.provider.touch(&sandbox_id),
+            Effect::Retire { sandbox_id, linger } => {
+                let provider = Arc::clone(&self.provider);
+                let grace = self.config.stop_grace;
+                let id = sandbox_id.clone();
+                self.queue(&id, async move {
                     if !provider.wait_exit(&sandbox_id, linger).await {
                         provider.stop(&sandbox_id, grace).await;
                     }
@@ -441,6 +541,8 @@ impl<P: SandboxProvider> Engine<P> {
                         tracing::warn!(%error, "deleting a retired sandbox failed");
                     }
                 });
+                // Nothing follows a retirement: the queue ends once drained.
+                self.ops.remove(&id);
             }
             Effect::Probe { sandbox_id } => {
                 let provider = Arc::clone(&self.provider);
@@ -455,4 +557,66 @@ impl<P: SandboxProvider> Engine<P> {
             }
         }
     }
+}
+
+/// Reports the agent's exit to the engine when it comes.
+fn watch_exit(handle: EngineHandle, sandbox_id: String, launched: Launched) {
+    tokio::spawn(async move {
+        let code = launched.exited.await.unwrap_or(None);
+        handle.tell(Command::Exited { sandbox_id, code }).await;
+    });
+}
+
+/// Sets the provider auto-stop, best effort and bounded.
+async fn set_auto_stop<P: SandboxProvider>(provider: &P, sandbox_id: &str, minutes: u32) {
+    match tokio::time::timeout(AUTO_STOP_BOUND, provider.set_auto_stop(sandbox_id, minutes)).await {
+        Ok(Ok(())) => {}
+        Ok(Err(error)) => tracing::warn!(sandbox_id, %error, "setting the auto-stop failed"),
+        Err(_) => tracing::warn!(sandbox_id, "setting the auto-stop timed out"),
+    }
+}
+
+/// Makes a kept sandbox run again: its provider state first (a deleted
+/// one cannot be resumed), a stopped or archived one started, a shorter
+/// auto-stop raised (best effort, bounded), then a fresh agent. An error
+/// says why, and whether the sandbox is gone.
+async fn resume<P: SandboxProvider>(
+    provider: &P,
+    sandbox_id: &str,
+    launch: AgentLaunch,
+    auto_stop: u32,
+    bound: Duration,
+    grace: Duration,
+) -> Result<Launched, (String, bool)> {
+    let bounded =
+        |what: &str| format!("the provider did not answer {what} within {}", humantime::format_duration(bound));
+    let found = tokio::time::timeout(bound, provider.state(sandbox_id))
+        .await
+        .map_err(|_| (bounded("its state"), false))?
+        .map_err(|error| (format!("reading its state failed: {error}"), false))?;
+    match found {
+        Found::Missing => return Err(("the sandbox no longer exists (deleted by the provider)".into(), true)),
+        Found::Running => {
+            tracing::warn!(sandbox_id, "a kept sandbox was still running: stopped before its resume");
+            provider.stop(sandbox_id, grace).await;
+        }
+        Found::Stopped | Found::Archived => {}
+    }
+    tokio::time::timeout(bound, provider.start(sandbox_id))
+        .await
+        .map_err(|_| (bounded("the start"), false))?
+        .map_err(|error| (format!("the provider refused to start it: {error}"), false))?;
+    let raise = async {
+        let current = provider.auto_stop(sandbox_id).await?;
+        if let Some(minutes) = raised_auto_stop(current, auto_stop) {
+            provider.set_auto_stop(sandbox_id, minutes).await?;
+        }
+        Ok::<_, crate::provider::ProviderError>(())
+    };
+    match tokio::time::timeout(AUTO_STOP_BOUND, raise).await {
+        Ok(Ok(())) => {}
+        Ok(Err(error)) => tracing::warn!(sandbox_id, %error, "raising the auto-stop on resume failed"),
+        Err(_) => tracing::warn!(sandbox_id, "raising the auto-stop on resume timed out"),
+    }
+    provider.launch(sandbox_id, launch).await.map_err(|error| (format!("launching its agent failed: {error}"), false))
 }

@@ -6,6 +6,8 @@
 //! - [`engine`]: drives the state machine: store first, then effects.
 //! - [`server`]: HTTP and the control socket on one listener.
 //! - [`provider`]: where sandboxes come from; the `local` provider.
+//! - [`policy`]: the pool's numeric rules (auto-stop floor, TTL schedule).
+//! - [`spool`]: the `spool` provider, standby credentials as files (load generation).
 //! - [`metrics`]: the Prometheus text of `/metrics`.
 //! - [`demo`]: `standby-server demo`.
 
@@ -17,6 +19,8 @@ pub mod dispatch;
 pub mod engine;
 pub mod metrics;
 pub mod model;
+pub mod policy;
 pub mod provider;
 pub mod server;
+pub mod spool;
 pub mod store;

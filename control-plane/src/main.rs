@@ -11,8 +11,11 @@ use std::time::Duration;
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
 use standby_control_plane::demo::{self, DemoOptions};
-use standby_control_plane::provider::LocalProvider;
+use standby_control_plane::dispatch::Lifecycle;
+use standby_control_plane::policy::AutoStop;
+use standby_control_plane::provider::{LocalOptions, LocalProvider, SandboxProvider};
 use standby_control_plane::server::{self, ServerConfig};
+use standby_control_plane::spool::SpoolProvider;
 use standby_control_plane::store::SqliteStore;
 use standby_protocol::{Secret, Spec, Workspace};
 use tokio::signal::unix::{SignalKind, signal};
@@ -53,8 +56,8 @@ struct Serve {
     /// The SQLite store file; `<data dir>/standby.db` when unset.
     #[arg(long, env = "STANDBY_SERVER_STORE", value_name = "PATH")]
     store: Option<PathBuf>,
-    /// Standbys kept ready.
-    #[arg(long, env = "STANDBY_SERVER_POOL_SIZE", default_value_t = 2, value_name = "N")]
+    /// Standbys kept ready (`min_ready`).
+    #[arg(long, visible_alias = "min-ready", env = "STANDBY_SERVER_POOL_SIZE", default_value_t = 2, value_name = "N")]
     pool_size: usize,
     /// The standby spec (JSON, the shape of `GET /v1/standby/spec`); an
     /// empty workspace when unset.
@@ -84,6 +87,88 @@ struct Serve {
     /// `STANDBY_LOG` of the agents (their output goes to `<sandbox>/agent.log`).
     #[arg(long, env = "STANDBY_SERVER_AGENT_LOG", default_value = "info", value_name = "FILTER")]
     agent_log: String,
+    /// Where sandboxes come from: `local` launches an agent per sandbox;
+    /// `spool` launches nothing and writes each standby credential to
+    /// `<spool dir>/<sandbox id>.token` for a load generator.
+    #[arg(long, env = "STANDBY_SERVER_PROVIDER", default_value = "local", value_name = "PROVIDER")]
+    provider: ProviderKind,
+    /// The directory of the `spool` provider; `<data dir>/spool` when unset.
+    #[arg(long, env = "STANDBY_SERVER_SPOOL_DIR", value_name = "DIR")]
+    spool_dir: Option<PathBuf>,
+    /// Benchmarking: delay every agent call under `/v1/executions/` by this
+    /// long, as a distant server would.
+    #[arg(long, env = "STANDBY_SERVER_INJECT_LATENCY", default_value = "0s", value_parser = parse_duration, value_name = "DURATION")]
+    inject_latency: Duration,
+    #[command(flatten)]
+    lifecycle: LifecycleArgs,
+}
+
+/// The pool policy and the thread tiers (`docs/operations.md`).
+#[derive(Debug, clap::Args)]
+struct LifecycleArgs {
+    /// Most sandboxes costing compute at once (standbys, busy, parked
+    /// running); runs beyond it wait in order. `0`: no cap.
+    #[arg(long, env = "STANDBY_SERVER_RUNNING_CAP", default_value_t = 16, value_name = "N")]
+    running_cap: usize,
+    /// A standby is replaced within this (jittered); `0s`: never.
+    #[arg(long, env = "STANDBY_SERVER_STANDBY_TTL", default_value = "1h", value_parser = parse_duration, value_name = "DURATION")]
+    standby_ttl: Duration,
+    /// Tier 2: a thread's sandbox stays running this long after a turn;
+    /// `0s`: not at all.
+    #[arg(long, env = "STANDBY_SERVER_WARM_IDLE", default_value = "5m", value_parser = parse_duration, value_name = "DURATION")]
+    warm_idle: Duration,
+    /// Tier 1: keep a thread's sandbox stopped (filesystem kept) after its
+    /// warm idle window, or at once; `false`: release it.
+    #[arg(long, env = "STANDBY_SERVER_PARK_STOPPED", default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL")]
+    park_stopped: bool,
+    /// The provider's idle auto-stop, in provider minutes (`0`: never);
+    /// raised to the warm idle window + 5 minutes for a sandbox kept warm.
+    #[arg(long, env = "STANDBY_SERVER_AUTO_STOP", default_value_t = 15, value_name = "MINUTES")]
+    auto_stop: u32,
+    /// The local provider's sweeper: archive a sandbox stopped this long
+    /// (`0`: never).
+    #[arg(long, env = "STANDBY_SERVER_AUTO_ARCHIVE", default_value_t = 60, value_name = "MINUTES")]
+    auto_archive: u32,
+    /// The local provider's sweeper: delete a sandbox stopped this long
+    /// (`0`: never).
+    #[arg(long, env = "STANDBY_SERVER_AUTO_DELETE", default_value_t = 1440, value_name = "MINUTES")]
+    auto_delete: u32,
+    /// How long a provider minute is (auto-stop, archive, delete). Only
+    /// tests shorten it.
+    #[arg(long, env = "STANDBY_SERVER_PROVIDER_MINUTE", default_value = "60s", value_parser = parse_duration, value_name = "DURATION")]
+    provider_minute: Duration,
+    /// How long a resumed sandbox's agent may take to be ready before the
+    /// run gets a fresh sandbox instead.
+    #[arg(long, env = "STANDBY_SERVER_RESUME_TIMEOUT", default_value = "60s", value_parser = parse_duration, value_name = "DURATION")]
+    resume_timeout: Duration,
+}
+
+impl LifecycleArgs {
+    fn lifecycle(&self) -> Lifecycle {
+        Lifecycle {
+            running_cap: self.running_cap,
+            standby_ttl: self.standby_ttl,
+            warm_idle: self.warm_idle,
+            park_stopped: self.park_stopped,
+            auto_stop: AutoStop { minutes: self.auto_stop, minute: self.provider_minute },
+            resume_timeout: self.resume_timeout,
+        }
+    }
+
+    fn local_options(&self, stop_grace: Duration) -> LocalOptions {
+        LocalOptions {
+            minute: self.provider_minute,
+            auto_archive: self.auto_archive,
+            auto_delete: self.auto_delete,
+            stop_grace,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum ProviderKind {
+    Local,
+    Spool,
 }
 
 #[derive(Debug, clap::Args)]
@@ -94,6 +179,18 @@ struct DemoArgs {
     /// Bound on each wait (standbys ready, runs finished).
     #[arg(long, default_value = "3m", value_parser = parse_duration, value_name = "DURATION")]
     timeout: Duration,
+    /// Follow-up turns of threads instead: on a running kept sandbox (Tier
+    /// 2), a stopped one (Tier 1) and none (cold), with the median
+    /// submit-to-start time of each.
+    #[arg(long)]
+    threads: bool,
+    /// Added to the sample's setup step, standing in for a dependency
+    /// install (what a cold sandbox pays and a kept one skips).
+    #[arg(long, default_value = "0s", value_parser = parse_duration, value_name = "DURATION")]
+    setup_cost: Duration,
+    /// Rounds of follow-up turns with `--threads`.
+    #[arg(long, default_value_t = 5, value_name = "N", requires = "threads")]
+    rounds: usize,
 }
 
 fn parse_duration(text: &str) -> Result<Duration, String> {
@@ -109,11 +206,19 @@ fn agent_bin(given: Option<PathBuf>) -> anyhow::Result<PathBuf> {
     Ok(exe.with_file_name("standby"))
 }
 
+/// Dependencies that print frames and headers at `debug` and `trace`:
+/// assignment frames carry run credentials, requests carry bearer tokens.
+/// They stay at `info` whatever the filter says.
+const CAPPED_DEPENDENCIES: &[&str] =
+    &["tungstenite", "tokio_tungstenite", "hyper", "hyper_util", "reqwest", "h2", "rustls", "axum", "tower_http"];
+
 fn init_logging(filter: Option<&str>) {
     let filter =
         filter.map(str::to_owned).or_else(|| std::env::var("RUST_LOG").ok()).unwrap_or_else(|| "info".to_owned());
+    let caps = CAPPED_DEPENDENCIES.iter().map(|target| format!("{target}=info"));
+    let directives = std::iter::once(filter).chain(caps).collect::<Vec<_>>().join(",");
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_new(&filter).unwrap_or_else(|_| "info".into()))
+        .with_env_filter(tracing_subscriber::EnvFilter::try_new(&directives).unwrap_or_else(|_| "info".into()))
         .with_writer(std::io::stderr)
         .init();
 }
@@ -136,18 +241,21 @@ async fn serve(args: Serve) -> anyhow::Result<()> {
     if args.api_key.trim().is_empty() {
         anyhow::bail!("--api-key (STANDBY_SERVER_API_KEY) is empty");
     }
-    let agent = agent_bin(args.agent_bin)?;
-    if !agent.is_file() {
-        anyhow::bail!(
-            "the agent binary {} does not exist: build it (`cargo build --bins`) or pass --agent-bin",
-            agent.display()
-        );
-    }
+    let agent = match args.provider {
+        ProviderKind::Local => {
+            let agent = agent_bin(args.agent_bin)?;
+            if !agent.is_file() {
+                anyhow::bail!(
+                    "the agent binary {} does not exist: build it (`cargo build --bins`) or pass --agent-bin",
+                    agent.display()
+                );
+            }
+            Some(agent)
+        }
+        ProviderKind::Spool => None,
+    };
     let store_path = args.store.unwrap_or_else(|| args.data_dir.join("standby.db"));
     let store = Arc::new(SqliteStore::open(&store_path)?);
-    let sandboxes = std::path::absolute(args.data_dir.join("sandboxes"))
-        .with_context(|| format!("cannot resolve {}", args.data_dir.display()))?;
-    let provider = Arc::new(LocalProvider::new(sandboxes, agent));
     let mut config = ServerConfig::new(Secret::new(args.api_key), spec);
     config.listen = args.listen;
     config.public_url = args.public_url;
@@ -158,6 +266,39 @@ async fn serve(args: Serve) -> anyhow::Result<()> {
     config.linger = args.linger;
     config.stop_grace = args.stop_grace;
     config.agent_log = args.agent_log;
+    config.inject_latency = args.inject_latency;
+    if args.lifecycle.running_cap != 0 && args.lifecycle.running_cap < args.pool_size {
+        anyhow::bail!(
+            "--running-cap {} cannot hold --pool-size {} standbys: raise the cap (or 0 for none)",
+            args.lifecycle.running_cap,
+            args.pool_size
+        );
+    }
+    if args.lifecycle.provider_minute.is_zero() {
+        anyhow::bail!("--provider-minute must be longer than zero");
+    }
+    config.lifecycle = args.lifecycle.lifecycle();
+    let local_options = args.lifecycle.local_options(args.stop_grace);
+    match agent {
+        Some(agent) => {
+            let sandboxes = std::path::absolute(args.data_dir.join("sandboxes"))
+                .with_context(|| format!("cannot resolve {}", args.data_dir.display()))?;
+            run_server(config, store, Arc::new(LocalProvider::with_options(sandboxes, agent, local_options))).await
+        }
+        None => {
+            let dir = args.spool_dir.unwrap_or_else(|| args.data_dir.join("spool"));
+            let dir = std::path::absolute(&dir).with_context(|| format!("cannot resolve {}", dir.display()))?;
+            run_server(config, store, Arc::new(SpoolProvider::new(dir))).await
+        }
+    }
+}
+
+/// Serves until SIGTERM, SIGINT or a failure, then shuts down.
+async fn run_server<P: SandboxProvider>(
+    config: ServerConfig,
+    store: Arc<SqliteStore>,
+    provider: Arc<P>,
+) -> anyhow::Result<()> {
     let mut running = server::start(config, store, provider).await?;
     // One line on stdout once the listener is up: scripts (and the tests)
     // learn the URL from it when they asked for port 0.
@@ -180,9 +321,18 @@ async fn serve(args: Serve) -> anyhow::Result<()> {
 }
 
 async fn run_demo(args: DemoArgs) -> anyhow::Result<()> {
-    let options = DemoOptions { agent_bin: agent_bin(args.agent_bin)?, pool_size: 2, timeout: args.timeout };
+    let options = DemoOptions {
+        agent_bin: agent_bin(args.agent_bin)?,
+        pool_size: 2,
+        timeout: args.timeout,
+        setup_cost: args.setup_cost,
+    };
     let mut stdout = std::io::stdout();
-    demo::run(&options, &mut stdout).await?;
+    if args.threads {
+        demo::run_threads(&options, args.rounds.max(1), &mut stdout).await?;
+    } else {
+        demo::run(&options, &mut stdout).await?;
+    }
     Ok(())
 }
 

@@ -22,7 +22,7 @@ fn render_into(out: &mut String, snapshot: &MetricsSnapshot) -> std::fmt::Result
     writeln!(out, "# HELP standby_runs Runs by state and by the path of their latest attempt (none: never bound).")?;
     writeln!(out, "# TYPE standby_runs gauge")?;
     for state in RunState::ALL {
-        for path in [None, Some(RunPath::Warm), Some(RunPath::Cold)] {
+        for path in std::iter::once(None).chain(RunPath::ALL.map(Some)) {
             let count = snapshot.runs.get(&(state, path)).copied().unwrap_or(0);
             let path = path.map_or("none", RunPath::as_str);
             writeln!(out, "standby_runs{{state=\"{}\",path=\"{path}\"}} {count}", state.as_str())?;
@@ -46,6 +46,21 @@ fn render_into(out: &mut String, snapshot: &MetricsSnapshot) -> std::fmt::Result
             snapshot.connected_standbys,
         ),
         ("standby_sandboxes", "gauge", "Sandboxes not retired.", snapshot.sandboxes_live),
+        (
+            "standby_sandboxes_running",
+            "gauge",
+            "Sandboxes costing compute (a process exists or is being started): what the running cap bounds.",
+            snapshot.sandboxes_running,
+        ),
+        ("standby_running_cap", "gauge", "The running cap (0: none).", snapshot.running_cap),
+        ("standby_parked_running", "gauge", "Sandboxes kept running for a thread (Tier 2).", snapshot.parked_running),
+        ("standby_parked_stopped", "gauge", "Sandboxes kept stopped for a thread (Tier 1).", snapshot.parked_stopped),
+        (
+            "standby_resume_fallbacks_total",
+            "counter",
+            "Follow-up turns whose parked sandbox could not be used and that got a fresh one.",
+            snapshot.resume_fallbacks,
+        ),
         (
             "standby_reconnects_total",
             "counter",
@@ -78,6 +93,8 @@ mod tests {
         let text = render(&snapshot);
         assert!(text.contains("standby_runs{state=\"exited\",path=\"warm\"} 2"));
         assert!(text.contains("standby_runs{state=\"queued\",path=\"none\"} 0"));
+        assert!(text.contains("standby_runs{state=\"exited\",path=\"parked_stopped\"} 0"));
+        assert!(text.contains("standby_runs{state=\"waiting\",path=\"none\"} 0"));
         assert!(text.contains("standby_assignment_to_start_seconds_bucket{le=\"0.025\"} 1"));
         assert!(text.contains("standby_assignment_to_start_seconds_bucket{le=\"1\"} 2"));
         assert!(text.contains("standby_assignment_to_start_seconds_bucket{le=\"300\"} 2"));

@@ -39,11 +39,19 @@ impl Millis {
 
 /// Where a run is in its life. `queued` → `committed` (bound to a
 /// sandbox, assignment being delivered) → `confirmed` (the run credential
-/// connected) → `running` → `exited`; or `failed` / `cancelled`.
+/// connected) → `running` → `exited`; or `failed` / `cancelled`. Before it
+/// is bound, a run may be `waiting` (the running cap is reached, or another
+/// turn of its thread holds the thread's sandbox) or `resuming` (its
+/// thread's parked sandbox is being started for it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum RunState {
     Queued,
+    /// Not bound, and cannot be yet: [`RunRecord::wait`] says why.
+    Waiting,
+    /// Its thread's parked sandbox is being made ready for it; bound (and
+    /// told) only once its agent is ready.
+    Resuming,
     Committed,
     Confirmed,
     Running,
@@ -55,8 +63,10 @@ pub enum RunState {
 }
 
 impl RunState {
-    pub const ALL: [Self; 8] = [
+    pub const ALL: [Self; 10] = [
         Self::Queued,
+        Self::Waiting,
+        Self::Resuming,
         Self::Committed,
         Self::Confirmed,
         Self::Running,
@@ -75,9 +85,16 @@ impl RunState {
         matches!(self, Self::Committed | Self::Confirmed)
     }
 
+    /// Not bound to a sandbox yet.
+    pub fn is_unbound(self) -> bool {
+        matches!(self, Self::Queued | Self::Waiting | Self::Resuming)
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Queued => "queued",
+            Self::Waiting => "waiting",
+            Self::Resuming => "resuming",
             Self::Committed => "committed",
             Self::Confirmed => "confirmed",
             Self::Running => "running",
@@ -95,19 +112,27 @@ impl fmt::Display for RunState {
     }
 }
 
-/// Whether an attempt used a pre-warmed standby or a sandbox created for it.
+/// What kind of sandbox an attempt got: a pre-warmed standby, a sandbox
+/// created for it, or its thread's parked sandbox, still running (Tier 2)
+/// or stopped and started again for it (Tier 1).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum RunPath {
     Warm,
     Cold,
+    ParkedRunning,
+    ParkedStopped,
 }
 
 impl RunPath {
+    pub const ALL: [Self; 4] = [Self::Warm, Self::Cold, Self::ParkedRunning, Self::ParkedStopped];
+
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Warm => "warm",
             Self::Cold => "cold",
+            Self::ParkedRunning => "parked_running",
+            Self::ParkedStopped => "parked_stopped",
         }
     }
 }
@@ -158,6 +183,43 @@ pub struct RunRecord {
     pub exit_code: Option<i32>,
     pub error: Option<String>,
     pub ended_at: Option<Millis>,
+    /// The conversation this run is a turn of: its sandbox is kept for the
+    /// thread's next turn.
+    #[serde(default)]
+    pub thread_id: Option<String>,
+    /// The generation of the thread pointer this turn wrote when it took
+    /// the thread; its later pointer writes expect exactly this one.
+    #[serde(default)]
+    pub thread_generation: Option<u64>,
+    /// Why the run is `waiting`, and since when.
+    #[serde(default)]
+    pub wait: Option<Wait>,
+    /// The resume of its thread's parked sandbox, when one was tried.
+    #[serde(default)]
+    pub resume: Option<Resume>,
+}
+
+/// Why an unbound run cannot be bound yet.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Wait {
+    pub reason: String,
+    pub since: Millis,
+    /// Whether it waits for a running slot (the cap), as opposed to its
+    /// thread's previous turn.
+    pub for_slot: bool,
+}
+
+/// A follow-up turn's use of its thread's parked sandbox.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Resume {
+    pub sandbox_id: String,
+    /// How the sandbox was parked when the turn arrived.
+    pub from: ParkMode,
+    pub began_at: Millis,
+    /// Its agent said `ready` (the run was bound then).
+    pub ready_at: Option<Millis>,
+    /// Why the resume was given up and the run placed like a new one.
+    pub fallback: Option<String>,
 }
 
 impl RunRecord {
@@ -169,8 +231,10 @@ impl RunRecord {
         self.attempts.last_mut()
     }
 
-    pub fn had_warm_attempt(&self) -> bool {
-        self.attempts.iter().any(|attempt| attempt.path == RunPath::Warm)
+    /// Whether an attempt already used a sandbox prepared before the run
+    /// (a standby or a parked one): later attempts go cold.
+    pub fn had_prepared_attempt(&self) -> bool {
+        self.attempts.iter().any(|attempt| attempt.path != RunPath::Cold)
     }
 
     /// The path of the attempt that ran (or is running) the run.
@@ -194,6 +258,11 @@ pub enum SandboxState {
     Standby,
     /// A run is bound to it.
     Assigned,
+    /// Kept for its thread's next turn ([`SandboxRecord::park`] says how).
+    Parked,
+    /// Parked, and claimed by a turn of its thread (`run_id`): being made
+    /// ready; the run is bound once its agent is.
+    Resuming,
     /// Done: its standby credential answers `410` or `401`, never `101`.
     Retired,
 }
@@ -203,9 +272,39 @@ impl SandboxState {
         match self {
             Self::Standby => "standby",
             Self::Assigned => "assigned",
+            Self::Parked => "parked",
+            Self::Resuming => "resuming",
             Self::Retired => "retired",
         }
     }
+}
+
+/// How a sandbox kept for a thread waits for the next turn.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ParkMode {
+    /// Tier 2: running, with a fresh agent, until the warm idle window ends.
+    Running,
+    /// Tier 1: stopped through the provider; the filesystem is kept.
+    Stopped,
+}
+
+impl ParkMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Running => "running",
+            Self::Stopped => "stopped",
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Park {
+    pub mode: ParkMode,
+    /// When its turn ended (or, for `stopped`, when it was stopped).
+    pub since: Millis,
+    /// End of the warm idle window (`running` only).
+    pub until: Option<Millis>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -230,6 +329,38 @@ pub struct SandboxRecord {
     pub retired_at: Option<Millis>,
     pub retire_reason: Option<String>,
     pub exit_code: Option<i32>,
+    /// The thread it served a turn of; it is kept for that thread.
+    #[serde(default)]
+    pub thread_id: Option<String>,
+    /// How it is kept (`parked` and `resuming`).
+    #[serde(default)]
+    pub park: Option<Park>,
+    /// Standby TTL: a replacement is made from here on (jittered).
+    #[serde(default)]
+    pub expires_at: Option<Millis>,
+    /// Standby TTL: its end; the standby is retired before it.
+    #[serde(default)]
+    pub deadline: Option<Millis>,
+    /// The provider auto-stop last asked for, in provider minutes (`0`:
+    /// never).
+    #[serde(default)]
+    pub auto_stop_minutes: Option<u32>,
+}
+
+/// The thread-to-sandbox pointer. Every write names the generation it
+/// read and bumps it (compare-and-set, in memory and in the store), so a
+/// stale writer (a turn that finished late, a second server process on the
+/// same store) cannot overwrite a newer pointer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ThreadRecord {
+    pub id: String,
+    pub generation: u64,
+    /// The sandbox kept for the thread (parked, resuming, or busy with
+    /// `holder`).
+    pub sandbox_id: Option<String>,
+    /// The turn holding the thread: the next turn waits until it ends.
+    pub holder: Option<String>,
+    pub updated_at: Millis,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -2,6 +2,24 @@
 //! `local` provider, where a sandbox is a directory plus a `standby`
 //! process group on this machine.
 //!
+//! A sandbox's life at the provider: created, running (an agent launched in
+//! it), stopped (no process, the filesystem kept), archived (stopped long
+//! enough to be packed away; it starts again more slowly), deleted. The
+//! local provider does all of it for real:
+//! - **stop** kills the sandbox's process group (and anything carrying its
+//!   mark) and keeps its directory; **start** unpacks an archived one;
+//!   launching an agent in the same directory resumes it;
+//! - **idle auto-stop**: a running sandbox that saw no activity (a launch, or
+//!   a heartbeat saying it is busy) for its auto-stop minutes is stopped
+//!   (`0`: never);
+//! - **sweeper**: a sandbox stopped for `auto_archive` minutes is archived
+//!   (its workspace packed into `workspace.tar.gz`), for `auto_delete`
+//!   minutes deleted: the backstop for sandboxes whose thread never returns.
+//!
+//! Each sandbox's provider settings (auto-stop, when it stopped) live in
+//! `<sandbox>/sandbox.json`, outside the workspace, so they survive a
+//! server restart.
+//!
 //! No process of a local sandbox outlives the server, whatever the way it
 //! ends:
 //! - normal exit and SIGTERM: the server stops every sandbox it launched
@@ -20,26 +38,33 @@
 //!   missing a warning says so, and the next start of the server sweeps
 //!   the orphans of the sandboxes it finds.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::ffi::OsString;
 use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
-use std::sync::{Arc, Mutex, PoisonError};
-use std::time::Duration;
+use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::time::{Duration, Instant};
 
 use nix::sys::signal::{Signal, kill, killpg};
 use nix::unistd::Pid;
+use serde::{Deserialize, Serialize};
 use standby_protocol::Secret;
 use tokio::sync::{oneshot, watch};
 
 use crate::dispatch::Found;
+use crate::model::Millis;
 
 /// Environment variable set on every process of a local sandbox (the
 /// agent's children inherit it), naming the sandbox: the sweep finds
 /// processes that escaped the agent's process group by it. It does not
 /// start with `STANDBY_`, so nothing takes it for configuration.
 pub const SANDBOX_MARK: &str = "LOCAL_SANDBOX_ID";
+
+/// The provider's settings file in a local sandbox's directory.
+const META_FILE: &str = "sandbox.json";
+/// An archived local sandbox's workspace.
+const ARCHIVE_FILE: &str = "workspace.tar.gz";
 
 #[derive(Debug, thiserror::Error)]
 pub enum ProviderError {
@@ -60,6 +85,8 @@ pub enum ProviderError {
     },
     #[error("sandbox {sandbox} does not exist (no directory {path})")]
     Missing { sandbox: String, path: PathBuf },
+    #[error("sandbox {sandbox}: `tar {args}` failed: {message}")]
+    Tar { sandbox: String, args: String, message: String },
 }
 
 /// What the agent of a sandbox is started with: the contract's variables.
@@ -95,7 +122,8 @@ pub struct Details {
 pub trait SandboxProvider: Send + Sync + 'static {
     /// Allocates a new sandbox.
     fn create(&self, sandbox_id: &str) -> impl Future<Output = Result<(), ProviderError>> + Send;
-    /// Makes an existing sandbox runnable again (resuming a stopped one).
+    /// Makes an existing sandbox runnable again (resuming a stopped one,
+    /// unpacking an archived one).
     fn start(&self, sandbox_id: &str) -> impl Future<Output = Result<(), ProviderError>> + Send;
     /// Starts the `standby` agent in a started sandbox.
     fn launch(
@@ -103,17 +131,63 @@ pub trait SandboxProvider: Send + Sync + 'static {
         sandbox_id: &str,
         launch: AgentLaunch,
     ) -> impl Future<Output = Result<Launched, ProviderError>> + Send;
-    /// Stops the sandbox's processes: SIGTERM, then after `grace` SIGKILL.
+    /// Stops the sandbox's processes (SIGTERM, then after `grace` SIGKILL);
+    /// its filesystem is kept.
     fn stop(&self, sandbox_id: &str, grace: Duration) -> impl Future<Output = ()> + Send;
     /// Waits up to `timeout` for the agent to exit on its own; whether it did.
     fn wait_exit(&self, sandbox_id: &str, timeout: Duration) -> impl Future<Output = bool> + Send;
     /// Removes a stopped sandbox for good.
     fn delete(&self, sandbox_id: &str) -> impl Future<Output = Result<(), ProviderError>> + Send;
-    /// Whether the sandbox exists and its agent runs.
+    /// Whether the sandbox exists, and whether its agent runs.
     fn state(&self, sandbox_id: &str) -> impl Future<Output = Result<Found, ProviderError>> + Send;
     /// Stops every sandbox this process launched (server shutdown).
     fn stop_all(&self, grace: Duration) -> impl Future<Output = ()> + Send;
     fn details(&self, sandbox_id: &str) -> Details;
+    /// Sets the idle auto-stop: stopped after `minutes` provider minutes
+    /// without activity (`0`: never). A provider without one ignores it.
+    fn set_auto_stop(&self, sandbox_id: &str, minutes: u32) -> impl Future<Output = Result<(), ProviderError>> + Send {
+        let _ = (sandbox_id, minutes);
+        async { Ok(()) }
+    }
+    /// The idle auto-stop set on the sandbox; `None` when unknown.
+    fn auto_stop(&self, sandbox_id: &str) -> impl Future<Output = Result<Option<u32>, ProviderError>> + Send {
+        let _ = sandbox_id;
+        async { Ok(None) }
+    }
+    /// The sandbox is busy: its idle clock starts over.
+    fn touch(&self, sandbox_id: &str) {
+        let _ = sandbox_id;
+    }
+}
+
+/// How the local provider counts time and sweeps stopped sandboxes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LocalOptions {
+    /// How long a provider minute is: auto-stop, archive and delete are
+    /// counted in them. A minute, except in tests.
+    pub minute: Duration,
+    /// Stopped for this many minutes: archived (`0`: never).
+    pub auto_archive: u32,
+    /// Stopped for this many minutes: deleted (`0`: never).
+    pub auto_delete: u32,
+    /// Between SIGTERM and SIGKILL when the auto-stop stops a sandbox.
+    pub stop_grace: Duration,
+}
+
+impl Default for LocalOptions {
+    fn default() -> Self {
+        Self { minute: Duration::from_secs(60), auto_archive: 0, auto_delete: 0, stop_grace: Duration::from_secs(10) }
+    }
+}
+
+/// `<sandbox>/sandbox.json`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+struct Meta {
+    #[serde(default)]
+    auto_stop_minutes: u32,
+    /// When its agent last stopped (wall clock, so that a restart keeps it).
+    #[serde(default)]
+    stopped_at: Option<Millis>,
 }
 
 #[derive(Debug, Clone)]
@@ -123,7 +197,8 @@ struct Process {
 }
 
 /// The `local` provider: `<root>/<sandbox id>/` holds `workspace/` (the
-/// agent's `STANDBY_WORKSPACE`) and `agent.log` (its output).
+/// agent's `STANDBY_WORKSPACE`), `agent.log` (its output) and
+/// `sandbox.json` (the provider's settings).
 #[derive(Debug, Clone)]
 pub struct LocalProvider {
     inner: Arc<LocalInner>,
@@ -135,7 +210,16 @@ struct LocalInner {
     agent_bin: PathBuf,
     setpriv: Option<PathBuf>,
     base_env: Vec<(OsString, OsString)>,
+    options: LocalOptions,
     processes: Mutex<HashMap<String, Process>>,
+    /// Last activity of each running sandbox, for the idle auto-stop.
+    activity: Mutex<HashMap<String, Instant>>,
+    /// Sandboxes the auto-stop is stopping.
+    stopping: Mutex<HashSet<String>>,
+    /// Held by whatever changes a stopped sandbox's files (start, archive,
+    /// the sweeper's delete), so the sweeper never races a resume.
+    files: tokio::sync::Mutex<()>,
+    sweeper: std::sync::Once,
 }
 
 fn find_setpriv() -> Option<PathBuf> {
@@ -146,9 +230,18 @@ fn find_setpriv() -> Option<PathBuf> {
         .find(|candidate| candidate.is_file())
 }
 
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
 impl LocalProvider {
-    /// Sandboxes under `root`, running `agent_bin`.
+    /// Sandboxes under `root`, running `agent_bin`, with default options
+    /// (no sweeper).
     pub fn new(root: PathBuf, agent_bin: PathBuf) -> Self {
+        Self::with_options(root, agent_bin, LocalOptions::default())
+    }
+
+    pub fn with_options(root: PathBuf, agent_bin: PathBuf, options: LocalOptions) -> Self {
         let setpriv = find_setpriv();
         if setpriv.is_none() {
             tracing::warn!(
@@ -164,7 +257,18 @@ impl LocalProvider {
             })
             .collect();
         Self {
-            inner: Arc::new(LocalInner { root, agent_bin, setpriv, base_env, processes: Mutex::new(HashMap::new()) }),
+            inner: Arc::new(LocalInner {
+                root,
+                agent_bin,
+                setpriv,
+                base_env,
+                options,
+                processes: Mutex::new(HashMap::new()),
+                activity: Mutex::new(HashMap::new()),
+                stopping: Mutex::new(HashSet::new()),
+                files: tokio::sync::Mutex::new(()),
+                sweeper: std::sync::Once::new(),
+            }),
         }
     }
 
@@ -173,12 +277,159 @@ impl LocalProvider {
     }
 
     fn process(&self, sandbox_id: &str) -> Option<Process> {
-        self.inner.processes.lock().unwrap_or_else(PoisonError::into_inner).get(sandbox_id).cloned()
+        lock(&self.inner.processes).get(sandbox_id).cloned()
     }
 
     fn io(sandbox_id: &str, action: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> ProviderError {
         let (sandbox, path) = (sandbox_id.to_owned(), path.to_owned());
         move |source| ProviderError::Io { sandbox, action, path, source }
+    }
+
+    fn read_meta(&self, sandbox_id: &str) -> Meta {
+        std::fs::read(self.dir(sandbox_id).join(META_FILE))
+            .ok()
+            .and_then(|bytes| serde_json::from_slice(&bytes).ok())
+            .unwrap_or_default()
+    }
+
+    /// Rewrites `sandbox.json`; fails (and writes nothing) when the
+    /// sandbox's directory is gone.
+    fn update_meta(&self, sandbox_id: &str, change: impl FnOnce(&mut Meta)) -> Result<(), ProviderError> {
+        let dir = self.dir(sandbox_id);
+        if !dir.is_dir() {
+            return Err(ProviderError::Missing { sandbox: sandbox_id.to_owned(), path: dir });
+        }
+        let mut meta = self.read_meta(sandbox_id);
+        change(&mut meta);
+        let path = dir.join(META_FILE);
+        let temporary = dir.join(format!(".{META_FILE}.tmp"));
+        let text = serde_json::to_vec(&meta).unwrap_or_default();
+        std::fs::write(&temporary, text)
+            .and_then(|()| std::fs::rename(&temporary, &path))
+            .map_err(Self::io(sandbox_id, "write", &path))
+    }
+
+    /// Starts the timer task on first use: it needs the runtime, which
+    /// [`LocalProvider::new`] may be called without.
+    fn ensure_sweeper(&self) {
+        let weak = Arc::downgrade(&self.inner);
+        self.inner.sweeper.call_once(move || {
+            tokio::spawn(sweeper(weak));
+        });
+    }
+
+    fn archived(&self, sandbox_id: &str) -> bool {
+        let dir = self.dir(sandbox_id);
+        dir.join(ARCHIVE_FILE).is_file() && !dir.join("workspace").exists()
+    }
+
+    async fn tar(&self, sandbox_id: &str, args: &[&str]) -> Result<(), ProviderError> {
+        let output = tokio::process::Command::new("tar")
+            .args(args)
+            .current_dir(self.dir(sandbox_id))
+            .stdin(Stdio::null())
+            .output()
+            .await
+            .map_err(|source| ProviderError::Spawn { sandbox: sandbox_id.to_owned(), program: "tar".into(), source })?;
+        if output.status.success() {
+            Ok(())
+        } else {
+            Err(ProviderError::Tar {
+                sandbox: sandbox_id.to_owned(),
+                args: args.join(" "),
+                message: String::from_utf8_lossy(&output.stderr).trim().to_owned(),
+            })
+        }
+    }
+
+    /// Packs a stopped sandbox's workspace away (the sweeper).
+    async fn archive(&self, sandbox_id: &str) -> Result<(), ProviderError> {
+        self.tar(sandbox_id, &["-czf", ARCHIVE_FILE, "workspace"]).await?;
+        let workspace = self.dir(sandbox_id).join("workspace");
+        tokio::fs::remove_dir_all(&workspace).await.map_err(Self::io(sandbox_id, "remove", &workspace))?;
+        tracing::info!(sandbox_id, "stopped sandbox archived");
+        Ok(())
+    }
+
+    async fn unarchive(&self, sandbox_id: &str) -> Result<(), ProviderError> {
+        self.tar(sandbox_id, &["-xzf", ARCHIVE_FILE]).await?;
+        let archive = self.dir(sandbox_id).join(ARCHIVE_FILE);
+        tokio::fs::remove_file(&archive).await.map_err(Self::io(sandbox_id, "remove", &archive))?;
+        tracing::info!(sandbox_id, "archived sandbox unpacked");
+        Ok(())
+    }
+
+    /// One round of the timers: idle running sandboxes are stopped, long
+    /// stopped ones archived or deleted.
+    async fn sweep_once(&self) {
+        let options = self.inner.options;
+        let now = Instant::now();
+        let running: Vec<String> = lock(&self.inner.processes).keys().cloned().collect();
+        for sandbox_id in &running {
+            let minutes = self.read_meta(sandbox_id).auto_stop_minutes;
+            if minutes == 0 {
+                continue;
+            }
+            let idle_since = lock(&self.inner.activity).get(sandbox_id).copied().unwrap_or(now);
+            if now.duration_since(idle_since) < options.minute.saturating_mul(minutes) {
+                continue;
+            }
+            if !lock(&self.inner.stopping).insert(sandbox_id.clone()) {
+                continue;
+            }
+            tracing::info!(sandbox_id, minutes, "idle auto-stop: no activity for its auto-stop minutes");
+            let provider = self.clone();
+            let id = sandbox_id.clone();
+            tokio::spawn(async move {
+                provider.stop(&id, options.stop_grace).await;
+                lock(&provider.inner.stopping).remove(&id);
+            });
+        }
+        if options.auto_archive == 0 && options.auto_delete == 0 {
+            return;
+        }
+        let Ok(entries) = std::fs::read_dir(&self.inner.root) else { return };
+        let ids: Vec<String> = entries
+            .filter_map(|entry| entry.ok())
+            .filter(|entry| entry.path().is_dir())
+            .filter_map(|entry| entry.file_name().to_str().map(str::to_owned))
+            .filter(|id| !id.starts_with('.') && !running.contains(id))
+            .collect();
+        let stopped_for = |minutes: u32, stopped_at: Millis| {
+            minutes > 0 && Millis::now().since(stopped_at) >= options.minute.saturating_mul(minutes).as_millis() as u64
+        };
+        for sandbox_id in ids {
+            let _files = self.inner.files.lock().await;
+            let Some(stopped_at) = self.read_meta(&sandbox_id).stopped_at else { continue };
+            if self.process(&sandbox_id).is_some() {
+                continue;
+            }
+            if stopped_for(options.auto_delete, stopped_at) {
+                tracing::info!(sandbox_id, minutes = options.auto_delete, "stopped sandbox deleted by the sweeper");
+                if let Err(error) = self.delete(&sandbox_id).await {
+                    tracing::warn!(%error, "the sweeper could not delete a stopped sandbox");
+                }
+            } else if stopped_for(options.auto_archive, stopped_at)
+                && !self.archived(&sandbox_id)
+                && let Err(error) = self.archive(&sandbox_id).await
+            {
+                tracing::warn!(%error, "the sweeper could not archive a stopped sandbox");
+            }
+        }
+    }
+}
+
+/// The provider's timers, while the provider lives.
+async fn sweeper(inner: Weak<LocalInner>) {
+    let period = inner.upgrade().map_or(Duration::from_secs(1), |inner| {
+        (inner.options.minute / 4).clamp(Duration::from_millis(25), Duration::from_secs(15))
+    });
+    let mut ticker = tokio::time::interval(period);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        ticker.tick().await;
+        let Some(inner) = inner.upgrade() else { return };
+        LocalProvider { inner }.sweep_once().await;
     }
 }
 
@@ -210,17 +461,23 @@ fn sweep(sandbox_id: &str) {
 
 impl SandboxProvider for LocalProvider {
     async fn create(&self, sandbox_id: &str) -> Result<(), ProviderError> {
+        self.ensure_sweeper();
         let workspace = self.dir(sandbox_id).join("workspace");
-        tokio::fs::create_dir_all(&workspace).await.map_err(Self::io(sandbox_id, "create", &workspace))
+        tokio::fs::create_dir_all(&workspace).await.map_err(Self::io(sandbox_id, "create", &workspace))?;
+        self.update_meta(sandbox_id, |meta| *meta = Meta::default())
     }
 
     async fn start(&self, sandbox_id: &str) -> Result<(), ProviderError> {
+        self.ensure_sweeper();
+        let _files = self.inner.files.lock().await;
         let dir = self.dir(sandbox_id);
-        if tokio::fs::metadata(&dir).await.is_ok_and(|meta| meta.is_dir()) {
-            Ok(())
-        } else {
-            Err(ProviderError::Missing { sandbox: sandbox_id.to_owned(), path: dir })
+        if !tokio::fs::metadata(&dir).await.is_ok_and(|meta| meta.is_dir()) {
+            return Err(ProviderError::Missing { sandbox: sandbox_id.to_owned(), path: dir });
         }
+        if self.archived(sandbox_id) {
+            self.unarchive(sandbox_id).await?;
+        }
+        self.update_meta(sandbox_id, |meta| meta.stopped_at = None)
     }
 
     async fn launch(&self, sandbox_id: &str, launch: AgentLaunch) -> Result<Launched, ProviderError> {
@@ -264,11 +521,8 @@ impl SandboxProvider for LocalProvider {
         let pid = child.id().unwrap_or_default();
         let (done_tx, done) = watch::channel(false);
         let (exit_tx, exited) = oneshot::channel();
-        inner
-            .processes
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .insert(sandbox_id.to_owned(), Process { pid, done });
+        lock(&inner.processes).insert(sandbox_id.to_owned(), Process { pid, done });
+        lock(&inner.activity).insert(sandbox_id.to_owned(), Instant::now());
         tracing::info!(sandbox_id, pid, "agent launched");
         let provider = self.clone();
         let id = sandbox_id.to_owned();
@@ -282,11 +536,15 @@ impl SandboxProvider for LocalProvider {
             };
             tracing::info!(sandbox_id = %id, pid, ?code, "agent exited");
             {
-                let mut processes = provider.inner.processes.lock().unwrap_or_else(PoisonError::into_inner);
+                let mut processes = lock(&provider.inner.processes);
                 if processes.get(&id).is_some_and(|process| process.pid == pid) {
                     processes.remove(&id);
+                    lock(&provider.inner.activity).remove(&id);
                 }
             }
+            // The sweeper counts from here; a deleted sandbox has no file
+            // to write, and needs none.
+            let _ = provider.update_meta(&id, |meta| meta.stopped_at = Some(Millis::now()));
             let _ = done_tx.send(true);
             let _ = exit_tx.send(code);
         });
@@ -315,6 +573,7 @@ impl SandboxProvider for LocalProvider {
 
     async fn delete(&self, sandbox_id: &str) -> Result<(), ProviderError> {
         let dir = self.dir(sandbox_id);
+        lock(&self.inner.activity).remove(sandbox_id);
         match tokio::fs::remove_dir_all(&dir).await {
             Err(error) if error.kind() != std::io::ErrorKind::NotFound => {
                 Err(Self::io(sandbox_id, "delete", &dir)(error))
@@ -331,17 +590,41 @@ impl SandboxProvider for LocalProvider {
         // is an orphan of a server that died without stopping it.
         sweep(sandbox_id);
         let dir = self.dir(sandbox_id);
-        Ok(if tokio::fs::metadata(&dir).await.is_ok() { Found::Stopped } else { Found::Missing })
+        Ok(if tokio::fs::metadata(&dir).await.is_err() {
+            Found::Missing
+        } else if self.archived(sandbox_id) {
+            Found::Archived
+        } else {
+            Found::Stopped
+        })
     }
 
     async fn stop_all(&self, grace: Duration) {
-        let ids: Vec<String> =
-            self.inner.processes.lock().unwrap_or_else(PoisonError::into_inner).keys().cloned().collect();
+        let ids: Vec<String> = lock(&self.inner.processes).keys().cloned().collect();
         futures::future::join_all(ids.iter().map(|id| self.stop(id, grace))).await;
     }
 
     fn details(&self, sandbox_id: &str) -> Details {
         Details { pid: self.process(sandbox_id).map(|process| process.pid), dir: Some(self.dir(sandbox_id)) }
+    }
+
+    async fn set_auto_stop(&self, sandbox_id: &str, minutes: u32) -> Result<(), ProviderError> {
+        self.ensure_sweeper();
+        self.update_meta(sandbox_id, |meta| meta.auto_stop_minutes = minutes)
+    }
+
+    async fn auto_stop(&self, sandbox_id: &str) -> Result<Option<u32>, ProviderError> {
+        let dir = self.dir(sandbox_id);
+        if !dir.is_dir() {
+            return Err(ProviderError::Missing { sandbox: sandbox_id.to_owned(), path: dir });
+        }
+        Ok(Some(self.read_meta(sandbox_id).auto_stop_minutes))
+    }
+
+    fn touch(&self, sandbox_id: &str) {
+        if let Some(last) = lock(&self.inner.activity).get_mut(sandbox_id) {
+            *last = Instant::now();
+        }
     }
 }
 
@@ -364,6 +647,120 @@ mod tests {
             heartbeat_interval: Duration::from_millis(500),
             log_filter: "info".into(),
         }
+    }
+
+    /// An agent that records each start in its workspace and then waits.
+    fn waiting_agent(dir: &Path) -> PathBuf {
+        script(dir, "echo started >> \"$STANDBY_WORKSPACE/starts\"; while :; do sleep 1; done")
+    }
+
+    fn options(minute_ms: u64) -> LocalOptions {
+        LocalOptions {
+            minute: Duration::from_millis(minute_ms),
+            stop_grace: Duration::from_secs(2),
+            ..Default::default()
+        }
+    }
+
+    async fn until(what: &str, mut check: impl FnMut() -> bool) {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        while !check() {
+            assert!(tokio::time::Instant::now() < deadline, "timed out waiting for {what}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    fn pid_alive(pid: u32) -> bool {
+        std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| !stat.contains(") Z"))
+    }
+
+    #[tokio::test]
+    async fn a_stopped_sandbox_keeps_its_files_and_starts_again_in_the_same_directory() {
+        let dir = tempfile::tempdir().expect("a temp dir");
+        let provider =
+            LocalProvider::with_options(dir.path().join("sandboxes"), waiting_agent(dir.path()), options(60_000));
+        provider.create("sbx_s").await.expect("create");
+        let first = provider.launch("sbx_s", launch()).await.expect("launch");
+        let pid = first.pid.expect("a pid");
+        let starts = dir.path().join("sandboxes/sbx_s/workspace/starts");
+        until("the first start", || starts.is_file()).await;
+        std::fs::write(dir.path().join("sandboxes/sbx_s/workspace/note"), "kept").expect("a file");
+        provider.stop("sbx_s", Duration::from_secs(2)).await;
+        assert_eq!(first.exited.await.expect("an exit"), None, "stopped by a signal");
+        assert!(!pid_alive(pid), "no process is left");
+        assert_eq!(provider.state("sbx_s").await.expect("state"), Found::Stopped);
+        provider.start("sbx_s").await.expect("start");
+        let second = provider.launch("sbx_s", launch()).await.expect("launch again");
+        until("the second start", || std::fs::read_to_string(&starts).is_ok_and(|t| t.lines().count() == 2)).await;
+        let note = std::fs::read_to_string(dir.path().join("sandboxes/sbx_s/workspace/note")).expect("the file");
+        assert_eq!(note, "kept");
+        provider.stop("sbx_s", Duration::from_secs(2)).await;
+        assert!(second.exited.await.is_ok());
+    }
+
+    #[tokio::test]
+    async fn the_idle_auto_stop_stops_an_idle_sandbox_and_zero_means_never() {
+        let dir = tempfile::tempdir().expect("a temp dir");
+        let provider =
+            LocalProvider::with_options(dir.path().join("sandboxes"), waiting_agent(dir.path()), options(100));
+        for id in ["sbx_idle", "sbx_never"] {
+            provider.create(id).await.expect("create");
+        }
+        provider.set_auto_stop("sbx_idle", 2).await.expect("auto-stop of two minutes");
+        assert_eq!(provider.auto_stop("sbx_idle").await.expect("read"), Some(2));
+        assert_eq!(provider.auto_stop("sbx_never").await.expect("read"), Some(0), "never, by default");
+        let idle = provider.launch("sbx_idle", launch()).await.expect("launch");
+        let never = provider.launch("sbx_never", launch()).await.expect("launch");
+        // Activity holds the auto-stop off.
+        for _ in 0..6 {
+            provider.touch("sbx_idle");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert_eq!(provider.state("sbx_idle").await.expect("state"), Found::Running);
+        let code = tokio::time::timeout(Duration::from_secs(20), idle.exited).await.expect("auto-stopped");
+        assert_eq!(code.expect("an exit"), None);
+        assert_eq!(provider.state("sbx_idle").await.expect("state"), Found::Stopped, "the files are kept");
+        assert_eq!(provider.state("sbx_never").await.expect("state"), Found::Running, "0 means never");
+        provider.stop("sbx_never", Duration::from_secs(2)).await;
+        assert!(never.exited.await.is_ok());
+    }
+
+    #[tokio::test]
+    async fn the_sweeper_archives_then_deletes_a_sandbox_left_stopped() {
+        let dir = tempfile::tempdir().expect("a temp dir");
+        let root = dir.path().join("sandboxes");
+        let archive_only = LocalOptions { auto_archive: 2, ..options(100) };
+        let provider = LocalProvider::with_options(root.clone(), waiting_agent(dir.path()), archive_only);
+        provider.create("sbx_old").await.expect("create");
+        let launched = provider.launch("sbx_old", launch()).await.expect("launch");
+        std::fs::write(root.join("sbx_old/workspace/note"), "kept").expect("a file");
+        provider.stop("sbx_old", Duration::from_secs(2)).await;
+        assert!(launched.exited.await.is_ok());
+        let archived = async {
+            while provider.state("sbx_old").await.expect("state") != Found::Archived {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(20), archived).await.expect("archived");
+        assert!(!root.join("sbx_old/workspace").exists());
+        // An archived sandbox starts again, more slowly, with its files.
+        provider.start("sbx_old").await.expect("start");
+        assert_eq!(std::fs::read_to_string(root.join("sbx_old/workspace/note")).expect("unpacked"), "kept");
+        assert_eq!(provider.state("sbx_old").await.expect("state"), Found::Stopped);
+        drop(provider);
+
+        let delete = LocalOptions { auto_delete: 2, ..options(100) };
+        let provider = LocalProvider::with_options(root.clone(), waiting_agent(dir.path()), delete);
+        provider.update_meta("sbx_old", |meta| meta.stopped_at = Some(Millis::now())).expect("stopped now");
+        provider.start("sbx_new").await.expect_err("no such sandbox");
+        provider.create("sbx_new").await.expect("create: starts the sweeper");
+        let deleted = async {
+            while provider.state("sbx_old").await.expect("state") != Found::Missing {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(20), deleted).await.expect("deleted");
+        assert_eq!(provider.state("sbx_new").await.expect("state"), Found::Stopped, "never stopped: not swept");
     }
 
     #[tokio::test]

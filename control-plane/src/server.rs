@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use axum::Json;
 use axum::Router;
+use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -20,7 +21,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::credential::{RandomMint, TokenHash};
-use crate::dispatch::{Dispatch, DispatchConfig};
+use crate::dispatch::{Dispatch, DispatchConfig, Lifecycle};
 use crate::engine::{Engine, EngineConfig, EngineGone, EngineHandle};
 use crate::provider::SandboxProvider;
 use crate::store::{Store, StoreError};
@@ -58,6 +59,12 @@ pub struct ServerConfig {
     pub linger: Duration,
     pub stop_grace: Duration,
     pub agent_log: String,
+    /// Added before answering every agent call under `/v1/executions/`:
+    /// benchmarks give a loopback server the round trip of a remote one.
+    /// Zero (the default) adds nothing.
+    pub inject_latency: Duration,
+    /// The pool policy and the thread tiers.
+    pub lifecycle: Lifecycle,
 }
 
 impl ServerConfig {
@@ -75,6 +82,8 @@ impl ServerConfig {
             linger: Duration::from_secs(30),
             stop_grace: Duration::from_secs(10),
             agent_log: "info".into(),
+            inject_latency: Duration::ZERO,
+            lifecycle: Lifecycle::default(),
         }
     }
 }
@@ -184,8 +193,22 @@ fn router(state: AppState) -> Router {
         .route("/v1/runs/{id}/events", get(api::events))
         .route("/v1/runs/{id}/cancel", post(api::cancel))
         .route("/v1/sandboxes", get(api::sandboxes))
+        .route("/v1/threads/{id}", get(api::thread))
         .route("/metrics", get(api::metrics))
         .with_state(state)
+}
+
+/// `--inject-latency`: holds each call under `/v1/executions/` (the run
+/// credential's calls) before it is handled, as a distant server would.
+async fn delay_execution_calls(
+    State(latency): State<Duration>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    if request.uri().path().starts_with("/v1/executions/") {
+        tokio::time::sleep(latency).await;
+    }
+    next.run(request).await
 }
 
 /// A started server.
@@ -227,6 +250,7 @@ pub async fn start<P: SandboxProvider>(
         launch_timeout: config.launch_timeout,
         linger: config.linger,
         pool_fingerprint: fingerprint(&config.spec.workspace),
+        lifecycle: config.lifecycle.clone(),
     };
     let now = crate::model::Millis::now();
     let (machine, initial) = Dispatch::restore(dispatch_config, Box::new(RandomMint), snapshot, now);
@@ -236,6 +260,7 @@ pub async fn start<P: SandboxProvider>(
         agent_log: config.agent_log.clone(),
         stop_grace: config.stop_grace,
         tick: (config.heartbeat_interval / 2).clamp(Duration::from_millis(50), Duration::from_secs(1)),
+        resume_timeout: config.lifecycle.resume_timeout,
     };
     let (engine, handle) = Engine::new(machine, Arc::clone(&store), Arc::clone(&provider), engine_config);
     let (fatal_tx, fatal) = watch::channel(None);
@@ -248,8 +273,12 @@ pub async fn start<P: SandboxProvider>(
         idle_timeout: config.heartbeat_interval * (crate::dispatch::HEARTBEAT_WINDOW + 1),
     };
     let (stop_serving, mut stopped) = watch::channel(false);
+    let mut app = router(state);
+    if !config.inject_latency.is_zero() {
+        app = app.layer(axum::middleware::from_fn_with_state(config.inject_latency, delay_execution_calls));
+    }
     let serve = tokio::spawn(async move {
-        axum::serve(listener, router(state))
+        axum::serve(listener, app)
             .with_graceful_shutdown(async move {
                 let _ = stopped.wait_for(|stop| *stop).await;
             })

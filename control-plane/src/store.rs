@@ -3,7 +3,9 @@
 //!
 //! Records are kept as JSON documents keyed by id; a [`Step`]'s writes are
 //! applied in one transaction, so a crash leaves either all of a decision
-//! or none of it. Credentials are stored only as hashes (see
+//! or none of it. Thread pointers are written compare-and-set on their
+//! generation: a write that expected another generation (a stale writer,
+//! such as a second server on the same file) fails the whole transaction. Credentials are stored only as hashes (see
 //! [`crate::credential`]). The secrets a run was submitted with are stored
 //! as given, since they must be served to its agent: protect the file.
 //!
@@ -19,7 +21,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use crate::dispatch::{Snapshot, Write};
-use crate::model::{CredentialRecord, RunRecord, RunRequest, SandboxRecord, StoredEvent};
+use crate::model::{CredentialRecord, RunRecord, RunRequest, SandboxRecord, StoredEvent, ThreadRecord};
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -32,6 +34,10 @@ pub enum StoreError {
     },
     #[error("store {path}: record `{id}` in `{table}` is unreadable: {problem}")]
     Corrupt { path: String, table: &'static str, id: String, problem: String },
+    #[error(
+        "store {path}: thread `{thread_id}` pointer expected at generation {expected} is at {found}: another writer moved it"
+    )]
+    StalePointer { path: String, thread_id: String, expected: u64, found: u64 },
     #[error("store {path}: cannot create the directory {dir}: {source}")]
     Directory {
         path: String,
@@ -67,6 +73,7 @@ CREATE TABLE IF NOT EXISTS events (
     doc TEXT NOT NULL,
     UNIQUE (run_id, event_id)
 );
+CREATE TABLE IF NOT EXISTS threads (id TEXT PRIMARY KEY, generation INTEGER NOT NULL, doc TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS log_chunks (
     run_id TEXT NOT NULL,
     start INTEGER NOT NULL,
@@ -159,6 +166,7 @@ impl Store for SqliteStore {
         let runs: Vec<RunRecord> = self.docs(&connection, "runs")?;
         let sandboxes: Vec<SandboxRecord> = self.docs(&connection, "sandboxes")?;
         let credentials: Vec<CredentialRecord> = self.docs(&connection, "credentials")?;
+        let threads: Vec<ThreadRecord> = self.docs(&connection, "threads")?;
         let read = |source| sqlite(&self.path, "read", source);
         let mut statement = connection.prepare("SELECT run_id, event_id FROM events ORDER BY seq").map_err(read)?;
         let event_ids = statement
@@ -174,7 +182,7 @@ impl Store for SqliteStore {
             .map(|row| row.map(|(run, len)| (run, u64::try_from(len).unwrap_or(0))))
             .collect::<Result<Vec<_>, _>>()
             .map_err(read)?;
-        Ok(Snapshot { runs, sandboxes, credentials, event_ids, log_lengths })
+        Ok(Snapshot { runs, sandboxes, credentials, event_ids, log_lengths, threads })
     }
 
     fn apply(&self, writes: &[Write]) -> Result<(), StoreError> {
@@ -219,6 +227,7 @@ impl Store for SqliteStore {
                         )
                         .map_err(write)?;
                 }
+                Write::Thread { record, expected } => self.write_thread(&transaction, record, *expected)?,
             }
         }
         transaction.commit().map_err(|source| sqlite(&self.path, "commit", source))
@@ -260,6 +269,48 @@ impl Store for SqliteStore {
     }
 }
 
+impl SqliteStore {
+    /// Compare-and-set: the row must be at `expected` (absent for `0`).
+    /// Dropping the transaction on the error rolls back the whole step.
+    fn write_thread(
+        &self,
+        transaction: &rusqlite::Transaction<'_>,
+        record: &ThreadRecord,
+        expected: u64,
+    ) -> Result<(), StoreError> {
+        let write = |source| sqlite(&self.path, "write", source);
+        let generation = |g: u64| i64::try_from(g).unwrap_or(i64::MAX);
+        let changed = if expected == 0 {
+            transaction
+                .execute(
+                    "INSERT INTO threads (id, generation, doc) VALUES (?1, ?2, ?3) ON CONFLICT (id) DO NOTHING",
+                    params![record.id, generation(record.generation), encode(record)],
+                )
+                .map_err(write)?
+        } else {
+            transaction
+                .execute(
+                    "UPDATE threads SET generation = ?2, doc = ?3 WHERE id = ?1 AND generation = ?4",
+                    params![record.id, generation(record.generation), encode(record), generation(expected)],
+                )
+                .map_err(write)?
+        };
+        if changed == 1 {
+            return Ok(());
+        }
+        let found: Option<i64> = transaction
+            .query_row("SELECT generation FROM threads WHERE id = ?1", [&record.id], |row| row.get(0))
+            .optional()
+            .map_err(write)?;
+        Err(StoreError::StalePointer {
+            path: self.path.clone(),
+            thread_id: record.id.clone(),
+            expected,
+            found: found.and_then(|g| u64::try_from(g).ok()).unwrap_or(0),
+        })
+    }
+}
+
 fn upsert(transaction: &rusqlite::Transaction<'_>, table: &str, id: &str, doc: &str) -> rusqlite::Result<()> {
     let sql =
         format!("INSERT INTO {table} (id, doc) VALUES (?1, ?2) ON CONFLICT (id) DO UPDATE SET doc = excluded.doc");
@@ -294,6 +345,10 @@ mod tests {
             exit_code: None,
             error: None,
             ended_at: None,
+            thread_id: None,
+            thread_generation: None,
+            wait: None,
+            resume: None,
         }
     }
 
@@ -367,6 +422,48 @@ mod tests {
             .expect_err("a duplicate run is refused");
         assert!(error.to_string().contains("write"), "{error}");
         assert_eq!(store.load().expect("load").runs[0].state, RunState::Queued, "the first write was rolled back");
+    }
+
+    fn pointer(generation: u64, sandbox_id: &str) -> ThreadRecord {
+        ThreadRecord {
+            id: "thr_1".into(),
+            generation,
+            sandbox_id: Some(sandbox_id.into()),
+            holder: None,
+            updated_at: Millis(generation as i64),
+        }
+    }
+
+    /// Two servers on one file: the one that read an older generation of
+    /// the pointer cannot overwrite the newer one, and nothing else of its
+    /// step is written either.
+    #[test]
+    fn a_stale_pointer_write_is_rejected_with_its_whole_step() {
+        let dir = tempfile::tempdir().expect("a temp dir");
+        let path = dir.path().join("standby.db");
+        let first = SqliteStore::open(&path).expect("open");
+        let second = SqliteStore::open(&path).expect("open again");
+        first.apply(&[Write::Thread { record: Box::new(pointer(1, "sbx_a")), expected: 0 }]).expect("created");
+        // Both read generation 1; the first writer wins.
+        first.apply(&[Write::Thread { record: Box::new(pointer(2, "sbx_b")), expected: 1 }]).expect("moved on");
+        let error = second
+            .apply(&[
+                Write::NewRun(Box::new(run("exe_late")), Box::new(request())),
+                Write::Thread { record: Box::new(pointer(2, "sbx_stale")), expected: 1 },
+            ])
+            .expect_err("a stale writer is refused");
+        assert!(
+            matches!(&error, StoreError::StalePointer { expected: 1, found: 2, thread_id, .. } if thread_id == "thr_1"),
+            "{error}"
+        );
+        let snapshot = second.load().expect("load");
+        assert_eq!(snapshot.threads, [pointer(2, "sbx_b")], "the newer pointer stands");
+        assert!(snapshot.runs.is_empty(), "the stale step left nothing behind");
+        // Creating a pointer that exists is stale too.
+        let error = second
+            .apply(&[Write::Thread { record: Box::new(pointer(1, "sbx_c")), expected: 0 }])
+            .expect_err("already created");
+        assert!(matches!(error, StoreError::StalePointer { expected: 0, found: 2, .. }), "{error}");
     }
 
     #[test]

@@ -426,13 +426,15 @@ async fn a_committed_standby_that_dies_is_written_off_and_the_run_goes_cold() {
     assert_eq!(harness.connect(first.run_credential.expose()).await.err(), Some(401));
     assert_eq!(harness.connect(standby_token.expose()).await.err(), Some(401), "written off: revoked, not retired");
     // The cold sandbox was launched for the run; it gets the assignment as
-    // soon as it connects.
+    // soon as it connects, once it has fetched its spec.
     let (cold_id, cold_token) = loop {
         let (id, token) = harness.next_launch().await;
         if run["attempts"][1]["sandbox_id"] == id.as_str() {
             break (id, token);
         }
     };
+    let (status, _) = harness.agent(reqwest::Method::GET, "/v1/standby/spec", &cold_token, None).await;
+    assert_eq!(status, 200);
     let mut cold = harness.connect(cold_token.expose()).await.expect("the cold sandbox connects");
     let Some(ServerMessage::Assignment(second)) = next_message(&mut cold).await else { panic!("no assignment") };
     assert_eq!(second.execution_id, run_id);

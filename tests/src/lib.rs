@@ -3,7 +3,9 @@
 //! real binary against it with real processes, git repos and sockets.
 
 pub mod harness;
+pub mod proxy;
 pub mod server;
+pub mod server_process;
 
 pub use harness::{AgentBuilder, AgentProcess, GitRepo, standby_bin};
 pub use server::TestServer;

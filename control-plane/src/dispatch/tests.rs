@@ -15,6 +15,7 @@ fn config(pool_size: usize) -> DispatchConfig {
         launch_timeout: Duration::from_secs(10),
         linger: Duration::from_secs(5),
         pool_fingerprint: fingerprint(&Workspace::default()),
+        lifecycle: Lifecycle::default(),
     }
 }
 
@@ -127,7 +128,18 @@ impl World {
     }
 
     /// Connects with `token`: the admission, the connection id and the step.
+    /// Connects with `token`, as an agent does once it has fetched its spec
+    /// (with a standby credential).
     fn connect(&mut self, token: &Secret) -> (Admission, ConnId, Step) {
+        if let Ok(Admission::Standby { sandbox_id, .. }) = self.machine.authenticate(token.expose()) {
+            let step = self.machine.spec_served(&sandbox_id);
+            self.keep(step);
+        }
+        self.connect_only(token)
+    }
+
+    /// Connects with `token`, nothing else.
+    fn connect_only(&mut self, token: &Secret) -> (Admission, ConnId, Step) {
         let admission = self.machine.authenticate(token.expose()).expect("admitted");
         let conn = self.next_conn;
         self.next_conn += 1;
@@ -179,6 +191,7 @@ impl World {
         let mut credentials = BTreeMap::new();
         let mut event_ids = Vec::new();
         let mut logs: BTreeMap<String, u64> = BTreeMap::new();
+        let mut threads = BTreeMap::new();
         for write in &self.writes {
             match write {
                 Write::NewRun(run, _) | Write::Run(run) => {
@@ -192,6 +205,14 @@ impl World {
                 }
                 Write::Event(event) => event_ids.push((event.run_id.clone(), event.event.event_id.clone())),
                 Write::Log { run_id, data, .. } => *logs.entry(run_id.clone()).or_default() += data.len() as u64,
+                Write::Thread { record, expected } => {
+                    assert_eq!(
+                        threads.get(&record.id).map_or(0, |t: &ThreadRecord| t.generation),
+                        *expected,
+                        "every pointer write expects the generation before it"
+                    );
+                    threads.insert(record.id.clone(), (**record).clone());
+                }
             }
         }
         Snapshot {
@@ -200,6 +221,7 @@ impl World {
             credentials: credentials.into_values().collect(),
             event_ids,
             log_lengths: logs.into_iter().collect(),
+            threads: threads.into_values().collect(),
         }
     }
 }
@@ -392,6 +414,35 @@ fn a_cold_sandbox_is_bound_before_it_connects_and_gets_the_assignment_when_it_do
     assert_eq!(sent[0].1.execution_id, run_id);
 }
 
+/// Telling a cold sandbox its assignment starts delivery confirmation,
+/// which revokes the standby credential: an agent still fetching its spec
+/// with that credential would be refused. So the assignment waits until the
+/// spec was served, or the agent says it is past preparing.
+#[test]
+fn a_cold_sandbox_is_told_only_once_its_agent_has_its_spec() {
+    for how in ["spec", "ready"] {
+        let mut world = World::new(0);
+        let (run_id, step) = world.submit(run("a"));
+        let cold = launches(&step).remove(0);
+        let (_, conn, step) = world.connect_only(&cold.token);
+        assert!(assignments(&step).is_empty(), "withheld while the agent may be fetching its spec");
+        let step = world.heartbeat(conn, AgentState::Preparing);
+        assert!(assignments(&step).is_empty());
+        let step = match how {
+            "spec" => {
+                let step = world.machine.spec_served(&cold.sandbox_id);
+                world.keep(step)
+            }
+            _ => world.heartbeat(conn, AgentState::Ready),
+        };
+        let sent = assignments(&step);
+        assert_eq!((sent.len(), sent[0].0), (1, conn), "{how}");
+        assert_eq!(sent[0].1.execution_id, run_id);
+        let step = world.heartbeat(conn, AgentState::Ready);
+        assert!(assignments(&step).is_empty(), "sent once");
+    }
+}
+
 #[test]
 fn the_assignment_is_sent_again_on_a_later_standby_connection_until_confirmed() {
     let mut world = World::new(1);
@@ -549,6 +600,27 @@ fn a_committed_standby_that_exits_before_confirming_is_written_off_and_the_run_r
     assert_eq!(record.attempts[1].path, RunPath::Cold, "one pre-warmed attempt only, though a standby is ready");
     assert_eq!(record.state, RunState::Committed);
     assert_eq!(launches(&step).len(), 2, "the cold sandbox and the pool's replacement");
+}
+
+#[test]
+fn a_sandbox_that_dies_after_confirmation_fails_its_run_rather_than_run_it_twice() {
+    let mut world = World::new(1);
+    let (standby, _) = world.ready_pool().remove(0);
+    let (run_id, step) = world.submit(run("a"));
+    let assignment = assignments(&step).remove(0).1;
+    world.connect(&assignment.run_credential);
+    assert_eq!(world.run(&run_id).state, RunState::Confirmed);
+    // It may have started the run; `started` is still on its way.
+    let step = world.machine.sandbox_exited(world.now, &standby.sandbox_id, None);
+    let record = world.run(&run_id);
+    assert_eq!(record.state, RunState::Failed);
+    assert_eq!(record.attempts.len(), 1, "not sent to another sandbox");
+    assert!(record.error.as_deref().is_some_and(|e| e.contains("not run again")), "{:?}", record.error);
+    assert_eq!(world.machine.authenticate(assignment.run_credential.expose()), Err(Refusal::Unauthorized));
+    assert!(
+        launches(&step).iter().all(|l| world.sandbox(&l.sandbox_id).kind == SandboxKind::Warm),
+        "no cold sandbox for it"
+    );
 }
 
 #[test]
@@ -772,6 +844,9 @@ fn after_a_restart_the_assignment_is_resent_with_a_new_run_credential() {
     machine.probed(world.now, &cold.sandbox_id, Found::Running);
     let admission = machine.authenticate(cold.token.expose()).expect("admitted");
     let step = machine.connected(world.now, 1, admission.credential_id(), &cold.token);
+    assert!(assignments(&step).is_empty(), "this server has not seen it fetch its spec");
+    // Its first heartbeat on the connection says it is past preparing.
+    let step = machine.heartbeat(world.now, 1, AgentState::Ready);
     let assignment = assignments(&step).remove(0).1;
     assert_eq!(assignment.execution_id, run_id);
     assert!(matches!(machine.authenticate(assignment.run_credential.expose()), Ok(Admission::Run { .. })));
@@ -807,3 +882,5 @@ fn metrics_count_runs_by_state_and_path() {
     assert_eq!(metrics.connected_standbys, 1);
     let _ = (cold, conn);
 }
+
+mod lifecycle;

@@ -1,0 +1,381 @@
+//! The summary: Markdown tables of every figure and of the targets, printed
+//! at the end of a run and written to `summary.md` next to `results.json`.
+
+use std::fmt::Write as _;
+
+use serde::Serialize;
+
+use crate::capacity::CapacityResults;
+use crate::followups::FollowUpResults;
+use crate::idle::IdleResults;
+use crate::latency::{LatencyResults, Path3};
+use crate::stats::Summary;
+
+/// Everything one run of `standby-bench` measured.
+#[derive(Debug, Serialize)]
+pub struct Results {
+    pub meta: Meta,
+    pub latency: Option<LatencyResults>,
+    pub follow_ups: Option<FollowUpResults>,
+    pub idle: Option<IdleResults>,
+    pub capacity: Option<CapacityResults>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct Meta {
+    pub command: String,
+    pub quick: bool,
+    pub started_at: String,
+    pub duration_s: f64,
+    pub cpus: usize,
+    pub load_average_before: [f64; 3],
+    pub load_average_after: [f64; 3],
+    pub git_commit: Option<String>,
+    /// The setup step's kind (`Full`, or `Light` in quick mode).
+    pub setup: Option<String>,
+}
+
+fn ms(value: f64) -> String {
+    if value >= 100.0 { format!("{value:.0}") } else { format!("{value:.1}") }
+}
+
+fn spread(summary: &Summary) -> String {
+    format!("{}–{}", ms(summary.min), ms(summary.max))
+}
+
+fn or_dash(value: Option<String>) -> String {
+    value.unwrap_or_else(|| "–".into())
+}
+
+fn mib(kib: f64) -> String {
+    format!("{:.1}", kib / 1024.0)
+}
+
+/// A target and whether the measurement met it.
+struct Target {
+    what: String,
+    measured: String,
+    met: Option<bool>,
+}
+
+pub fn markdown(results: &Results) -> String {
+    let mut out = String::new();
+    let meta = &results.meta;
+    let _ = writeln!(out, "# standby benchmarks{}\n", if meta.quick { " (quick mode)" } else { "" });
+    let _ = writeln!(
+        out,
+        "`{}` on {} CPUs, {}; load average {:.2} {:.2} {:.2} before, {:.2} {:.2} {:.2} after; {:.0} s{}.\n",
+        meta.command,
+        meta.cpus,
+        meta.started_at,
+        meta.load_average_before[0],
+        meta.load_average_before[1],
+        meta.load_average_before[2],
+        meta.load_average_after[0],
+        meta.load_average_after[1],
+        meta.load_average_after[2],
+        meta.duration_s,
+        meta.git_commit.as_deref().map(|c| format!(", commit {}", &c[..c.len().min(12)])).unwrap_or_default(),
+    );
+    let mut targets = Vec::new();
+    if let Some(latency) = &results.latency {
+        latency_tables(&mut out, latency, meta.setup.as_deref(), &mut targets);
+    }
+    if let Some(follow_ups) = &results.follow_ups {
+        follow_up_table(&mut out, follow_ups);
+    }
+    if let Some(idle) = &results.idle {
+        idle_table(&mut out, idle, &mut targets);
+    }
+    if let Some(capacity) = &results.capacity {
+        capacity_table(&mut out, capacity, &mut targets);
+    }
+    if !targets.is_empty() {
+        let _ = writeln!(out, "## Targets\n\n| target | measured | met |\n|---|---|---|");
+        for target in targets {
+            let met = match target.met {
+                Some(true) => "yes",
+                Some(false) => "**no**",
+                None => "–",
+            };
+            let _ = writeln!(out, "| {} | {} | {met} |", target.what, target.measured);
+        }
+        out.push('\n');
+    }
+    out
+}
+
+fn latency_tables(out: &mut String, latency: &LatencyResults, setup: Option<&str>, targets: &mut Vec<Target>) {
+    let setup = match setup {
+        Some("Light") => {
+            "`python3 -m venv --without-pip` and the interpreter's `pip install` of a local package \
+                          into it (quick mode's light setup)"
+        }
+        _ => "`python3 -m venv` and `pip install` of a local package",
+    };
+    let _ = writeln!(
+        out,
+        "## Assignment to run start\n\nWorkspace: a git repository of {} files, {:.1} MB; setup: {setup} (offline); \
+         one MCP server. {} runs per path and latency{}, in rotating order. Milliseconds.\n",
+        latency.repo_files,
+        latency.repo_bytes as f64 / 1e6,
+        latency.runs_per_path,
+        if latency.warmup_iterations > 0 {
+            format!(" after {} warm-up round(s)", latency.warmup_iterations)
+        } else {
+            String::new()
+        }
+    );
+    let _ = writeln!(
+        out,
+        "| path | injected | assignment → start p50 | p95 | spread | submit → start p50 | p95 | spread |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|"
+    );
+    for cell in &latency.cells {
+        let (Some(a), Some(s)) = (&cell.assignment_to_start, &cell.submit_to_start) else { continue };
+        let _ = writeln!(
+            out,
+            "| {} | {} ms | {} | {} | {} | {} | {} | {} |",
+            cell.path.label(),
+            cell.latency_ms,
+            ms(a.median),
+            ms(a.p95),
+            spread(a),
+            ms(s.median),
+            ms(s.p95),
+            spread(s)
+        );
+    }
+    let _ = writeln!(
+        out,
+        "\n### Warm parallel against its bound\n\nBound = slowest network step + delivery confirmation + terminal \
+         check, from the same run's own timing line. Model = the plan's critical path from the same steps \
+         (longest of confirmation, check + slowest branch + terminal, MCP restart).\n\n\
+         | injected | measured p50 | bound p50 | measured / bound | model p50 | slowest step p50 | confirm p50 | mcp p50 |\n\
+         |---:|---:|---:|---:|---:|---:|---:|---:|"
+    );
+    for cell in latency.cells.iter().filter(|c| c.path == Path3::WarmParallel) {
+        let (Some(a), Some(b)) = (&cell.assignment_to_start, &cell.bound) else { continue };
+        let slowest = ["secrets", "attachments", "metadata", "cloud_credentials", "git_credentials", "refresh"]
+            .iter()
+            .filter_map(|name| cell.step_medians.get(*name).map(|v| (*name, *v)))
+            .fold(("", 0.0), |best, this| if this.1 > best.1 { this } else { best });
+        let confirm = latency
+            .samples
+            .iter()
+            .filter(|s| s.path == Path3::WarmParallel && s.latency_ms == cell.latency_ms)
+            .filter_map(|s| s.confirm_ms)
+            .collect::<Vec<_>>();
+        let ratio = cell.p50_over_bound.unwrap_or(f64::NAN);
+        let _ = writeln!(
+            out,
+            "| {} ms | {} | {} | {ratio:.2} | {} | {} ({}) | {} | {} |",
+            cell.latency_ms,
+            ms(a.median),
+            ms(b.median),
+            or_dash(cell.model.map(|m| ms(m.median))),
+            ms(slowest.1),
+            slowest.0,
+            or_dash(crate::stats::summarize(&confirm).map(|c| ms(c.median))),
+            or_dash(cell.step_medians.get("mcp").map(|v| ms(*v))),
+        );
+        targets.push(Target {
+            what: format!("warm parallel p50 ≤ 1.25 × bound at {} ms", cell.latency_ms),
+            measured: format!("{} / {} ms = {ratio:.2}×", ms(a.median), ms(b.median)),
+            met: Some(ratio <= 1.25),
+        });
+    }
+    let _ = writeln!(
+        out,
+        "\n### Install steps (medians)\n\n| path | injected | check | secrets | attachments | metadata | cloud | git creds | refresh | terminal | mcp |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    );
+    for cell in latency.cells.iter().filter(|c| c.path != Path3::Cold) {
+        let step = |name: &str| or_dash(cell.step_medians.get(name).map(|v| ms(*v)));
+        let _ = writeln!(
+            out,
+            "| {} | {} ms | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+            cell.path.label(),
+            cell.latency_ms,
+            step("check"),
+            step("secrets"),
+            step("attachments"),
+            step("metadata"),
+            step("cloud_credentials"),
+            step("git_credentials"),
+            step("refresh"),
+            step("terminal"),
+            step("mcp"),
+        );
+    }
+    let _ = writeln!(
+        out,
+        "\n### Ratios (paired per iteration)\n\n| injected | ratio | measure | median | spread | ratio of medians |\n|---:|---|---|---:|---:|---:|"
+    );
+    for ratio in &latency.ratios {
+        let Some(per) = &ratio.per_iteration else { continue };
+        let _ = writeln!(
+            out,
+            "| {} ms | {} | {} | {:.1}× | {:.1}–{:.1}× | {} |",
+            ratio.latency_ms,
+            ratio.name,
+            ratio.what,
+            per.median,
+            per.min,
+            per.max,
+            or_dash(ratio.of_medians.map(|r| format!("{r:.1}×")))
+        );
+    }
+    out.push('\n');
+    for ratio in &latency.ratios {
+        let Some(per) = &ratio.per_iteration else { continue };
+        if ratio.name.starts_with("sequential") && ratio.latency_ms == 200 {
+            targets.push(Target {
+                what: "sequential / parallel ≥ 3× at 200 ms".into(),
+                measured: format!("{:.2}× (median of pairs; {:.1}–{:.1}×)", per.median, per.min, per.max),
+                met: Some(per.median >= 3.0),
+            });
+        }
+        if ratio.name.starts_with("cold") && ratio.what.starts_with("submit") {
+            targets.push(Target {
+                what: format!("cold / warm ≥ 20× (submit → start) at {} ms", ratio.latency_ms),
+                measured: format!("{:.0}× (median of pairs; {:.0}–{:.0}×)", per.median, per.min, per.max),
+                met: Some(per.median >= 20.0),
+            });
+        }
+    }
+}
+
+fn follow_up_table(out: &mut String, follow_ups: &FollowUpResults) {
+    let _ = writeln!(
+        out,
+        "## Follow-up turns\n\nThe next turn of a thread, {} turns per tier after a first (cold) turn, {} ms injected, \
+         heartbeat every {} ms. Resume = the server's span from claiming the kept sandbox to its agent ready. \
+         Milliseconds.\n\n\
+         | tier | submit → start p50 | p95 | spread | assignment → start p50 | resume p50 |\n\
+         |---|---:|---:|---:|---:|---:|",
+        follow_ups.turns_per_tier, follow_ups.latency_ms, follow_ups.heartbeat_ms
+    );
+    for cell in &follow_ups.cells {
+        let Some(s) = &cell.submit_to_start else { continue };
+        let _ = writeln!(
+            out,
+            "| {} | {} | {} | {} | {} | {} |",
+            cell.tier.label(),
+            ms(s.median),
+            ms(s.p95),
+            spread(s),
+            or_dash(cell.assignment_to_start.map(|a| ms(a.median))),
+            or_dash(cell.resume.map(|r| ms(r.median))),
+        );
+    }
+    for (name, ratio) in [("Tier 2", &follow_ups.cold_over_tier2), ("Tier 1", &follow_ups.cold_over_tier1)] {
+        if let Some(ratio) = ratio {
+            let _ = write!(
+                out,
+                "{}cold / {name}: {:.1}× (median of pairs, {:.1}–{:.1}×)",
+                if name == "Tier 2" { "\n" } else { "; " },
+                ratio.median,
+                ratio.min,
+                ratio.max
+            );
+        }
+    }
+    out.push_str(".\n\n");
+}
+
+fn idle_table(out: &mut String, idle: &IdleResults, targets: &mut Vec<Target>) {
+    let rss = idle.rss_kib.map_or(0.0, |s| s.max);
+    let _ = writeln!(
+        out,
+        "## Idle footprint of a waiting agent\n\nOne prepared standby, heartbeat every {} ms, sampled once a second for {:.0} s \
+         ({} samples). The agent process only (its shell and MCP server are separate processes).\n\n\
+         | RSS median | RSS max | anonymous | file-backed | threads | CPU (schedstat) | CPU (ticks) | share of one core | wake-ups/s |\n\
+         |---:|---:|---:|---:|---:|---:|---:|---:|---:|\n\
+         | {} MiB | {} MiB | {} MiB | {} MiB | {} | {:.1} ms | {:.0} ms | {:.4} % | {:.2} |\n",
+        idle.heartbeat_ms,
+        idle.window_s,
+        idle.samples,
+        mib(idle.rss_kib.map_or(0.0, |s| s.median)),
+        mib(rss),
+        mib(idle.rss_anon_kib.map_or(0.0, |s| s.median)),
+        mib(idle.rss_file_kib.map_or(0.0, |s| s.median)),
+        idle.threads,
+        idle.cpu_ms_schedstat,
+        idle.cpu_ms_ticks,
+        idle.cpu_percent_of_core,
+        idle.wakeups_per_s,
+    );
+    targets.push(Target {
+        what: "waiting agent < 10 MiB RSS".into(),
+        measured: format!("{} MiB (max)", mib(rss)),
+        met: Some(rss < 10.0 * 1024.0),
+    });
+    targets.push(Target {
+        what: "waiting agent < 0.1 % of one core".into(),
+        measured: format!("{:.4} %", idle.cpu_percent_of_core),
+        met: Some(idle.cpu_percent_of_core < 0.1),
+    });
+}
+
+fn capacity_table(out: &mut String, capacity: &CapacityResults, targets: &mut Vec<Target>) {
+    let _ = writeln!(
+        out,
+        "## Server capacity\n\nStandby connections held by the load generator (`standby-bench`), heartbeat every {:.0} s, \
+         against `standby-server serve --provider spool`. An empty server: {} MiB RSS. Memory per connection = \
+         (RSS connected − RSS with the credentials minted) / connections; per standby also counts the sandbox and \
+         credential records (against the empty server). Dispatch = `POST /v1/runs` sent → assignment frame read by \
+         the chosen connection.\n\n\
+         | connections | connect time | RSS minted | RSS connected | KiB / connection | KiB / standby | idle CPU (one core) | dispatch p50 | p99 | max | dispatches |\n\
+         |---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        capacity.heartbeat_s,
+        mib(capacity.rss_empty_kib as f64),
+    );
+    for level in &capacity.levels {
+        let dispatch = level.dispatch_ms;
+        let _ = writeln!(
+            out,
+            "| {} | {:.1} s | {} MiB | {} MiB | {:.1} | {:.1} | {:.2} % | {} ms | {} ms | {} ms | {} |",
+            level.connections,
+            level.connect_s,
+            mib(level.rss_minted_kib as f64),
+            mib(level.rss_connected_kib.map_or(0.0, |s| s.median)),
+            level.kib_per_connection,
+            level.kib_per_standby,
+            level.idle_cpu_percent_of_core,
+            or_dash(dispatch.map(|d| ms(d.median))),
+            or_dash(dispatch.map(|d| ms(d.p99))),
+            or_dash(dispatch.map(|d| ms(d.max))),
+            level.dispatches,
+        );
+    }
+    out.push('\n');
+    for level in &capacity.levels {
+        if let Some(error) = &level.error {
+            let _ = writeln!(out, "- {} connections: {}", level.connections, error.replace('\n', " "));
+        }
+    }
+    if capacity.levels.iter().any(|level| level.error.is_some()) {
+        out.push('\n');
+    }
+    if let Some(top) = capacity.levels.iter().max_by_key(|level| level.connections) {
+        let held = top.rss_connected_kib.is_some();
+        targets.push(Target {
+            what: format!("< 20 KiB server memory per idle connection ({} connections)", top.connections),
+            measured: if held {
+                format!("{:.1} KiB ({:.1} KiB with its records)", top.kib_per_connection, top.kib_per_standby)
+            } else {
+                "not measured (see above)".into()
+            },
+            met: held.then_some(top.kib_per_connection < 20.0),
+        });
+        targets.push(Target {
+            what: format!("dispatch p99 < 25 ms ({} connections)", top.connections),
+            measured: top.dispatch_ms.map_or_else(
+                || "not measured (see above)".into(),
+                |d| format!("{} ms (p50 {} ms, {} runs)", ms(d.p99), ms(d.median), top.dispatches),
+            ),
+            met: top.dispatch_ms.map(|d| d.p99 < 25.0 && top.error.is_none()),
+        });
+    }
+}

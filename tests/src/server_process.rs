@@ -1,0 +1,364 @@
+//! The real `standby-server serve` as a child process, and its user API:
+//! for tests of the whole system (the control plane launching real agents,
+//! or handing credentials to a load generator).
+//!
+//! Every process a server causes carries a mark in its environment (the
+//! local provider passes the server's environment on to its agents, and
+//! agents to their children), so a test can find, check and kill all of
+//! them, including after the server itself was killed.
+
+use std::net::SocketAddr;
+use std::os::unix::fs::PermissionsExt as _;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+use serde_json::Value;
+use tokio::io::{AsyncBufReadExt, BufReader};
+
+use crate::harness::{process_alive, standby_bin};
+
+/// The user API key every test server is started with.
+pub const API_KEY: &str = "e2e-api-key";
+/// The environment variable that marks the processes of one test's servers.
+pub const MARK: &str = "E2E_SERVER_MARK";
+/// Bound on a server's start.
+const START: Duration = Duration::from_secs(60);
+
+/// `standby-server` next to `standby` (`$STANDBY_SERVER_BIN` overrides).
+pub fn server_bin() -> PathBuf {
+    if let Some(path) = std::env::var_os("STANDBY_SERVER_BIN") {
+        return PathBuf::from(path);
+    }
+    let bin = standby_bin().with_file_name("standby-server");
+    assert!(bin.is_file(), "{} is missing: run `cargo build --bins` first", bin.display());
+    bin
+}
+
+/// Live processes whose environment holds `MARK=mark`.
+pub fn marked(mark: &str) -> Vec<i32> {
+    let needle = format!("{MARK}={mark}");
+    let Ok(entries) = std::fs::read_dir("/proc") else { return Vec::new() };
+    entries
+        .filter_map(|entry| entry.ok()?.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| process_alive(*pid))
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/environ"))
+                .is_ok_and(|env| env.split(|b| *b == 0).any(|entry| entry == needle.as_bytes()))
+        })
+        .collect()
+}
+
+/// A variable of a live process's initial environment.
+pub fn environ_var(pid: i32, name: &str) -> Option<String> {
+    let environ = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+    let prefix = format!("{name}=");
+    environ
+        .split(|b| *b == 0)
+        .find_map(|entry| entry.strip_prefix(prefix.as_bytes()))
+        .map(|value| String::from_utf8_lossy(value).into_owned())
+}
+
+/// How to start a server: `serve` with the data directory, the API key
+/// and the mark; everything else is the test's.
+#[derive(Debug, Clone)]
+pub struct ServerBuilder {
+    data: PathBuf,
+    log: PathBuf,
+    mark: String,
+    agent_bin: PathBuf,
+    args: Vec<String>,
+    env: Vec<(String, String)>,
+}
+
+/// A free port on 127.0.0.1 (bound, then released for the server to take).
+pub fn free_addr() -> SocketAddr {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0");
+    listener.local_addr().expect("a bound listener has an address")
+}
+
+impl ServerBuilder {
+    /// A server on `data` (kept across restarts), its stderr appended to
+    /// `log`, its processes marked with `mark`.
+    pub fn new(data: &Path, log: &Path, mark: &str) -> Self {
+        Self {
+            data: data.to_owned(),
+            log: log.to_owned(),
+            mark: mark.to_owned(),
+            agent_bin: standby_bin(),
+            args: Vec::new(),
+            env: Vec::new(),
+        }
+    }
+
+    /// Keeps each agent's output in `dir/<sandbox id>.log`: the local
+    /// provider deletes a retired sandbox's directory, `agent.log` with it.
+    /// The agent is started through a wrapper script (written to `dir`)
+    /// that sends its output there and then execs the real `standby`.
+    pub fn keep_agent_logs(mut self, dir: &Path) -> Self {
+        std::fs::create_dir_all(dir).unwrap_or_else(|error| panic!("create {}: {error}", dir.display()));
+        let wrapper = dir.join("standby-wrapper.sh");
+        let script =
+            "#!/bin/sh\nexec >>\"$E2E_AGENT_LOG_DIR/$LOCAL_SANDBOX_ID.log\" 2>&1\nexec \"$E2E_REAL_AGENT\" \"$@\"\n";
+        std::fs::write(&wrapper, script).expect("write the agent wrapper");
+        std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755))
+            .expect("make the wrapper executable");
+        self.env.push(("E2E_AGENT_LOG_DIR".into(), dir.display().to_string()));
+        self.env.push(("E2E_REAL_AGENT".into(), standby_bin().display().to_string()));
+        self.agent_bin = wrapper;
+        self
+    }
+
+    pub fn arg(mut self, arg: &str) -> Self {
+        self.args.push(arg.to_owned());
+        self
+    }
+
+    pub fn args(mut self, args: &[&str]) -> Self {
+        self.args.extend(args.iter().map(|arg| (*arg).to_owned()));
+        self
+    }
+
+    /// An environment variable of the server (and so of its agents).
+    pub fn env(mut self, name: &str, value: &str) -> Self {
+        self.env.push((name.to_owned(), value.to_owned()));
+        self
+    }
+
+    /// Starts the server on a free port of 127.0.0.1 and waits for its
+    /// "listening" line.
+    pub async fn start(&self) -> ServerProcess {
+        let addr = free_addr();
+        let mut command = tokio::process::Command::new(server_bin());
+        for (name, _) in std::env::vars_os() {
+            if let Some(name) = name.to_str()
+                && (name.starts_with("STANDBY_") || name == "RUST_LOG")
+            {
+                command.env_remove(name);
+            }
+        }
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .unwrap_or_else(|error| panic!("open {}: {error}", self.log.display()));
+        command
+            .arg("serve")
+            .args(["--listen", &addr.to_string(), "--api-key", API_KEY, "--agent-bin"])
+            .arg(&self.agent_bin)
+            .arg("--data-dir")
+            .arg(&self.data)
+            .args(&self.args)
+            .envs(self.env.iter().map(|(name, value)| (name, value)))
+            .env(MARK, &self.mark)
+            .env("NO_COLOR", "1")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(log);
+        let mut child = command.spawn().expect("start standby-server");
+        let stdout = child.stdout.take().expect("a piped stdout");
+        let mut lines = BufReader::new(stdout).lines();
+        let tail = || tail(&self.log, 40);
+        let line = tokio::time::timeout(START, lines.next_line())
+            .await
+            .unwrap_or_else(|_| panic!("standby-server did not start\n{}", tail()))
+            .expect("read the server's stdout")
+            .unwrap_or_else(|| panic!("standby-server exited\n{}", tail()));
+        let url = line.strip_prefix("standby-server listening on ").expect("the listening line").trim().to_owned();
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        ServerProcess {
+            child,
+            addr,
+            public_url: url,
+            mark: self.mark.clone(),
+            log: self.log.clone(),
+            http: reqwest::Client::new(),
+        }
+    }
+}
+
+/// The last `lines` lines of a file, for failure messages.
+pub fn tail(path: &Path, lines: usize) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let all: Vec<&str> = text.lines().collect();
+    all[all.len().saturating_sub(lines)..].join("\n")
+}
+
+/// A running `standby-server`. Dropping it kills it and every process
+/// carrying its mark.
+#[derive(Debug)]
+pub struct ServerProcess {
+    child: tokio::process::Child,
+    addr: SocketAddr,
+    public_url: String,
+    mark: String,
+    log: PathBuf,
+    http: reqwest::Client,
+}
+
+impl ServerProcess {
+    /// The address it listens on.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// `http://<address>`: where the test calls the API, directly.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// The base URL it gives agents (`--public-url` when given).
+    pub fn public_url(&self) -> &str {
+        &self.public_url
+    }
+
+    pub fn log_path(&self) -> &Path {
+        &self.log
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.child.id().and_then(|pid| i32::try_from(pid).ok()).expect("the server runs")
+    }
+
+    /// One call to the server's API: the status and the body (JSON, or a string when it is not JSON).
+    /// `None` when the server did not answer (it is down).
+    pub async fn try_call(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        key: Option<&str>,
+        body: Option<&Value>,
+    ) -> Option<(u16, Value)> {
+        let mut request = self.http.request(method, format!("{}{path}", self.url())).timeout(Duration::from_secs(30));
+        if let Some(key) = key {
+            request = request.bearer_auth(key);
+        }
+        if let Some(body) = body {
+            request = request.json(body);
+        }
+        let response = request.send().await.ok()?;
+        let status = response.status().as_u16();
+        let text = response.text().await.ok()?;
+        Some((status, serde_json::from_str(&text).unwrap_or(Value::String(text))))
+    }
+
+    /// [`ServerProcess::try_call`] that must be answered.
+    pub async fn call(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        key: Option<&str>,
+        body: Option<&Value>,
+    ) -> (u16, Value) {
+        let method_name = method.to_string();
+        self.try_call(method, path, key, body)
+            .await
+            .unwrap_or_else(|| panic!("{method_name} {path}: no answer\n{}", tail(&self.log, 40)))
+    }
+
+    /// A `GET` with the API key that must answer `200`.
+    pub async fn get(&self, path: &str) -> Value {
+        let (status, body) = self.call(reqwest::Method::GET, path, Some(API_KEY), None).await;
+        assert_eq!(status, 200, "GET {path}: {body}");
+        body
+    }
+
+    /// Submits a run; its id.
+    pub async fn submit(&self, body: &Value) -> String {
+        let (status, created) = self.call(reqwest::Method::POST, "/v1/runs", Some(API_KEY), Some(body)).await;
+        assert_eq!(status, 201, "{created}");
+        created["id"].as_str().expect("a run id").to_owned()
+    }
+
+    pub async fn runs(&self) -> Vec<Value> {
+        self.get("/v1/runs").await["runs"].as_array().cloned().unwrap_or_default()
+    }
+
+    pub async fn run(&self, id: &str) -> Value {
+        self.get(&format!("/v1/runs/{id}")).await
+    }
+
+    pub async fn sandboxes(&self) -> Vec<Value> {
+        self.get("/v1/sandboxes").await["sandboxes"].as_array().cloned().unwrap_or_default()
+    }
+
+    /// The run's stored log, as bytes.
+    pub async fn log(&self, id: &str) -> Vec<u8> {
+        let response = self
+            .http
+            .get(format!("{}/v1/runs/{id}/log", self.url()))
+            .bearer_auth(API_KEY)
+            .send()
+            .await
+            .expect("the server answers");
+        assert_eq!(response.status().as_u16(), 200, "GET /v1/runs/{id}/log");
+        response.bytes().await.expect("a body").to_vec()
+    }
+
+    /// Polls until `check` gives a value (a cross-process condition raises
+    /// no event here); panics with the server's log on timeout.
+    pub async fn until<T>(&self, what: &str, timeout: Duration, mut check: impl AsyncFnMut() -> Option<T>) -> T {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            if let Some(value) = check().await {
+                return value;
+            }
+            assert!(tokio::time::Instant::now() < deadline, "timed out waiting for {what}\n{}", tail(&self.log, 60));
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// SIGKILL, without waiting for anything but the process to be gone:
+    /// a crash. Usable while other tasks still hold the server.
+    pub async fn crash(&self) {
+        let pid = self.pid();
+        let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
+        let deadline = tokio::time::Instant::now() + START;
+        while process_alive(pid) {
+            assert!(tokio::time::Instant::now() < deadline, "the server survived SIGKILL");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Sends `signal` and waits for the server to exit; its exit status.
+    pub async fn stop(mut self, signal: Signal) -> std::process::ExitStatus {
+        let _ = kill(Pid::from_raw(self.pid()), signal);
+        tokio::time::timeout(START, self.child.wait())
+            .await
+            .unwrap_or_else(|_| panic!("the server did not exit on {signal}\n{}", tail(&self.log, 40)))
+            .expect("wait for the server")
+    }
+
+    /// Waits until no process carrying the server's mark is left.
+    pub async fn wait_no_marked(mark: &str, timeout: Duration) -> Result<(), Vec<i32>> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let left = marked(mark);
+            if left.is_empty() {
+                return Ok(());
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return Err(left);
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+impl Drop for ServerProcess {
+    /// A server still running when dropped (a test that failed) is killed
+    /// with everything it caused; one that was stopped is left to the test,
+    /// which checks what it left behind.
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait()
+            && let Some(pid) = self.child.id()
+        {
+            let _ = kill(Pid::from_raw(i32::try_from(pid).unwrap_or(i32::MAX)), Signal::SIGKILL);
+            for pid in marked(&self.mark) {
+                let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
+            }
+        }
+    }
+}

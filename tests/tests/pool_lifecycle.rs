@@ -1,0 +1,486 @@
+//! The warm pool's lifecycle end to end: the real `standby-server` with its
+//! local provider and real `standby` agents on real `file://` repositories.
+//! Follow-up turns of a thread on a parked sandbox (Tier 1 stopped, Tier 2
+//! running), a resume that cannot be done, the running cap under a burst,
+//! and standby TTL replacement.
+//!
+//! Durations are short (`--provider-minute`, `--warm-idle`, `--standby-ttl`
+//! in seconds) so that nothing waits for minutes. Needs both binaries built
+//! (`cargo build --bins`); `STANDBY_SERVER_BIN` and `STANDBY_BIN` override
+//! where they are looked for.
+
+use std::collections::BTreeSet;
+use std::hash::{BuildHasher, RandomState};
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+use serde_json::{Value, json};
+use standby_e2e::harness::{describe, process_alive, write_json};
+use standby_e2e::{GitRepo, standby_bin};
+use tokio::io::{AsyncBufReadExt, BufReader};
+
+const KEY: &str = "e2e-pool-lifecycle-key";
+const WAIT: Duration = Duration::from_secs(60);
+const POLL: Duration = Duration::from_millis(50);
+/// Set on the server and inherited by everything it starts, so a test
+/// finds (and on failure kills) every process it caused.
+const MARK: &str = "E2E_POOL_LIFECYCLE_MARK";
+/// What the local provider marks each sandbox's processes with.
+const SANDBOX_MARK: &str = "LOCAL_SANDBOX_ID";
+
+fn server_bin() -> PathBuf {
+    if let Some(path) = std::env::var_os("STANDBY_SERVER_BIN") {
+        return PathBuf::from(path);
+    }
+    let bin = standby_bin().with_file_name("standby-server");
+    assert!(bin.is_file(), "{} is missing: run `cargo build --bins` first", bin.display());
+    bin
+}
+
+/// A variable of a process's initial environment, if it can be read.
+fn environ_var(pid: i32, name: &str) -> Option<String> {
+    let environ = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+    let prefix = format!("{name}=");
+    environ
+        .split(|b| *b == 0)
+        .find_map(|entry| entry.strip_prefix(prefix.as_bytes()))
+        .map(|value| String::from_utf8_lossy(value).into_owned())
+}
+
+/// Live processes carrying `MARK=mark`.
+fn marked(mark: &str) -> Vec<i32> {
+    let Ok(entries) = std::fs::read_dir("/proc") else { return Vec::new() };
+    entries
+        .filter_map(|entry| entry.ok()?.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| process_alive(*pid))
+        .filter(|pid| environ_var(*pid, MARK).as_deref() == Some(mark))
+        .collect()
+}
+
+/// The sandboxes that have a live process, from the processes themselves.
+fn sandboxes_with_processes(mark: &str) -> BTreeSet<String> {
+    marked(mark).into_iter().filter_map(|pid| environ_var(pid, SANDBOX_MARK)).collect()
+}
+
+fn repo() -> GitRepo {
+    GitRepo::new(&[
+        // Counts its runs: a resumed sandbox must not run it again.
+        ("setup.sh", "echo run >> .setup-runs\necho built > built.txt\n"),
+        ("README.md", "sample\n"),
+    ])
+}
+
+fn repo_spec(repo: &GitRepo) -> Value {
+    json!({
+        "workspace": {
+            "repos": [{"url": repo.url(), "path": "app", "ref": "main"}],
+            "setup": [{"name": "build", "command": ["sh", "setup.sh"], "cwd": "app", "timeout_s": 60}]
+        },
+        "shell": ["/bin/sh"]
+    })
+}
+
+/// Nothing to clone or set up: standbys are ready at once.
+fn empty_spec() -> Value {
+    json!({"workspace": {"repos": [], "setup": []}, "shell": ["/bin/sh"]})
+}
+
+struct Server {
+    child: tokio::process::Child,
+    url: String,
+    mark: String,
+    data: PathBuf,
+    stderr: PathBuf,
+    http: reqwest::Client,
+    _dir: tempfile::TempDir,
+}
+
+impl Server {
+    async fn start(spec: &Value, args: &[&str]) -> Self {
+        let dir = tempfile::Builder::new().prefix("standby-pool-e2e-").tempdir().expect("a temp dir");
+        write_json(&dir.path().join("spec.json"), spec);
+        let mark = format!("{:016x}", RandomState::new().hash_one((std::process::id(), dir.path())));
+        let data = dir.path().join("data");
+        let stderr = dir.path().join("server.log");
+        let mut command = tokio::process::Command::new(server_bin());
+        for (name, _) in std::env::vars_os() {
+            if let Some(name) = name.to_str()
+                && (name.starts_with("STANDBY_") || name == "RUST_LOG")
+            {
+                command.env_remove(name);
+            }
+        }
+        command.arg("serve");
+        // Defaults for what the test does not set itself.
+        let defaults = [("--linger", "3s"), ("--stop-grace", "3s"), ("--heartbeat-interval", "200ms")];
+        for (flag, value) in defaults {
+            if !args.contains(&flag) {
+                command.args([flag, value]);
+            }
+        }
+        command
+            .args(["--listen", "127.0.0.1:0", "--api-key", KEY])
+            .args(["--log", "debug", "--agent-log", "debug"])
+            .arg("--data-dir")
+            .arg(&data)
+            .arg("--spec")
+            .arg(dir.path().join("spec.json"))
+            .arg("--agent-bin")
+            .arg(standby_bin())
+            .args(args)
+            .env(MARK, &mark)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(&stderr).expect("create the server log"));
+        let mut child = command.spawn().expect("start standby-server");
+        let stdout = child.stdout.take().expect("a piped stdout");
+        let mut lines = BufReader::new(stdout).lines();
+        let log = || std::fs::read_to_string(&stderr).unwrap_or_default();
+        let line = tokio::time::timeout(WAIT, lines.next_line())
+            .await
+            .unwrap_or_else(|_| panic!("standby-server did not start\n{}", log()))
+            .expect("read the server's stdout")
+            .unwrap_or_else(|| panic!("standby-server exited\n{}", log()));
+        let url = line.strip_prefix("standby-server listening on ").expect("the listening line").trim().to_owned();
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        Self { child, url, mark, data, stderr, http: reqwest::Client::new(), _dir: dir }
+    }
+
+    fn logs(&self) -> String {
+        let text = std::fs::read_to_string(&self.stderr).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        let mut text = lines[lines.len().saturating_sub(60)..].join("\n");
+        for entry in std::fs::read_dir(self.data.join("sandboxes")).into_iter().flatten().flatten() {
+            if let Ok(log) = std::fs::read_to_string(entry.path().join("agent.log")) {
+                let lines: Vec<&str> = log.lines().collect();
+                text.push_str(&format!(
+                    "\n--- {} ---\n{}",
+                    entry.path().display(),
+                    lines[lines.len().saturating_sub(20)..].join("\n")
+                ));
+            }
+        }
+        text
+    }
+
+    fn sandbox_dir(&self, id: &str) -> PathBuf {
+        self.data.join("sandboxes").join(id)
+    }
+
+    async fn call(&self, method: reqwest::Method, path: &str, body: Option<Value>) -> (u16, Value) {
+        let mut request = self.http.request(method, format!("{}{path}", self.url)).bearer_auth(KEY);
+        if let Some(body) = body {
+            request = request.json(&body);
+        }
+        let response = request.send().await.expect("the server answers");
+        let status = response.status().as_u16();
+        let text = response.text().await.expect("a body");
+        (status, serde_json::from_str(&text).unwrap_or(Value::String(text)))
+    }
+
+    async fn get(&self, path: &str) -> Value {
+        let (status, body) = self.call(reqwest::Method::GET, path, None).await;
+        assert_eq!(status, 200, "GET {path}: {body}");
+        body
+    }
+
+    async fn submit(&self, body: Value) -> Value {
+        let (status, created) = self.call(reqwest::Method::POST, "/v1/runs", Some(body)).await;
+        assert_eq!(status, 201, "{created}");
+        created
+    }
+
+    async fn sandboxes(&self) -> Vec<Value> {
+        self.get("/v1/sandboxes").await["sandboxes"].as_array().cloned().unwrap_or_default()
+    }
+
+    async fn sandbox(&self, id: &str) -> Value {
+        self.sandboxes().await.into_iter().find(|s| s["id"] == id).unwrap_or_else(|| panic!("no sandbox {id}"))
+    }
+
+    async fn run(&self, id: &str) -> Value {
+        self.get(&format!("/v1/runs/{id}")).await
+    }
+
+    async fn log(&self, id: &str) -> String {
+        let (_, log) = self.call(reqwest::Method::GET, &format!("/v1/runs/{id}/log"), None).await;
+        log.as_str().unwrap_or_default().to_owned()
+    }
+
+    /// Polls until `check` gives a value (these are conditions across
+    /// processes, which raise no event here); panics with the logs on
+    /// timeout.
+    async fn until<T>(&self, what: &str, mut check: impl AsyncFnMut() -> Option<T>) -> T {
+        let deadline = tokio::time::Instant::now() + WAIT;
+        loop {
+            if let Some(value) = check().await {
+                return value;
+            }
+            assert!(tokio::time::Instant::now() < deadline, "timed out waiting for {what}\n{}", self.logs());
+            tokio::time::sleep(POLL).await;
+        }
+    }
+
+    async fn finished(&self, id: &str) -> Value {
+        self.until("the run to finish", async || {
+            let run = self.run(id).await;
+            matches!(run["state"].as_str(), Some("exited" | "failed" | "cancelled")).then_some(run)
+        })
+        .await
+    }
+
+    /// Runs one turn of `thread` to its end; the run, which exited 0.
+    async fn turn(&self, thread: &str, script: &str) -> Value {
+        let created = self.submit(json!({"command": ["sh", "-c", script], "cwd": "app", "thread_id": thread})).await;
+        let run = self.finished(created["id"].as_str().expect("an id")).await;
+        assert_eq!(
+            (run["state"].as_str(), run["exit_code"].as_i64()),
+            (Some("exited"), Some(0)),
+            "{run}\n{}",
+            self.logs()
+        );
+        run
+    }
+
+    /// Waits until the sandbox is parked `mode`; its view.
+    async fn parked(&self, id: &str, mode: &str) -> Value {
+        self.until(&format!("{id} parked {mode}"), async || {
+            let sandbox = self.sandbox(id).await;
+            let settled = match mode {
+                "running" => sandbox["last_state"] == "ready" && sandbox["candidate"] == false,
+                _ => sandbox["running"] == false,
+            };
+            (sandbox["state"] == "parked" && sandbox["park"]["mode"] == mode && settled).then_some(sandbox)
+        })
+        .await
+    }
+
+    async fn stop(mut self) {
+        if let Some(pid) = self.child.id().and_then(|pid| i32::try_from(pid).ok()) {
+            let _ = kill(Pid::from_raw(pid), Signal::SIGTERM);
+        }
+        let status = tokio::time::timeout(WAIT, self.child.wait()).await.expect("the server exits").expect("wait");
+        assert!(status.success(), "standby-server exited {status} on SIGTERM\n{}", self.logs());
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            let left = marked(&self.mark);
+            if left.is_empty() {
+                break;
+            }
+            assert!(tokio::time::Instant::now() < deadline, "orphans: {}\n{}", describe(&left), self.logs());
+            tokio::time::sleep(POLL).await;
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Some(pid) = self.child.id() {
+            let _ = kill(Pid::from_raw(i32::try_from(pid).unwrap_or(i32::MAX)), Signal::SIGKILL);
+        }
+        for pid in marked(&self.mark) {
+            let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
+        }
+    }
+}
+
+fn sandbox_of(run: &Value) -> String {
+    let attempts = run["attempts"].as_array().expect("attempts");
+    attempts.last().and_then(|a| a["sandbox_id"].as_str()).expect("a sandbox").to_owned()
+}
+
+fn count(text: &str, needle: &str) -> usize {
+    text.matches(needle).count()
+}
+
+fn provider_settings(dir: &Path) -> Value {
+    serde_json::from_slice(&std::fs::read(dir.join("sandbox.json")).expect("sandbox.json")).expect("JSON")
+}
+
+#[tokio::test]
+async fn tier_1_a_follow_up_resumes_the_stopped_sandbox_which_skips_preparation() {
+    let repo = repo();
+    let server = Server::start(&repo_spec(&repo), &["--pool-size", "0", "--warm-idle", "0s"]).await;
+    let first = server.turn("chat-1", "echo note-from-turn-1 > note.txt").await;
+    let sandbox_id = sandbox_of(&first);
+    let parked = server.parked(&sandbox_id, "stopped").await;
+    assert!(parked["pid"].is_null(), "{parked}");
+    assert_eq!(parked["thread_id"], "chat-1");
+    // Stopped: no process of the sandbox is left; its files are.
+    let alive = sandboxes_with_processes(&server.mark);
+    assert!(!alive.contains(&sandbox_id), "processes of {sandbox_id} are left: {alive:?}");
+    let dir = server.sandbox_dir(&sandbox_id);
+    assert!(dir.join("workspace/app/note.txt").is_file());
+
+    let second = server.turn("chat-1", "cat note.txt; echo setup-runs=$(wc -l < .setup-runs)").await;
+    assert_eq!(second["path"], "parked_stopped", "{second}");
+    assert_eq!(sandbox_of(&second), sandbox_id, "the same sandbox");
+    assert_eq!(second["attempts"].as_array().map(Vec::len), Some(1));
+    let resume = &second["resume"];
+    assert_eq!((resume["from"].as_str(), resume["fallback"].is_null()), (Some("stopped"), true), "{second}");
+    assert!(resume["ready_at"].is_string(), "bound once its agent was ready: {second}");
+    let log = server.log(second["id"].as_str().expect("an id")).await;
+    assert!(log.contains("note-from-turn-1"), "the previous turn's file: {log}");
+    assert!(log.contains("setup-runs=1"), "setup ran once: {log}");
+    let agent_log = std::fs::read_to_string(dir.join("agent.log")).expect("the agent log");
+    assert_eq!(count(&agent_log, "clone and setup are skipped"), 1, "the resumed agent skipped preparation");
+    let pointer = server.get("/v1/threads/chat-1").await;
+    assert_eq!(pointer["sandbox_id"], sandbox_id.as_str());
+    assert!(pointer["generation"].as_u64().is_some_and(|g| g >= 4), "{pointer}");
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn tier_2_a_follow_up_in_the_warm_window_takes_the_running_sandbox_without_a_stop() {
+    let repo = repo();
+    // A provider auto-stop of one (half-second) minute would stop the kept
+    // sandbox inside its 30 s window: the floor raises it above the window.
+    let args = ["--pool-size", "0", "--warm-idle", "30s", "--auto-stop", "1", "--provider-minute", "500ms"];
+    let server = Server::start(&repo_spec(&repo), &args).await;
+    let first = server.turn("chat-2", "echo note-from-turn-1 > note.txt").await;
+    let sandbox_id = sandbox_of(&first);
+    let parked = server.parked(&sandbox_id, "running").await;
+    let pid = parked["pid"].as_i64().and_then(|pid| i32::try_from(pid).ok()).expect("a fresh agent");
+    // ceil(30 s / 0.5 s) + 5 provider minutes, in the provider's own settings.
+    let dir = server.sandbox_dir(&sandbox_id);
+    assert_eq!(provider_settings(&dir)["auto_stop_minutes"], 65);
+    // Past several configured auto-stop periods the parked agent still runs.
+    // (Asserting that something does not happen takes waiting.)
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(process_alive(pid), "the kept sandbox was stopped inside its warm window\n{}", server.logs());
+
+    let second = server.turn("chat-2", "cat note.txt").await;
+    assert_eq!(second["path"], "parked_running", "{second}");
+    assert_eq!(sandbox_of(&second), sandbox_id);
+    assert_eq!(second["resume"]["from"], "running");
+    let log = server.log(second["id"].as_str().expect("an id")).await;
+    assert!(log.contains("note-from-turn-1"), "{log}");
+    let server_log = std::fs::read_to_string(&server.stderr).expect("the server log");
+    let stopped = server_log.lines().any(|line| line.contains("parked sandbox stopped") && line.contains(&sandbox_id));
+    assert!(!stopped, "no stop between the turns");
+    let agent_log = std::fs::read_to_string(dir.join("agent.log")).expect("the agent log");
+    assert_eq!(count(&agent_log, "clone and setup are skipped"), 1);
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn a_resume_of_a_deleted_sandbox_falls_back_to_cold_and_the_run_goes_on() {
+    let repo = repo();
+    let server = Server::start(&repo_spec(&repo), &["--pool-size", "0", "--warm-idle", "0s"]).await;
+    let first = server.turn("chat-3", "echo note > note.txt").await;
+    let sandbox_id = sandbox_of(&first);
+    server.parked(&sandbox_id, "stopped").await;
+    std::fs::remove_dir_all(server.sandbox_dir(&sandbox_id)).expect("delete the sandbox behind the server's back");
+
+    let second = server.turn("chat-3", "test ! -e note.txt && echo fresh").await;
+    assert_eq!(second["path"], "cold", "{second}");
+    assert_ne!(sandbox_of(&second), sandbox_id);
+    let fallback = second["resume"]["fallback"].as_str().unwrap_or_default();
+    assert!(fallback.contains("no longer exists"), "the reason is recorded: {second}");
+    let old = server.sandbox(&sandbox_id).await;
+    assert_eq!(old["state"], "retired", "{old}");
+    // The thread goes on from the new sandbox.
+    let pointer = server.get("/v1/threads/chat-3").await;
+    assert_eq!(pointer["sandbox_id"], sandbox_of(&second).as_str());
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn a_burst_of_50_submissions_never_exceeds_the_running_cap_and_every_run_completes() {
+    const CAP: usize = 3;
+    let args = ["--pool-size", "1", "--running-cap", "3", "--warm-idle", "0s", "--linger", "1s"];
+    let server = Server::start(&empty_spec(), &args).await;
+    let sampling = tokio::sync::watch::channel(true);
+    let (stop_sampling, mut sampling_on) = sampling;
+    let mark = server.mark.clone();
+    // Samples the processes themselves, throughout.
+    let sampler = tokio::task::spawn_blocking(move || {
+        let mut samples = 0usize;
+        let mut most = 0usize;
+        while *sampling_on.borrow_and_update() {
+            let alive = sandboxes_with_processes(&mark);
+            assert!(alive.len() <= CAP, "{} sandboxes have processes: {alive:?}", alive.len());
+            most = most.max(alive.len());
+            samples += 1;
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        (samples, most)
+    });
+    let mut ids = Vec::new();
+    for _ in 0..50 {
+        let created = server.submit(json!({"command": ["true"]})).await;
+        ids.push(created["id"].as_str().expect("an id").to_owned());
+    }
+    let waiting = server.run(ids.last().expect("a run")).await;
+    if waiting["state"] == "waiting" {
+        let reason = waiting["wait"]["reason"].as_str().unwrap_or_default();
+        assert!(reason.contains("running cap of 3"), "the wait is visible: {waiting}");
+    }
+    let mut most_running = 0;
+    for id in &ids {
+        let run = server
+            .until("the run to finish", async || {
+                let sandboxes = server.sandboxes().await;
+                let running = sandboxes.iter().filter(|s| s["running"] == true).count();
+                assert!(running <= CAP, "the server counts {running} running sandboxes");
+                most_running = most_running.max(running);
+                let run = server.run(id).await;
+                matches!(run["state"].as_str(), Some("exited" | "failed" | "cancelled")).then_some(run)
+            })
+            .await;
+        assert_eq!((run["state"].as_str(), run["exit_code"].as_i64()), (Some("exited"), Some(0)), "{run}");
+    }
+    let _ = stop_sampling.send(false);
+    let (samples, most) = sampler.await.expect("the sampler");
+    assert!(samples > 10 && most >= 2, "sampled {samples} times, at most {most} sandboxes with processes");
+    let runs = server.get("/v1/runs").await;
+    let waited =
+        runs["runs"].as_array().into_iter().flatten().filter(|r| r["durations_ms"]["queued"].as_u64() > Some(0));
+    assert!(waited.count() > 0, "some runs waited for a slot");
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn ttl_replacement_keeps_min_ready_standbys_ready() {
+    // Room for both replacements at once (the cap is min_ready + 2): two
+    // standbys made together may expire close together.
+    let args = ["--pool-size", "2", "--running-cap", "4", "--standby-ttl", "10s", "--heartbeat-interval", "500ms"];
+    let server = Server::start(&empty_spec(), &args).await;
+    let first: BTreeSet<String> = server
+        .until("two ready standbys", async || {
+            let ready: BTreeSet<String> = server
+                .sandboxes()
+                .await
+                .iter()
+                .filter(|s| s["candidate"] == true)
+                .filter_map(|s| s["id"].as_str().map(str::to_owned))
+                .collect();
+            (ready.len() == 2).then_some(ready)
+        })
+        .await;
+    // From now on, at every sample, two standbys are ready, until both
+    // first standbys were replaced.
+    let mut samples = 0;
+    server
+        .until("the first standbys replaced", async || {
+            let sandboxes = server.sandboxes().await;
+            let ready = sandboxes.iter().filter(|s| s["candidate"] == true).count();
+            assert!(ready >= 2, "{ready} ready standbys: {sandboxes:#?}\n{}", server.logs());
+            samples += 1;
+            let replaced = sandboxes
+                .iter()
+                .filter(|s| first.contains(s["id"].as_str().unwrap_or_default()))
+                .filter(|s| s["state"] == "retired")
+                .map(|s| s["retire_reason"].as_str().unwrap_or_default().to_owned())
+                .collect::<Vec<_>>();
+            (replaced.len() == 2).then_some(replaced)
+        })
+        .await
+        .iter()
+        .for_each(|reason| assert_eq!(reason, "standby TTL: replaced"));
+    assert!(samples > 20, "sampled {samples} times");
+    server.stop().await;
+}
