@@ -39,7 +39,9 @@ def label(value):
 
 
 def axis_label(value, _position):
-    return label(value) if value >= 1 else ""
+    if value >= 1000:
+        return f"{value / 1000:g} s"
+    return f"{value:g} ms" if value >= 1 else ""
 
 
 def log_axis(ax, values):
@@ -76,13 +78,13 @@ def latency_panel(ax, latency):
                 if path == "warm-parallel" and cell.get("bound"):
                     ax.hlines(cell["bound"]["median"], x - width / 2, x + width / 2, colors="black",
                               linestyles="dashed", linewidth=1.2,
-                              label="its bound (slowest call + confirmation + terminal)" if position == 0 else None)
+                              label="its bound (slowest install step + confirmation + terminal check)" if position == 0 else None)
     log_axis(ax, values)
     ax.set_xticks(range(len(latencies)))
     ax.set_xticklabels([f"{ms} ms" for ms in latencies])
     ax.set_xlabel("latency injected per server call")
     ax.set_title("Assignment → run start, by path", fontsize=11)
-    ax.legend(loc="upper left", fontsize=8, frameon=False)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2, fontsize=8.5, frameon=False)
 
 
 def follow_up_panel(ax, follow_ups):
@@ -110,10 +112,10 @@ def main():
         sys.exit("no latency results to draw")
     follow_ups = results.get("follow_ups")
     if follow_ups:
-        fig, (left, right) = plt.subplots(1, 2, figsize=(12.5, 5.4), gridspec_kw={"width_ratios": [1.75, 1]})
+        fig, (left, right) = plt.subplots(1, 2, figsize=(12.5, 6.0), gridspec_kw={"width_ratios": [1.75, 1]})
         follow_up_panel(right, follow_ups)
     else:
-        fig, left = plt.subplots(figsize=(8.5, 5.4))
+        fig, left = plt.subplots(figsize=(8.5, 6.0))
     latency_panel(left, latency)
     left.set_ylabel("time (log scale)")
     runs = latency["runs_per_path"]

@@ -349,19 +349,45 @@ async fn is_clone_of(git: &Git<'_>, dest: &Path) -> Result<bool, GitError> {
     Ok(origin.as_deref() == Some(git.url))
 }
 
-/// Brings a prepared clone to what the run needs: fetches origin, then
-/// checks out (detached) `repo.expected_sha` if set, else the fetched head
-/// of `repo.git_ref`, else of origin's default branch.
+/// Brings a prepared clone to what the run needs: checks out (detached)
+/// `repo.expected_sha` if set, else the fetched head of `repo.git_ref`,
+/// else of origin's default branch.
+///
+/// Origin is fetched first unless `expected_sha` is a full SHA already in
+/// the clone: a pinned commit is the same wherever it came from, and the
+/// usual run (submitted at the commit the pool was prepared at) then costs
+/// no round trip to the remote on the critical path.
 ///
 /// `extra_env` joins git's environment: the run's git credential
 /// configuration (`GIT_CONFIG_COUNT`/`KEY`/`VALUE`). Returns the commit
 /// checked out.
 pub async fn refresh(repo: &Repo, dest: &Path, extra_env: &BTreeMap<String, String>) -> Result<String, GitError> {
     let git = Git { url: &repo.url, dir: dest, extra_env };
-    git.fetch_all().await?;
-    let sha = git.target(repo).await?;
+    let pinned = match repo.expected_sha.as_deref() {
+        Some(sha) if is_full_sha(sha) => git.commit_of(sha).await?,
+        _ => None,
+    };
+    let sha = match pinned {
+        Some(sha) => sha,
+        None => {
+            git.fetch_all().await?;
+            git.target(repo).await?
+        }
+    };
     git.checkout(&sha).await?;
     Ok(sha)
+}
+
+/// Rewrites the index of the clone in `dest` with the files' current stat
+/// data. A fresh clone's files are as new as its index, so git must treat
+/// every one as possibly changed ("racily clean") and read them all on each
+/// `checkout` until the index is written again from a later second: about
+/// 50 ms per 20 MB on the run's critical path, spent here during
+/// preparation instead.
+pub async fn refresh_index(dest: &Path) -> Result<(), GitError> {
+    let no_env = BTreeMap::new();
+    let git = Git { url: "the checkout", dir: dest, extra_env: &no_env };
+    git.run("update-index", &["update-index", "-q", "--refresh"]).await.map(drop)
 }
 
 /// The commit checked out in `dest`.
@@ -597,6 +623,34 @@ pub(crate) mod tests {
         assert!(matches!(error, GitError::Failed { .. }), "{error}");
         assert!(error.to_string().contains("git fetch"), "{error}");
         refresh(&repo, &dest, &BTreeMap::new()).await.expect("allowed without it");
+    }
+
+    /// A pinned commit the clone already has is checked out without a
+    /// round trip to the remote: with the file transport forbidden, a
+    /// fetch would fail.
+    #[tokio::test]
+    async fn refresh_to_a_pinned_commit_already_here_does_not_fetch() {
+        let upstream = Upstream::new();
+        let work = tempfile::tempdir().expect("a temporary directory");
+        let dest = work.path().join("app");
+        let mut repo = upstream.repo("app", None);
+        clone(&repo, &dest).await.expect("clone");
+        let prepared = head_sha(&dest).await.expect("a head");
+        std::fs::write(dest.join("README"), "edited by setup").expect("writable");
+        let offline = BTreeMap::from([
+            ("GIT_CONFIG_COUNT".to_owned(), "1".to_owned()),
+            ("GIT_CONFIG_KEY_0".to_owned(), "protocol.file.allow".to_owned()),
+            ("GIT_CONFIG_VALUE_0".to_owned(), "never".to_owned()),
+        ]);
+        repo.expected_sha = Some(prepared.clone());
+        let sha = refresh(&repo, &dest, &offline).await.expect("refresh without the remote");
+        assert_eq!(sha, prepared);
+        assert_eq!(read(&dest, "README"), "first", "tracked files are the commit's");
+
+        let newer = upstream.commit("README", "second");
+        repo.expected_sha = Some(newer);
+        let error = refresh(&repo, &dest, &offline).await.expect_err("a commit it lacks needs the remote");
+        assert!(error.to_string().contains("git fetch"), "{error}");
     }
 
     #[tokio::test]

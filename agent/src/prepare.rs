@@ -17,7 +17,7 @@ use serde::{Deserialize, Serialize};
 use standby_protocol::{Fingerprint, SetupStep, Workspace, fingerprint};
 use tokio::io::AsyncWriteExt;
 use tokio::process::Command;
-use tracing::info;
+use tracing::{info, warn};
 
 use crate::git::{self, GitError, describe_status, redact_url};
 use crate::paths::{PathError, resolve_inside, write_atomic};
@@ -29,6 +29,9 @@ const STATE_DIR: &str = ".standby";
 const STATE_FILE: &str = "state.json";
 /// Output of every setup step, in [`STATE_DIR`].
 const SETUP_LOG: &str = "setup.log";
+/// Files written less than this before their index is written are racy
+/// to git (whole-second timestamps).
+const RACY_GIT_WINDOW: Duration = Duration::from_secs(1);
 
 /// A prepared workspace.
 #[derive(Debug, Clone)]
@@ -133,10 +136,12 @@ pub async fn prepare(root: &Path, workspace: &Workspace) -> Result<PreparedWorks
         repos.push(RepoState { path: repo.path.clone(), sha });
     }
 
+    let cloned_at = Instant::now();
     let log = state_dir.join(SETUP_LOG);
     for step in &workspace.setup {
         run_step(root, step, &log).await?;
     }
+    refresh_indexes(root, workspace, cloned_at).await;
 
     let state = State {
         fingerprint: fingerprint.clone(),
@@ -150,6 +155,25 @@ pub async fn prepare(root: &Path, workspace: &Workspace) -> Result<PreparedWorks
         .await
         .map_err(PrepareError::io("cannot write the preparation record", &state_path))?;
     Ok(PreparedWorkspace { fingerprint, skipped: false })
+}
+
+/// Refreshes every clone's index (see [`git::refresh_index`]) if the clock
+/// has moved past the second the clones were written in: git compares
+/// timestamps in whole seconds, and an index written in the same second
+/// leaves the files racy. Setup steps usually take longer than that; without
+/// them preparation is not made slower to wait for it, and the run's
+/// checkout reads the files instead. A failure only costs the run that time,
+/// so it is logged, not fatal.
+async fn refresh_indexes(root: &Path, workspace: &Workspace, cloned_at: Instant) {
+    if cloned_at.elapsed() < RACY_GIT_WINDOW {
+        return;
+    }
+    for repo in &workspace.repos {
+        let Ok(dest) = resolve_inside(root, &repo.path) else { continue };
+        if let Err(error) = git::refresh_index(&dest).await {
+            warn!(path = repo.path, %error, "refreshing the index failed; the run's checkout will read every file");
+        }
+    }
 }
 
 /// The fingerprint recorded by a completed preparation of `root`, if any.
@@ -369,6 +393,22 @@ mod tests {
         assert_eq!(state["repos"][0]["sha"], head.as_str());
         assert!(state["prepared_at_unix_ms"].as_u64().is_some_and(|ms| ms > 0));
         assert_eq!(recorded_fingerprint(root.path()), Some(fingerprint(&ws)));
+    }
+
+    /// After a setup step that outlasts the clone's second, the index is
+    /// written from a later second than every tracked file, so the run's
+    /// checkout need not read them.
+    #[tokio::test]
+    async fn the_index_is_rewritten_after_a_setup_step_so_no_file_is_racy() {
+        use std::os::unix::fs::MetadataExt as _;
+        let upstream = Upstream::new();
+        let root = tempfile::tempdir().expect("a temporary directory");
+        let ws = workspace(vec![upstream.repo("app", Some("main"))], vec![step("slow", "sleep 1.2")]);
+        prepare(root.path(), &ws).await.expect("prepared");
+        let app = root.path().join("app");
+        let index = std::fs::metadata(app.join(".git/index")).expect("an index").mtime();
+        let readme = std::fs::metadata(app.join("README")).expect("a tracked file").mtime();
+        assert!(index > readme, "index written at {index}, README at {readme}: racy");
     }
 
     #[tokio::test]

@@ -25,14 +25,19 @@ use nix::unistd::{Pid, getpgrp};
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
-use tokio::time::{Instant, MissedTickBehavior, interval, sleep};
+use tokio::time::{Instant, sleep};
 use tracing::{debug, warn};
 
 use crate::process::is_managed;
 
-/// How often the reaper looks even when no SIGCHLD arrived: signals
-/// coalesce, and one can be missed between two scans.
+/// How often the reaper looks again while an unowned zombie is too young
+/// to take, or when SIGCHLD cannot be watched.
 const SCAN_INTERVAL: Duration = Duration::from_secs(1);
+/// How often the reaper looks when nothing is pending. SIGCHLD already
+/// wakes it for every exit (signals that coalesce still wake it once, and
+/// it scans every child); this only bounds the cost of a lost wake-up. It
+/// is long because a waiting agent must cost next to nothing.
+const SAFETY_SCAN: Duration = Duration::from_secs(60);
 /// How often [`kill_remaining_children`] looks again while children are
 /// going.
 const EXIT_POLL: Duration = Duration::from_millis(20);
@@ -50,9 +55,9 @@ pub fn become_subreaper() -> Result<(), nix::Error> {
     set_child_subreaper(true)
 }
 
-/// Looks for orphaned zombies on every SIGCHLD and every second, and reaps
-/// those that have been unowned for a second, until `shutdown` holds `true`
-/// or its sender is dropped.
+/// Looks for orphaned zombies on every SIGCHLD (and every second while one
+/// is too young to take), and reaps those that have been unowned for a
+/// second, until `shutdown` holds `true` or its sender is dropped.
 pub fn spawn_reaper(mut shutdown: watch::Receiver<bool>) -> JoinHandle<()> {
     tokio::spawn(async move {
         let mut sigchld = match signal(SignalKind::child()) {
@@ -62,13 +67,12 @@ pub fn spawn_reaper(mut shutdown: watch::Receiver<bool>) -> JoinHandle<()> {
                 None
             }
         };
-        let mut tick = interval(SCAN_INTERVAL);
-        tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
         let mut orphans = Orphans::default();
         loop {
             if *shutdown.borrow_and_update() {
                 break;
             }
+            let next_scan = if orphans.pending() || sigchld.is_none() { SCAN_INTERVAL } else { SAFETY_SCAN };
             tokio::select! {
                 changed = shutdown.changed() => {
                     if changed.is_err() {
@@ -86,7 +90,7 @@ pub fn spawn_reaper(mut shutdown: watch::Receiver<bool>) -> JoinHandle<()> {
                         sigchld = None;
                     }
                 }
-                _ = tick.tick() => {}
+                () = sleep(next_scan) => {}
             }
             orphans.reap(ORPHAN_AGE);
         }
@@ -102,15 +106,19 @@ pub(crate) struct Orphans {
 }
 
 impl Orphans {
+    /// Whether an unowned zombie was seen that is not yet old enough to take.
+    fn pending(&self) -> bool {
+        !self.first_seen.is_empty()
+    }
+
     /// Waits for every zombie child of this process that has no owner and
     /// has been one for at least `min_age`; returns how many were reaped.
     pub(crate) fn reap(&mut self, min_age: Duration) -> usize {
-        let me = own_pid();
         let now = Instant::now();
         let mut zombies = HashSet::new();
         let mut reaped = 0;
-        for process in processes() {
-            if process.ppid != me || process.state != 'Z' || is_managed(process.pid) {
+        for process in own_children() {
+            if process.state != 'Z' || is_managed(process.pid) {
                 continue;
             }
             let key = (process.pid, process.start);
@@ -180,8 +188,34 @@ pub async fn kill_remaining_children(grace: Duration) {
 /// about to register).
 fn live_children() -> Vec<ProcessInfo> {
     Orphans::default().reap(Duration::ZERO);
+    own_children().into_iter().filter(|process| process.state != 'Z').collect()
+}
+
+/// The children of this process (zombies included), from each thread's
+/// `/proc/self/task/<tid>/children`: reading only them keeps a scan's cost
+/// to the agent's few children instead of every process of the machine,
+/// which matters for a scan on every SIGCHLD. Without that file (a kernel
+/// built without `CONFIG_PROC_CHILDREN`) every process is read.
+fn own_children() -> Vec<ProcessInfo> {
     let me = own_pid();
-    processes().into_iter().filter(|process| process.ppid == me && process.state != 'Z').collect()
+    let Some(pids) = children_pids() else {
+        return processes().into_iter().filter(|process| process.ppid == me).collect();
+    };
+    pids.into_iter().filter_map(process_info).filter(|process| process.ppid == me).collect()
+}
+
+fn children_pids() -> Option<HashSet<i32>> {
+    let mut pids = HashSet::new();
+    for task in std::fs::read_dir("/proc/self/task").ok()?.flatten() {
+        match std::fs::read_to_string(task.path().join("children")) {
+            Ok(text) => pids.extend(text.split_whitespace().filter_map(|pid| pid.parse::<i32>().ok())),
+            // No such file in a thread that still exists: the kernel has none.
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound && task.path().exists() => return None,
+            // The thread ended while the list was read.
+            Err(_) => {}
+        }
+    }
+    Some(pids)
 }
 
 /// Signals a child and its process group, unless that group is the
@@ -338,6 +372,27 @@ mod tests {
         let me = process_info(own_pid()).expect("this process is in /proc");
         assert_eq!(me.pgrp, getpgrp().as_raw());
         assert_ne!(me.state, 'Z');
+    }
+
+    /// The per-thread children lists give the same children as a scan of
+    /// every process, including one spawned from another thread.
+    #[test]
+    fn own_children_match_a_full_scan() {
+        let mut here = Command::new("sleep").arg("30").spawn().expect("sleep starts");
+        let mut there = std::thread::spawn(|| Command::new("sleep").arg("30").spawn().expect("sleep starts"))
+            .join()
+            .expect("the spawning thread");
+        let pids: HashSet<i32> = own_children().iter().map(|child| child.pid).collect();
+        let scanned: HashSet<i32> = children().iter().map(|child| child.pid).collect();
+        for child in [&here, &there] {
+            let pid = i32::try_from(child.id()).expect("a pid fits i32");
+            assert!(pids.contains(&pid), "child {pid} missing from {pids:?}");
+        }
+        assert!(pids.is_subset(&scanned), "{pids:?} ⊄ {scanned:?}");
+        for child in [&mut here, &mut there] {
+            child.kill().expect("kill sleep");
+            child.wait().expect("reap sleep");
+        }
     }
 
     #[test]

@@ -270,11 +270,20 @@ pub fn generate(root: &Path, size: RepoSize, setup: SetupKind, standby_bin: &Pat
     // One pack: clones copy compressed objects instead of compressing
     // thousands of loose ones again for every sandbox.
     git(&repo, &["repack", "-a", "-d", "-q"])?;
+    let head = git(&repo, &["rev-parse", "HEAD"])?;
     let mcp_script = root.join("mcp_server.py");
     write(&mcp_script, MCP_SERVER.as_bytes())?;
 
+    // Pinned, as a control plane dispatches a run for a known commit: the
+    // refresh then checks it out without a fetch when the pool was prepared
+    // at it (a run by `ref` alone adds a fetch from the git remote).
     let workspace = json!({
-        "repos": [{"url": format!("file://{}", repo.display()), "path": "app", "ref": "main"}],
+        "repos": [{
+            "url": format!("file://{}", repo.display()),
+            "path": "app",
+            "ref": "main",
+            "expected_sha": head,
+        }],
         "setup": [{
             "name": "venv",
             "command": ["sh", "setup.sh", python.display().to_string(), setup.arg()],

@@ -53,7 +53,7 @@
 mod pool;
 mod threads;
 
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::time::Duration;
 
 use standby_protocol::{
@@ -289,6 +289,10 @@ struct Live {
     spec_served: bool,
     /// An assignment waits for [`Live::may_assign`].
     assignment_withheld: bool,
+    /// Its open connections (keys of `Dispatch::conns`), oldest first:
+    /// finding a sandbox's connections must not cost all of them, since
+    /// every dispatch asks each standby whether it is connected.
+    conns: BTreeSet<ConnId>,
 }
 
 impl Live {
@@ -303,6 +307,7 @@ impl Live {
             resume_after_exit: false,
             spec_served: false,
             assignment_withheld: false,
+            conns: BTreeSet::new(),
         }
     }
 
@@ -514,8 +519,7 @@ impl Dispatch {
                 record: live.record.clone(),
                 last_heartbeat_at: live.heartbeat.as_ref().map(|h| h.at),
                 last_state: live.heartbeat.as_ref().map(|h| h.state),
-                connected: self.standby_conns(&live.record.id).next().is_some()
-                    || self.run_conns(&live.record.id).next().is_some(),
+                connected: self.live_standby_conns(live).next().is_some() || self.run_conns(live).next().is_some(),
                 candidate: self.is_candidate(now, live),
                 running: !live.exited,
             })
@@ -712,6 +716,9 @@ impl Dispatch {
             conn,
             Conn { sandbox_id: sandbox_id.clone(), kind: credential.kind, credential_id: credential_id.to_owned() },
         );
+        if let Some(live) = self.sandboxes.get_mut(&sandbox_id) {
+            live.conns.insert(conn);
+        }
         self.update_sandbox(&mut step, &sandbox_id, |record| match credential.kind {
             CredentialKind::Standby => record.connections += 1,
             CredentialKind::Run => record.run_connections += 1,
@@ -839,7 +846,10 @@ impl Dispatch {
     }
 
     pub fn disconnected(&mut self, conn: ConnId) {
-        self.conns.remove(&conn);
+        let Some(gone) = self.conns.remove(&conn) else { return };
+        if let Some(live) = self.sandboxes.get_mut(&gone.sandbox_id) {
+            live.conns.remove(&conn);
+        }
     }
 
     /// The writer put an assignment on the wire.
@@ -862,6 +872,10 @@ impl Dispatch {
         let Some(sandbox_id) = self.conns.get(&conn).map(|c| c.sandbox_id.clone()) else {
             return step;
         };
+        let Some(live) = self.sandboxes.get(&sandbox_id) else {
+            return step;
+        };
+        let was_candidate = self.is_candidate(now, live);
         let Some(live) = self.sandboxes.get_mut(&sandbox_id) else {
             return step;
         };
@@ -880,7 +894,12 @@ impl Dispatch {
             match live.record.state {
                 SandboxState::Standby => {
                     self.dispatch_queued(now, &mut step);
-                    self.expire_standbys(now, &mut step);
+                    // A new candidate may let an expired standby go; a
+                    // candidate's routine heartbeat changes nothing the
+                    // tick has not already weighed.
+                    if !was_candidate {
+                        self.expire_standbys(now, &mut step);
+                    }
                 }
                 SandboxState::Resuming => self.resumed_ready(now, &mut step, &sandbox_id),
                 _ => {}
@@ -1250,14 +1269,14 @@ impl Dispatch {
                 .heartbeat
                 .as_ref()
                 .is_some_and(|h| h.state == AgentState::Ready && now <= h.at.plus(self.config.silence()))
-            && self.standby_conns(&live.record.id).next().is_some()
+            && self.live_standby_conns(live).next().is_some()
     }
 
     fn candidate(&self, now: Millis) -> Option<String> {
         self.sandboxes
             .values()
             .filter(|live| self.is_candidate(now, live))
-            .min_by_key(|live| (live.record.created_at, live.record.id.clone()))
+            .min_by(|a, b| (a.record.created_at, &a.record.id).cmp(&(b.record.created_at, &b.record.id)))
             .map(|live| live.record.id.clone())
     }
 
@@ -1617,29 +1636,27 @@ impl Dispatch {
 
     /// Connections of the sandbox's current standby credential.
     fn standby_conns<'a>(&'a self, sandbox_id: &'a str) -> impl Iterator<Item = ConnId> + 'a {
-        let current = self.sandboxes.get(sandbox_id).map(|live| live.record.standby_credential_id.as_str());
-        self.conns
-            .iter()
-            .filter(move |(_, conn)| {
-                conn.sandbox_id == sandbox_id
-                    && conn.kind == CredentialKind::Standby
-                    && Some(conn.credential_id.as_str()) == current
-            })
-            .map(|(id, _)| *id)
+        self.sandboxes.get(sandbox_id).into_iter().flat_map(|live| self.live_standby_conns(live))
     }
 
-    fn run_conns<'a>(&'a self, sandbox_id: &'a str) -> impl Iterator<Item = ConnId> + 'a {
-        self.conns
-            .iter()
-            .filter(move |(_, conn)| conn.sandbox_id == sandbox_id && conn.kind == CredentialKind::Run)
-            .map(|(id, _)| *id)
+    fn live_standby_conns<'a>(&'a self, live: &'a Live) -> impl Iterator<Item = ConnId> + 'a {
+        let current = live.record.standby_credential_id.as_str();
+        self.live_conns(live)
+            .filter(move |(_, conn)| conn.kind == CredentialKind::Standby && conn.credential_id == current)
+            .map(|(id, _)| id)
     }
 
+    fn run_conns<'a>(&'a self, live: &'a Live) -> impl Iterator<Item = ConnId> + 'a {
+        self.live_conns(live).filter(|(_, conn)| conn.kind == CredentialKind::Run).map(|(id, _)| id)
+    }
+
+    /// Every connection of the sandbox, oldest first.
     fn all_conns<'a>(&'a self, sandbox_id: &'a str) -> impl Iterator<Item = ConnId> + 'a {
-        let mut conns: Vec<ConnId> =
-            self.conns.iter().filter(move |(_, conn)| conn.sandbox_id == sandbox_id).map(|(id, _)| *id).collect();
-        conns.sort_unstable();
-        conns.into_iter()
+        self.sandboxes.get(sandbox_id).into_iter().flat_map(|live| live.conns.iter().copied())
+    }
+
+    fn live_conns<'a>(&'a self, live: &'a Live) -> impl Iterator<Item = (ConnId, &'a Conn)> + 'a {
+        live.conns.iter().filter_map(|id| self.conns.get(id).map(|conn| (*id, conn)))
     }
 }
 

@@ -47,10 +47,9 @@ impl Dispatch {
             .filter(|l| l.record.kind == SandboxKind::Warm && l.record.state == SandboxState::Standby && !l.exited)
             .filter(|l| l.record.expires_at.is_none_or(|expires_at| now < expires_at))
             .count();
-        for _ in live..self.config.pool_size {
-            if !self.slot_free() {
-                break;
-            }
+        let cap = self.config.lifecycle.running_cap;
+        let room = if cap == 0 { usize::MAX } else { cap.saturating_sub(self.running_count()) };
+        for _ in 0..self.config.pool_size.saturating_sub(live).min(room) {
             let fingerprint = self.config.pool_fingerprint.clone();
             let (sandbox_id, token) = self.create_sandbox(now, step, SandboxKind::Warm, None, fingerprint);
             let schedule = ttl_schedule(&sandbox_id, now, self.config.lifecycle.standby_ttl);

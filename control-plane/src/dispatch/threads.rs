@@ -334,7 +334,7 @@ impl Dispatch {
             && live.heartbeat.as_ref().is_some_and(|h| {
                 h.state == standby_protocol::AgentState::Ready && now <= h.at.plus(self.config.silence())
             })
-            && self.standby_conns(&live.record.id).next().is_some()
+            && self.live_standby_conns(live).next().is_some()
     }
 
     /// Why the run cannot use this sandbox: the workspace it was prepared
