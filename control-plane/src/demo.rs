@@ -225,6 +225,15 @@ struct Client {
 }
 
 impl Client {
+    fn new(base: &str, key: &Secret) -> Result<Self, DemoError> {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let http = reqwest::Client::builder()
+            .timeout(Duration::from_secs(30))
+            .build()
+            .map_err(|e| DemoError::Http { call: "client".into(), message: e.to_string() })?;
+        Ok(Self { http, base: base.to_owned(), key: key.clone() })
+    }
+
     async fn call(&self, method: reqwest::Method, path: &str, body: Option<Value>) -> Result<Value, DemoError> {
         let call = format!("{method} {path}");
         let failed = |message: String| DemoError::Http { call: call.clone(), message };
@@ -346,12 +355,7 @@ async fn drive_threads<P: SandboxProvider>(
     sandboxes: &Path,
     out: &mut impl Write,
 ) -> Result<Vec<FollowUp>, DemoError> {
-    let _ = rustls::crypto::ring::default_provider().install_default();
-    let http = reqwest::Client::builder()
-        .timeout(Duration::from_secs(30))
-        .build()
-        .map_err(|e| DemoError::Http { call: "client".into(), message: e.to_string() })?;
-    let client = Client { http, base: server.url().to_owned(), key: key.clone() };
+    let client = Client::new(server.url(), key)?;
     let wrote = |e: std::io::Error| DemoError::Io { action: "write", path: "stdout".into(), source: e };
     writeln!(
         out,
@@ -493,12 +497,7 @@ async fn drive<P: SandboxProvider>(
     mcp: bool,
     out: &mut impl Write,
 ) -> Result<Vec<DemoRow>, DemoError> {
-    let _ = rustls::crypto::ring::default_provider().install_default();
-    let http = reqwest::Client::builder()
-        .timeout(Duration::from_secs(30))
-        .build()
-        .map_err(|e| DemoError::Http { call: "client".into(), message: e.to_string() })?;
-    let client = Client { http, base: server.url().to_owned(), key: key.clone() };
+    let client = Client::new(server.url(), key)?;
     let mut progress = Progress::new();
     let wrote = |e: std::io::Error| DemoError::Io { action: "write", path: "stdout".into(), source: e };
     writeln!(out, "standby demo: server at {}, pool of {} standbys", server.url(), options.pool_size).map_err(wrote)?;

@@ -17,8 +17,10 @@ use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use serde_json::Value;
 use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio_tungstenite::tungstenite::{self, client::IntoClientRequest as _};
+use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
 
-use crate::harness::{process_alive, standby_bin};
+use crate::harness::{describe, process_alive, standby_bin};
 
 /// The user API key every test server is started with.
 pub const API_KEY: &str = "e2e-api-key";
@@ -173,6 +175,7 @@ impl ServerBuilder {
             addr,
             public_url: url,
             mark: self.mark.clone(),
+            data: self.data.clone(),
             log: self.log.clone(),
             http: reqwest::Client::new(),
         }
@@ -186,6 +189,21 @@ pub fn tail(path: &Path, lines: usize) -> String {
     all[all.len().saturating_sub(lines)..].join("\n")
 }
 
+/// A control WebSocket to the server.
+pub type ControlSocket = WebSocketStream<MaybeTlsStream<tokio::net::TcpStream>>;
+
+/// The end of a server's log and of every present sandbox's `agent.log`.
+fn logs(log: &Path, data: &Path) -> String {
+    let mut text = tail(log, 60);
+    for entry in std::fs::read_dir(data.join("sandboxes")).into_iter().flatten().flatten() {
+        let agent_log = entry.path().join("agent.log");
+        if agent_log.is_file() {
+            text.push_str(&format!("\n--- {} ---\n{}", entry.path().display(), tail(&agent_log, 30)));
+        }
+    }
+    text
+}
+
 /// A running `standby-server`. Dropping it kills it and every process
 /// carrying its mark.
 #[derive(Debug)]
@@ -194,6 +212,7 @@ pub struct ServerProcess {
     addr: SocketAddr,
     public_url: String,
     mark: String,
+    data: PathBuf,
     log: PathBuf,
     http: reqwest::Client,
 }
@@ -216,6 +235,22 @@ impl ServerProcess {
 
     pub fn log_path(&self) -> &Path {
         &self.log
+    }
+
+    /// The mark every process it caused carries.
+    pub fn mark(&self) -> &str {
+        &self.mark
+    }
+
+    /// A local sandbox's directory (its workspace, `agent.log`, settings).
+    pub fn sandbox_dir(&self, id: &str) -> PathBuf {
+        self.data.join("sandboxes").join(id)
+    }
+
+    /// For failure messages: the end of the server's log and of every
+    /// present sandbox's `agent.log`.
+    pub fn logs(&self) -> String {
+        logs(&self.log, &self.data)
     }
 
     pub fn pid(&self) -> i32 {
@@ -284,6 +319,19 @@ impl ServerProcess {
         self.get("/v1/sandboxes").await["sandboxes"].as_array().cloned().unwrap_or_default()
     }
 
+    pub async fn sandbox(&self, id: &str) -> Value {
+        self.sandboxes().await.into_iter().find(|s| s["id"] == id).unwrap_or_else(|| panic!("no sandbox {id}"))
+    }
+
+    /// Waits until the run is in a final state; the run.
+    pub async fn finished(&self, id: &str, timeout: Duration) -> Value {
+        self.until("the run to finish", timeout, async || {
+            let run = self.run(id).await;
+            matches!(run["state"].as_str(), Some("exited" | "failed" | "cancelled")).then_some(run)
+        })
+        .await
+    }
+
     /// The run's stored log, as bytes.
     pub async fn log(&self, id: &str) -> Vec<u8> {
         let response = self
@@ -297,6 +345,24 @@ impl ServerProcess {
         response.bytes().await.expect("a body").to_vec()
     }
 
+    /// Upgrades `/ws` with `token` as an agent would: the socket, or the
+    /// refusal's status.
+    pub async fn upgrade(&self, token: &str) -> Result<ControlSocket, u16> {
+        let mut request = format!("ws://{}/ws", self.addr).into_client_request().expect("a request");
+        request.headers_mut().insert("Authorization", format!("Bearer {token}").parse().expect("a header"));
+        request.headers_mut().insert("Standby-Protocol", "1".parse().expect("a header"));
+        match tokio_tungstenite::connect_async(request).await {
+            Ok((socket, _)) => Ok(socket),
+            Err(tungstenite::Error::Http(response)) => Err(response.status().as_u16()),
+            Err(error) => panic!("the upgrade failed: {error}"),
+        }
+    }
+
+    /// [`ServerProcess::upgrade`]'s status: 101 when admitted.
+    pub async fn upgrade_status(&self, token: &str) -> u16 {
+        self.upgrade(token).await.map_or_else(|status| status, |_| 101)
+    }
+
     /// Polls until `check` gives a value (a cross-process condition raises
     /// no event here); panics with the server's log on timeout.
     pub async fn until<T>(&self, what: &str, timeout: Duration, mut check: impl AsyncFnMut() -> Option<T>) -> T {
@@ -305,7 +371,7 @@ impl ServerProcess {
             if let Some(value) = check().await {
                 return value;
             }
-            assert!(tokio::time::Instant::now() < deadline, "timed out waiting for {what}\n{}", tail(&self.log, 60));
+            assert!(tokio::time::Instant::now() < deadline, "timed out waiting for {what}\n{}", self.logs());
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
@@ -329,6 +395,19 @@ impl ServerProcess {
             .await
             .unwrap_or_else(|_| panic!("the server did not exit on {signal}\n{}", tail(&self.log, 40)))
             .expect("wait for the server")
+    }
+
+    /// Sends `signal`, waits for the server to exit (with 0 on SIGTERM) and
+    /// then until no process it caused is left.
+    pub async fn stop_leaving_nothing(self, signal: Signal) {
+        let (mark, log, data) = (self.mark.clone(), self.log.clone(), self.data.clone());
+        let status = self.stop(signal).await;
+        if signal == Signal::SIGTERM {
+            assert!(status.success(), "standby-server exited {status} on SIGTERM\n{}", logs(&log, &data));
+        }
+        if let Err(left) = Self::wait_no_marked(&mark, Duration::from_secs(30)).await {
+            panic!("processes left after the server exited: {}\n{}", describe(&left), logs(&log, &data));
+        }
     }
 
     /// Waits until no process carrying the server's mark is left.

@@ -11,54 +11,19 @@
 
 use std::collections::BTreeSet;
 use std::hash::{BuildHasher, RandomState};
-use std::path::{Path, PathBuf};
-use std::process::Stdio;
+use std::ops::Deref;
+use std::path::Path;
 use std::time::Duration;
 
-use nix::sys::signal::{Signal, kill};
-use nix::unistd::Pid;
+use nix::sys::signal::Signal;
 use serde_json::{Value, json};
-use standby_e2e::harness::{describe, process_alive, write_json};
-use standby_e2e::{GitRepo, standby_bin};
-use tokio::io::{AsyncBufReadExt, BufReader};
+use standby_e2e::GitRepo;
+use standby_e2e::harness::{process_alive, write_json};
+use standby_e2e::server_process::{ServerBuilder, ServerProcess, environ_var, marked};
 
-const KEY: &str = "e2e-pool-lifecycle-key";
 const WAIT: Duration = Duration::from_secs(60);
-const POLL: Duration = Duration::from_millis(50);
-/// Set on the server and inherited by everything it starts, so a test
-/// finds (and on failure kills) every process it caused.
-const MARK: &str = "E2E_POOL_LIFECYCLE_MARK";
 /// What the local provider marks each sandbox's processes with.
 const SANDBOX_MARK: &str = "LOCAL_SANDBOX_ID";
-
-fn server_bin() -> PathBuf {
-    if let Some(path) = std::env::var_os("STANDBY_SERVER_BIN") {
-        return PathBuf::from(path);
-    }
-    let bin = standby_bin().with_file_name("standby-server");
-    assert!(bin.is_file(), "{} is missing: run `cargo build --bins` first", bin.display());
-    bin
-}
-
-/// A variable of a process's initial environment, if it can be read.
-fn environ_var(pid: i32, name: &str) -> Option<String> {
-    let environ = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
-    let prefix = format!("{name}=");
-    environ
-        .split(|b| *b == 0)
-        .find_map(|entry| entry.strip_prefix(prefix.as_bytes()))
-        .map(|value| String::from_utf8_lossy(value).into_owned())
-}
-
-/// Live processes carrying `MARK=mark`.
-fn marked(mark: &str) -> Vec<i32> {
-    let Ok(entries) = std::fs::read_dir("/proc") else { return Vec::new() };
-    entries
-        .filter_map(|entry| entry.ok()?.file_name().to_str()?.parse::<i32>().ok())
-        .filter(|pid| process_alive(*pid))
-        .filter(|pid| environ_var(*pid, MARK).as_deref() == Some(mark))
-        .collect()
-}
 
 /// The sandboxes that have a live process, from the processes themselves.
 fn sandboxes_with_processes(mark: &str) -> BTreeSet<String> {
@@ -88,154 +53,55 @@ fn empty_spec() -> Value {
     json!({"workspace": {"repos": [], "setup": []}, "shell": ["/bin/sh"]})
 }
 
+/// A `standby-server` on a spec of the test's, with short defaults for
+/// what the test does not set, in a directory that lives as long as it.
 struct Server {
-    child: tokio::process::Child,
-    url: String,
-    mark: String,
-    data: PathBuf,
-    stderr: PathBuf,
-    http: reqwest::Client,
+    process: ServerProcess,
     _dir: tempfile::TempDir,
+}
+
+impl Deref for Server {
+    type Target = ServerProcess;
+
+    fn deref(&self) -> &ServerProcess {
+        &self.process
+    }
 }
 
 impl Server {
     async fn start(spec: &Value, args: &[&str]) -> Self {
         let dir = tempfile::Builder::new().prefix("standby-pool-e2e-").tempdir().expect("a temp dir");
-        write_json(&dir.path().join("spec.json"), spec);
+        let spec_path = dir.path().join("spec.json");
+        write_json(&spec_path, spec);
         let mark = format!("{:016x}", RandomState::new().hash_one((std::process::id(), dir.path())));
-        let data = dir.path().join("data");
-        let stderr = dir.path().join("server.log");
-        let mut command = tokio::process::Command::new(server_bin());
-        for (name, _) in std::env::vars_os() {
-            if let Some(name) = name.to_str()
-                && (name.starts_with("STANDBY_") || name == "RUST_LOG")
-            {
-                command.env_remove(name);
-            }
-        }
-        command.arg("serve");
-        // Defaults for what the test does not set itself.
-        let defaults = [("--linger", "3s"), ("--stop-grace", "3s"), ("--heartbeat-interval", "200ms")];
-        for (flag, value) in defaults {
+        let mut builder = ServerBuilder::new(&dir.path().join("data"), &dir.path().join("server.log"), &mark).args(&[
+            "--log",
+            "debug",
+            "--agent-log",
+            "debug",
+            "--spec",
+            &spec_path.display().to_string(),
+        ]);
+        for (flag, value) in [("--linger", "3s"), ("--stop-grace", "3s"), ("--heartbeat-interval", "200ms")] {
             if !args.contains(&flag) {
-                command.args([flag, value]);
+                builder = builder.args(&[flag, value]);
             }
         }
-        command
-            .args(["--listen", "127.0.0.1:0", "--api-key", KEY])
-            .args(["--log", "debug", "--agent-log", "debug"])
-            .arg("--data-dir")
-            .arg(&data)
-            .arg("--spec")
-            .arg(dir.path().join("spec.json"))
-            .arg("--agent-bin")
-            .arg(standby_bin())
-            .args(args)
-            .env(MARK, &mark)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(std::fs::File::create(&stderr).expect("create the server log"));
-        let mut child = command.spawn().expect("start standby-server");
-        let stdout = child.stdout.take().expect("a piped stdout");
-        let mut lines = BufReader::new(stdout).lines();
-        let log = || std::fs::read_to_string(&stderr).unwrap_or_default();
-        let line = tokio::time::timeout(WAIT, lines.next_line())
-            .await
-            .unwrap_or_else(|_| panic!("standby-server did not start\n{}", log()))
-            .expect("read the server's stdout")
-            .unwrap_or_else(|| panic!("standby-server exited\n{}", log()));
-        let url = line.strip_prefix("standby-server listening on ").expect("the listening line").trim().to_owned();
-        let _ = rustls::crypto::ring::default_provider().install_default();
-        Self { child, url, mark, data, stderr, http: reqwest::Client::new(), _dir: dir }
-    }
-
-    fn logs(&self) -> String {
-        let text = std::fs::read_to_string(&self.stderr).unwrap_or_default();
-        let lines: Vec<&str> = text.lines().collect();
-        let mut text = lines[lines.len().saturating_sub(60)..].join("\n");
-        for entry in std::fs::read_dir(self.data.join("sandboxes")).into_iter().flatten().flatten() {
-            if let Ok(log) = std::fs::read_to_string(entry.path().join("agent.log")) {
-                let lines: Vec<&str> = log.lines().collect();
-                text.push_str(&format!(
-                    "\n--- {} ---\n{}",
-                    entry.path().display(),
-                    lines[lines.len().saturating_sub(20)..].join("\n")
-                ));
-            }
-        }
-        text
-    }
-
-    fn sandbox_dir(&self, id: &str) -> PathBuf {
-        self.data.join("sandboxes").join(id)
-    }
-
-    async fn call(&self, method: reqwest::Method, path: &str, body: Option<Value>) -> (u16, Value) {
-        let mut request = self.http.request(method, format!("{}{path}", self.url)).bearer_auth(KEY);
-        if let Some(body) = body {
-            request = request.json(&body);
-        }
-        let response = request.send().await.expect("the server answers");
-        let status = response.status().as_u16();
-        let text = response.text().await.expect("a body");
-        (status, serde_json::from_str(&text).unwrap_or(Value::String(text)))
-    }
-
-    async fn get(&self, path: &str) -> Value {
-        let (status, body) = self.call(reqwest::Method::GET, path, None).await;
-        assert_eq!(status, 200, "GET {path}: {body}");
-        body
-    }
-
-    async fn submit(&self, body: Value) -> Value {
-        let (status, created) = self.call(reqwest::Method::POST, "/v1/runs", Some(body)).await;
-        assert_eq!(status, 201, "{created}");
-        created
-    }
-
-    async fn sandboxes(&self) -> Vec<Value> {
-        self.get("/v1/sandboxes").await["sandboxes"].as_array().cloned().unwrap_or_default()
-    }
-
-    async fn sandbox(&self, id: &str) -> Value {
-        self.sandboxes().await.into_iter().find(|s| s["id"] == id).unwrap_or_else(|| panic!("no sandbox {id}"))
-    }
-
-    async fn run(&self, id: &str) -> Value {
-        self.get(&format!("/v1/runs/{id}")).await
+        Self { process: builder.args(args).start().await, _dir: dir }
     }
 
     async fn log(&self, id: &str) -> String {
-        let (_, log) = self.call(reqwest::Method::GET, &format!("/v1/runs/{id}/log"), None).await;
-        log.as_str().unwrap_or_default().to_owned()
+        String::from_utf8_lossy(&self.process.log(id).await).into_owned()
     }
 
-    /// Polls until `check` gives a value (these are conditions across
-    /// processes, which raise no event here); panics with the logs on
-    /// timeout.
-    async fn until<T>(&self, what: &str, mut check: impl AsyncFnMut() -> Option<T>) -> T {
-        let deadline = tokio::time::Instant::now() + WAIT;
-        loop {
-            if let Some(value) = check().await {
-                return value;
-            }
-            assert!(tokio::time::Instant::now() < deadline, "timed out waiting for {what}\n{}", self.logs());
-            tokio::time::sleep(POLL).await;
-        }
-    }
-
-    async fn finished(&self, id: &str) -> Value {
-        self.until("the run to finish", async || {
-            let run = self.run(id).await;
-            matches!(run["state"].as_str(), Some("exited" | "failed" | "cancelled")).then_some(run)
-        })
-        .await
+    async fn until<T>(&self, what: &str, check: impl AsyncFnMut() -> Option<T>) -> T {
+        self.process.until(what, WAIT, check).await
     }
 
     /// Runs one turn of `thread` to its end; the run, which exited 0.
     async fn turn(&self, thread: &str, script: &str) -> Value {
-        let created = self.submit(json!({"command": ["sh", "-c", script], "cwd": "app", "thread_id": thread})).await;
-        let run = self.finished(created["id"].as_str().expect("an id")).await;
+        let id = self.submit(&json!({"command": ["sh", "-c", script], "cwd": "app", "thread_id": thread})).await;
+        let run = self.finished(&id, WAIT).await;
         assert_eq!(
             (run["state"].as_str(), run["exit_code"].as_i64()),
             (Some("exited"), Some(0)),
@@ -258,32 +124,8 @@ impl Server {
         .await
     }
 
-    async fn stop(mut self) {
-        if let Some(pid) = self.child.id().and_then(|pid| i32::try_from(pid).ok()) {
-            let _ = kill(Pid::from_raw(pid), Signal::SIGTERM);
-        }
-        let status = tokio::time::timeout(WAIT, self.child.wait()).await.expect("the server exits").expect("wait");
-        assert!(status.success(), "standby-server exited {status} on SIGTERM\n{}", self.logs());
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-        loop {
-            let left = marked(&self.mark);
-            if left.is_empty() {
-                break;
-            }
-            assert!(tokio::time::Instant::now() < deadline, "orphans: {}\n{}", describe(&left), self.logs());
-            tokio::time::sleep(POLL).await;
-        }
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        if let Some(pid) = self.child.id() {
-            let _ = kill(Pid::from_raw(i32::try_from(pid).unwrap_or(i32::MAX)), Signal::SIGKILL);
-        }
-        for pid in marked(&self.mark) {
-            let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
-        }
+    async fn stop(self) {
+        self.process.stop_leaving_nothing(Signal::SIGTERM).await;
     }
 }
 
@@ -310,7 +152,7 @@ async fn tier_1_a_follow_up_resumes_the_stopped_sandbox_which_skips_preparation(
     assert!(parked["pid"].is_null(), "{parked}");
     assert_eq!(parked["thread_id"], "chat-1");
     // Stopped: no process of the sandbox is left; its files are.
-    let alive = sandboxes_with_processes(&server.mark);
+    let alive = sandboxes_with_processes(server.mark());
     assert!(!alive.contains(&sandbox_id), "processes of {sandbox_id} are left: {alive:?}");
     let dir = server.sandbox_dir(&sandbox_id);
     assert!(dir.join("workspace/app/note.txt").is_file());
@@ -358,7 +200,7 @@ async fn tier_2_a_follow_up_in_the_warm_window_takes_the_running_sandbox_without
     assert_eq!(second["resume"]["from"], "running");
     let log = server.log(second["id"].as_str().expect("an id")).await;
     assert!(log.contains("note-from-turn-1"), "{log}");
-    let server_log = std::fs::read_to_string(&server.stderr).expect("the server log");
+    let server_log = std::fs::read_to_string(server.log_path()).expect("the server log");
     let stopped = server_log.lines().any(|line| line.contains("parked sandbox stopped") && line.contains(&sandbox_id));
     assert!(!stopped, "no stop between the turns");
     let agent_log = std::fs::read_to_string(dir.join("agent.log")).expect("the agent log");
@@ -395,7 +237,7 @@ async fn a_burst_of_50_submissions_never_exceeds_the_running_cap_and_every_run_c
     let server = Server::start(&empty_spec(), &args).await;
     let sampling = tokio::sync::watch::channel(true);
     let (stop_sampling, mut sampling_on) = sampling;
-    let mark = server.mark.clone();
+    let mark = server.mark().to_owned();
     // Samples the processes themselves, throughout.
     let sampler = tokio::task::spawn_blocking(move || {
         let mut samples = 0usize;
@@ -411,8 +253,7 @@ async fn a_burst_of_50_submissions_never_exceeds_the_running_cap_and_every_run_c
     });
     let mut ids = Vec::new();
     for _ in 0..50 {
-        let created = server.submit(json!({"command": ["true"]})).await;
-        ids.push(created["id"].as_str().expect("an id").to_owned());
+        ids.push(server.submit(&json!({"command": ["true"]})).await);
     }
     let waiting = server.run(ids.last().expect("a run")).await;
     if waiting["state"] == "waiting" {

@@ -41,13 +41,11 @@ use serde_json::{Value, json};
 use standby_e2e::harness::write_json;
 use standby_e2e::proxy::{ConnInfo, Direction, Fault, FaultPolicy, FaultProxy};
 use standby_e2e::server::{ExecutionSetup, Frame};
-use standby_e2e::server_process::{API_KEY, ServerBuilder, ServerProcess, free_addr, tail};
+use standby_e2e::server_process::{API_KEY, ControlSocket, ServerBuilder, ServerProcess, free_addr, tail};
 use standby_e2e::{AgentBuilder, TestServer};
 use standby_protocol::{AgentMessage, AgentState, ServerMessage};
 use tempfile::TempDir;
-use tokio::net::TcpStream;
-use tokio_tungstenite::tungstenite::{self, Message, client::IntoClientRequest};
-use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
+use tokio_tungstenite::tungstenite::Message;
 
 const WAIT: Duration = Duration::from_secs(60);
 
@@ -134,35 +132,13 @@ impl Spooled {
             .await
     }
 
-    fn ws_url(&self) -> String {
-        format!("ws://{}/ws", self.server.addr())
-    }
-
-    /// Upgrades `/ws` with `token`: the socket, or the refusal's status.
-    async fn upgrade(&self, token: &str) -> Result<Socket, u16> {
-        let mut request = self.ws_url().into_client_request().expect("a request");
-        request.headers_mut().insert("Authorization", format!("Bearer {token}").parse().expect("a header"));
-        request.headers_mut().insert("Standby-Protocol", "1".parse().expect("a header"));
-        match tokio_tungstenite::connect_async(request).await {
-            Ok((socket, _)) => Ok(socket),
-            Err(tungstenite::Error::Http(response)) => Err(response.status().as_u16()),
-            Err(error) => panic!("the upgrade failed: {error}"),
-        }
-    }
-
-    async fn upgrade_status(&self, token: &str) -> u16 {
-        match self.upgrade(token).await {
-            Ok(_) => 101,
-            Err(status) => status,
-        }
-    }
-
     /// A standby connection saying `ready`, as a prepared agent's would,
     /// once the server counts it as a candidate. (The heartbeat interval
     /// is long: one heartbeat keeps it a candidate for the whole test.)
     async fn ready_standby(&self, token: &str) -> Socket {
         let before = self.candidates().await;
-        let mut socket = self.upgrade(token).await.unwrap_or_else(|status| panic!("standby refused with {status}"));
+        let mut socket =
+            self.server.upgrade(token).await.unwrap_or_else(|status| panic!("standby refused with {status}"));
         socket.send(heartbeat(AgentState::Ready, None)).await.expect("send a heartbeat");
         self.server
             .until("the standby to be a candidate", WAIT, async || (self.candidates().await > before).then_some(()))
@@ -223,7 +199,7 @@ impl Spooled {
     }
 }
 
-type Socket = WebSocketStream<MaybeTlsStream<TcpStream>>;
+type Socket = ControlSocket;
 
 fn heartbeat(state: AgentState, execution_id: Option<&str>) -> Message {
     Message::text(AgentMessage::Heartbeat { state, execution_id: execution_id.map(str::to_owned) }.encode())
@@ -282,7 +258,7 @@ async fn a_run_credential_is_refused_after_cancel() {
     let (status, run) =
         spooled.server.call(reqwest::Method::POST, &format!("/v1/runs/{id}/cancel"), Some(API_KEY), None).await;
     assert_eq!((status, run["state"].as_str()), (200, Some("cancelled")), "{run}");
-    assert_eq!(spooled.upgrade_status(&credential).await, 401, "the control socket refuses it");
+    assert_eq!(spooled.server.upgrade_status(&credential).await, 401, "the control socket refuses it");
     for (method, path, body) in execution_calls(&id) {
         let (status, answer) = spooled.agent_call(method.clone(), &path, &credential, body).await;
         assert_eq!(status, 401, "{method} {path} after the cancel: {answer}");
@@ -297,7 +273,7 @@ async fn a_run_credential_is_refused_after_requeue() {
     let mut standby = spooled.ready_standby(&token).await;
     let (id, credential) = spooled.assigned(&mut standby, &run_with_secrets("requeue-secret-2")).await;
     // Delivery confirmed on the run credential, then a requeueable failure.
-    let mut run_socket = spooled.upgrade(&credential).await.expect("the run credential connects");
+    let mut run_socket = spooled.server.upgrade(&credential).await.expect("the run credential connects");
     run_socket.send(heartbeat(AgentState::Installing, Some(&id))).await.expect("a heartbeat");
     assert_eq!(next_assignment(&mut run_socket).await.0, id, "the replay confirms delivery");
     let failed = r#"{"event_id": "e-fail", "type": "install_failed", "requeueable": true, "stage": "secrets", "message": "probe"}"#;
@@ -308,7 +284,7 @@ async fn a_run_credential_is_refused_after_requeue() {
     let run = spooled.server.run(&id).await;
     assert_eq!(run["attempts"][0]["outcome"], "requeued", "{run}");
     assert_eq!(run["attempts"].as_array().map(Vec::len), Some(2), "requeued to a new attempt: {run}");
-    assert_eq!(spooled.upgrade_status(&credential).await, 401, "the control socket refuses it");
+    assert_eq!(spooled.server.upgrade_status(&credential).await, 401, "the control socket refuses it");
     for (method, path, body) in execution_calls(&id) {
         let (status, answer) = spooled.agent_call(method.clone(), &path, &credential, body).await;
         assert_eq!(status, 401, "{method} {path} after the requeue: {answer}");
@@ -318,7 +294,7 @@ async fn a_run_credential_is_refused_after_requeue() {
     // As an agent does: the spec first, then the control socket.
     let (status, _) = spooled.agent_call(reqwest::Method::GET, "/v1/standby/spec", &cold, None).await;
     assert_eq!(status, 200);
-    let mut cold_socket = spooled.upgrade(&cold).await.expect("the cold sandbox connects");
+    let mut cold_socket = spooled.server.upgrade(&cold).await.expect("the cold sandbox connects");
     cold_socket.send(heartbeat(AgentState::Preparing, None)).await.expect("a heartbeat");
     let (again, second) = next_assignment(&mut cold_socket).await;
     assert_eq!(again, id);
@@ -363,7 +339,7 @@ async fn credentials_are_stored_only_as_hashes() {
     let token = spooled.tokens(1).await.remove(0);
     let mut standby = spooled.ready_standby(&token).await;
     let (id, credential) = spooled.assigned(&mut standby, &run_with_secrets("hash-secret-3")).await;
-    let mut run_socket = spooled.upgrade(&credential).await.expect("the run credential connects");
+    let mut run_socket = spooled.server.upgrade(&credential).await.expect("the run credential connects");
     run_socket.send(heartbeat(AgentState::Running, Some(&id))).await.expect("a heartbeat");
     assert_eq!(next_assignment(&mut run_socket).await.0, id);
     for (kind, extra) in [("started", ""), ("exited", r#", "code": 0"#)] {
