@@ -499,6 +499,7 @@ mod tests {
                 mcp_env: BTreeMap::new(),
                 workspace: None,
                 strict_mcp: false,
+                attachments: None,
             },
         })
     }

@@ -214,6 +214,7 @@ impl Submission {
             mcp_env: self.mcp_env,
             workspace: self.workspace,
             strict_mcp: self.strict_mcp,
+            attachments: None,
         };
         let request = RunRequest {
             secrets: self.secrets,

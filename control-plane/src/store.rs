@@ -339,6 +339,7 @@ mod tests {
                 mcp_env: BTreeMap::new(),
                 workspace: Some(Workspace::default()),
                 strict_mcp: true,
+                attachments: None,
             },
             fingerprint: Some(fingerprint(&Workspace::default())),
             attempts: Vec::new(),

@@ -74,16 +74,38 @@ pub struct LogChunk {
     pub offset: u64,
     /// Base64 (standard alphabet, padded).
     pub data: String,
+    /// Bytes the agent had to drop just before this chunk because its
+    /// spool bound was exceeded (amendment 6): `offset` is the true one,
+    /// and the server accepts it when it equals its stored length plus
+    /// `dropped`, recording the gap.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub dropped: u64,
+}
+
+fn is_zero(value: &u64) -> bool {
+    *value == 0
 }
 
 impl LogChunk {
     pub fn new(offset: u64, bytes: &[u8]) -> Self {
-        Self { offset, data: base64::engine::general_purpose::STANDARD.encode(bytes) }
+        Self { offset, data: base64::engine::general_purpose::STANDARD.encode(bytes), dropped: 0 }
+    }
+
+    /// A chunk that follows a gap of `dropped` bytes.
+    pub fn after_gap(offset: u64, dropped: u64, bytes: &[u8]) -> Self {
+        Self { dropped, ..Self::new(offset, bytes) }
     }
 
     pub fn bytes(&self) -> Result<Vec<u8>, base64::DecodeError> {
         base64::engine::general_purpose::STANDARD.decode(&self.data)
     }
+}
+
+/// Body of a `409` answer to a log chunk (amendment 6): the bytes the
+/// server holds, so the agent resumes from there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct LogReceived {
+    pub received: u64,
 }
 
 /// Body of an error answer from the reference server (an extension: the

@@ -13,7 +13,7 @@ mod spec;
 pub use fingerprint::{Fingerprint, fingerprint};
 pub use http::{
     Attachment, AttachmentsResponse, CloudCredentialsResponse, ErrorBody, Event, EventKind, GitCredential,
-    GitCredentialsResponse, LogChunk, SecretsResponse,
+    GitCredentialsResponse, LogChunk, LogReceived, SecretsResponse,
 };
 pub use message::{AgentMessage, AgentState, Assignment, Cancel, DecodeError, Retired, Run, ServerMessage};
 pub use secret::Secret;

@@ -3,7 +3,7 @@ use std::collections::BTreeMap;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::{Secret, Workspace};
+use crate::{Attachment, Secret, Workspace};
 
 /// The agent's lifecycle state, as reported in every heartbeat.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
@@ -109,11 +109,17 @@ pub struct Run {
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub mcp_env: BTreeMap<String, String>,
     /// The workspace the run expects; its fingerprint must match the
-    /// prepared one. When absent the check is skipped.
+    /// prepared one. Servers always send it (amendment 1); an agent that
+    /// receives none from an older server treats the run as expecting the
+    /// prepared workspace.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub workspace: Option<Workspace>,
     #[serde(default)]
     pub strict_mcp: bool,
+    /// Inline attachments (amendment 5): the same list the attachments call
+    /// answers. When present the agent does not make that call.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attachments: Option<Vec<Attachment>>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]

@@ -42,11 +42,15 @@ fn every_fixture_round_trips() {
     round_trip::<serde_json::Value>("metadata.json");
     let chunk = round_trip::<LogChunk>("log_chunk.json");
     assert_eq!(chunk.bytes().expect("base64"), b"hello [REDACTED]\n");
+    assert_eq!(chunk.dropped, 0, "a chunk with no gap says nothing of one");
+    let after_gap = round_trip::<LogChunk>("log_chunk_dropped.json");
+    assert_eq!((after_gap.offset, after_gap.dropped), (4096, 1024));
+    assert_eq!(round_trip::<LogReceived>("log_received.json").received, 3072);
 }
 
 #[test]
 fn server_message_fixtures_decode_through_the_codec() {
-    for name in ["assignment.json", "retired.json", "cancel.json"] {
+    for name in ["assignment.json", "assignment_inline_attachments.json", "retired.json", "cancel.json"] {
         let original = read_fixture(name);
         let message = ServerMessage::decode(&original.to_string()).unwrap_or_else(|e| panic!("{name}: {e}"));
         assert!(!matches!(message, ServerMessage::Unknown { .. }), "{name}");
@@ -77,6 +81,7 @@ fn schemas() -> Vec<(&'static str, schemars::Schema)> {
         ("spec", schema_for!(Spec)),
         ("event", schema_for!(Event)),
         ("log-chunk", schema_for!(LogChunk)),
+        ("log-received", schema_for!(LogReceived)),
         ("secrets-response", schema_for!(SecretsResponse)),
         ("attachments-response", schema_for!(AttachmentsResponse)),
         ("git-credentials-response", schema_for!(GitCredentialsResponse)),

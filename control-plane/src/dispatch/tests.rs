@@ -27,6 +27,7 @@ fn run(command: &str) -> Run {
         mcp_env: BTreeMap::new(),
         workspace: None,
         strict_mcp: false,
+        attachments: None,
     }
 }
 

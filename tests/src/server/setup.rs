@@ -31,6 +31,7 @@ impl ExecutionSetup {
                 mcp_env: BTreeMap::new(),
                 workspace: None,
                 strict_mcp: false,
+                attachments: None,
             },
             secrets: BTreeMap::new(),
             attachments: Vec::new(),
