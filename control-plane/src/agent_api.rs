@@ -53,7 +53,7 @@ fn refused(refusal: Refusal) -> ApiError {
             "the run is over: its run credential is withdrawn (after a cancel only the run's events and log are \
              accepted)",
         ),
-        Refusal::Duplicate => {
+        Refusal::Duplicate { .. } => {
             ApiError::new(StatusCode::CONFLICT, "a live control connection already uses this credential")
         }
     }
@@ -141,6 +141,12 @@ pub(crate) async fn socket(
     let conn = state.engine.next_conn_id();
     let admission = match state.engine.claim_socket(conn, &token).await {
         Ok(Ok(admission)) => admission,
+        Ok(Err(refusal @ Refusal::Duplicate { retry_after })) => {
+            // When the live socket counts as gone if it stays silent: an
+            // agent whose old connection died unseen comes back then.
+            let seconds = retry_after.as_millis().div_ceil(1000).to_string();
+            return ([(header::RETRY_AFTER, seconds)], refused(refusal)).into_response();
+        }
         Ok(Err(refusal)) => return refused(refusal).into_response(),
         Err(gone) => return ApiError::from(gone).into_response(),
     };

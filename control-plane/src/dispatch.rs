@@ -231,9 +231,10 @@ pub enum Refusal {
     #[error("the run is over: its run credential is withdrawn")]
     Ended,
     /// `409`: a control socket upgrade with a credential whose socket is
-    /// live.
+    /// live; that socket counts as gone after `retry_after` unless it is
+    /// heard from again.
     #[error("a live control connection already uses this credential")]
-    Duplicate,
+    Duplicate { retry_after: Duration },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -17,21 +17,31 @@
 //!   state, and its socket is closed.
 //!
 //! One control socket per credential: an upgrade with a credential whose
-//! socket is live (it was heard from within the silence limit, the
-//! heartbeat interval times [`super::HEARTBEAT_WINDOW`]) is refused `409`
-//! and counted: a second holder of a credential is a sign it was copied.
-//! A socket silent past that limit is closed and the new one admitted, so
-//! an agent whose connection died without a close (a half-open TCP
-//! connection) gets back in. The socket is claimed at the upgrade, before
-//! the `101`, so two concurrent upgrades cannot both pass.
+//! socket is live (heard from within [`SOCKET_WINDOW`] heartbeat
+//! intervals) is refused `409` and counted: a second holder of a credential
+//! is a sign it was copied. A socket that missed its heartbeats for longer
+//! is closed and the new one admitted, so an agent whose old connection
+//! died without the server seeing it close (a half-open TCP connection)
+//! gets back in. The window is one interval shorter than the silence limit
+//! ([`super::HEARTBEAT_WINDOW`] intervals) after which a standby is
+//! retired or an unconfirmed sandbox written off, and the `409` says (as
+//! `Retry-After`) when the old socket will count as gone, so such an agent
+//! is back before its sandbox counts as silent. The socket is claimed at
+//! the upgrade, before the `101`, so two concurrent upgrades cannot both
+//! pass.
 
 use std::collections::HashMap;
+use std::time::Duration;
 
 use standby_protocol::EventKind;
 
 use super::{Admission, ConnId, Dispatch, Effect, Refusal, Step};
 use crate::credential::{self, CredentialKind};
 use crate::model::{CredentialState, Millis, RunState};
+
+/// Heartbeat intervals within which a socket must be heard from to count
+/// as live: it missed at least one heartbeat when it is not.
+pub const SOCKET_WINDOW: u32 = super::HEARTBEAT_WINDOW - 1;
 
 /// What a credential is presented for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -118,7 +128,8 @@ impl Dispatch {
         let mut step = Step::default();
         let credential_id = admission.credential_id().to_owned();
         if let Some(existing) = self.admissions.sockets.get(&credential_id).copied() {
-            if now <= existing.last_seen.plus(self.config.silence()) {
+            let gone_after = existing.last_seen.plus(self.config.heartbeat_interval * SOCKET_WINDOW);
+            if now <= gone_after {
                 self.admissions.duplicates_refused += 1;
                 let (kind, sandbox_id) = match &admission {
                     Admission::Standby { sandbox_id, .. } => ("standby", sandbox_id),
@@ -131,7 +142,8 @@ impl Dispatch {
                     "a second control connection with a credential whose connection is live was refused (409): \
                      the credential may have been copied"
                 );
-                return Err(Refusal::Duplicate);
+                let retry_after = Duration::from_millis(gone_after.since(now) + 1);
+                return Err(Refusal::Duplicate { retry_after });
             }
             tracing::info!(conn = existing.conn, "a silent control connection was replaced by a new one");
             step.effects.push(Effect::Close { conn: existing.conn });

@@ -137,10 +137,16 @@ fn a_cancel_grace_survives_a_restart_with_a_fresh_bound() {
 fn a_second_socket_on_a_live_standby_credential_is_refused_and_counted() {
     let mut world = World::new(1);
     let (standby, first) = world.ready_pool().remove(0);
-    world.advance(SILENCE);
+    world.advance(2 * SECOND);
     world.heartbeat(first, AgentState::Ready);
-    assert!(matches!(world.machine.claim_socket(world.now, 50, standby.token.expose()), Err(Refusal::Duplicate)));
-    assert!(matches!(world.machine.claim_socket(world.now, 51, standby.token.expose()), Err(Refusal::Duplicate)));
+    assert!(matches!(
+        world.machine.claim_socket(world.now, 50, standby.token.expose()),
+        Err(Refusal::Duplicate { .. })
+    ));
+    assert!(matches!(
+        world.machine.claim_socket(world.now, 51, standby.token.expose()),
+        Err(Refusal::Duplicate { .. })
+    ));
     assert_eq!(world.machine.metrics().duplicate_connections_refused, 2);
     // Exactly one socket gets the assignment.
     let (_, step) = world.submit(run("a"));
@@ -150,11 +156,15 @@ fn a_second_socket_on_a_live_standby_credential_is_refused_and_counted() {
 }
 
 #[test]
-fn a_silent_socket_is_closed_and_replaced() {
+fn a_silent_socket_is_closed_and_replaced_before_its_sandbox_counts_as_silent() {
     let mut world = World::new(1);
     let (standby, first) = world.ready_pool().remove(0);
-    world.advance(SILENCE);
-    assert!(world.machine.claim_socket(world.now, 50, standby.token.expose()).is_err(), "live up to the limit");
+    world.advance(SECOND);
+    let refused = world.machine.claim_socket(world.now, 50, standby.token.expose());
+    // Two intervals (1 s each) from its last heartbeat: the 409 says when.
+    assert_eq!(refused.err(), Some(Refusal::Duplicate { retry_after: Duration::from_millis(SECOND as u64 + 1) }));
+    world.advance(SECOND);
+    assert!(world.machine.claim_socket(world.now, 50, standby.token.expose()).is_err(), "live up to the window");
     world.advance(1);
     let (_, step) =
         world.machine.claim_socket(world.now, 51, standby.token.expose()).expect("the silent one is replaced");
@@ -162,9 +172,16 @@ fn a_silent_socket_is_closed_and_replaced() {
     let step = world.machine.connected(world.now, 51, &standby_credential(&world, &standby), &standby.token);
     assert!(closes(&step).is_empty(), "the new socket is set up");
     assert!(world.heartbeat(first, AgentState::Ready).is_empty(), "the replaced socket speaks for no one");
+    // Its first heartbeat comes before the sandbox's silence limit.
+    world.heartbeat(51, AgentState::Ready);
+    world.advance(SECOND);
+    assert!(retires(&world.tick()).is_empty(), "the standby was never silent");
     // A late disconnect of the replaced socket frees nothing of the new one.
     world.machine.disconnected(first);
-    assert!(matches!(world.machine.claim_socket(world.now, 52, standby.token.expose()), Err(Refusal::Duplicate)));
+    assert!(matches!(
+        world.machine.claim_socket(world.now, 52, standby.token.expose()),
+        Err(Refusal::Duplicate { .. })
+    ));
 }
 
 fn standby_credential(world: &World, standby: &Launched) -> String {
@@ -178,7 +195,10 @@ fn a_closed_socket_or_a_failed_upgrade_frees_the_credential_at_once() {
     world.machine.disconnected(first);
     let (admission, _) = world.machine.claim_socket(world.now, 50, standby.token.expose()).expect("admitted");
     // Two upgrades at once: the claim is taken before either connects.
-    assert!(matches!(world.machine.claim_socket(world.now, 51, standby.token.expose()), Err(Refusal::Duplicate)));
+    assert!(matches!(
+        world.machine.claim_socket(world.now, 51, standby.token.expose()),
+        Err(Refusal::Duplicate { .. })
+    ));
     // The upgrade of 50 never completed: its claim goes with it.
     world.machine.disconnected(50);
     world.machine.claim_socket(world.now, 52, standby.token.expose()).expect("admitted");
@@ -192,7 +212,7 @@ fn a_run_credential_has_one_socket_too() {
     let mut world = World::new(1);
     let (_, assignment, run_conn) = running(&mut world);
     let token = assignment.run_credential.expose();
-    assert!(matches!(world.machine.claim_socket(world.now, 60, token), Err(Refusal::Duplicate)));
+    assert!(matches!(world.machine.claim_socket(world.now, 60, token), Err(Refusal::Duplicate { .. })));
     world.machine.disconnected(run_conn);
     let (_, step) = world.machine.claim_socket(world.now, 61, token).expect("a reconnect");
     assert!(step.is_empty());
