@@ -403,7 +403,9 @@ async fn cancel_before_confirmation_withdraws_the_run_credential() {
     let (status, cancelled) = harness.api(reqwest::Method::POST, &format!("/v1/runs/{run_id}/cancel"), None).await;
     assert_eq!((status, cancelled["state"].as_str()), (200, Some("cancelled")));
     assert!(matches!(next_message(&mut standby).await, Some(ServerMessage::Cancel(c)) if c.execution_id == run_id));
-    assert_eq!(harness.connect(assignment.run_credential.expose()).await.err(), Some(401));
+    // The run is over: its credential may only report (amendment 8), so
+    // the socket refuses it as an ended run's (`410`, withdrawn: exit 14).
+    assert_eq!(harness.connect(assignment.run_credential.expose()).await.err(), Some(410));
     assert_eq!(harness.connect(standby_token.expose()).await.err(), Some(410));
     let (_, listing) = harness.api(reqwest::Method::GET, "/v1/sandboxes", None).await;
     let sandbox =
