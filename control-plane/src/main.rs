@@ -65,9 +65,15 @@ struct Serve {
     /// empty workspace when unset.
     #[arg(long, env = "STANDBY_SERVER_SPEC", value_name = "FILE")]
     spec: Option<PathBuf>,
-    /// The key of the user API (`Authorization: Bearer <key>`). Never logged.
+    /// A file holding the key of the user API (`Authorization: Bearer
+    /// <key>`; surrounding whitespace ignored): the way to pass it, since a
+    /// command line is readable by every local user.
+    #[arg(long, env = "STANDBY_SERVER_API_KEY_FILE", value_name = "FILE", conflicts_with = "api_key")]
+    api_key_file: Option<PathBuf>,
+    /// The key of the user API itself; prefer --api-key-file (or this
+    /// variable): other local users can read a command line. Never logged.
     #[arg(long, env = "STANDBY_SERVER_API_KEY", hide_env_values = true, value_name = "KEY")]
-    api_key: String,
+    api_key: Option<String>,
     /// The key that seals what runs are submitted with (secrets, cloud
     /// env, git passwords, attachments) in the store: 64 hex digits.
     /// Generated (mode 0600) when the file does not exist; `<data
@@ -215,6 +221,27 @@ fn agent_bin(given: Option<PathBuf>) -> anyhow::Result<PathBuf> {
     Ok(exe.with_file_name("standby"))
 }
 
+/// The user API key, from its file or as given; never empty.
+fn api_key(file: Option<&Path>, given: Option<String>) -> anyhow::Result<Secret> {
+    let key = match (file, given) {
+        (Some(path), _) => std::fs::read_to_string(path)
+            .with_context(|| format!("cannot read the API key file {} (--api-key-file)", path.display()))?
+            .trim()
+            .to_owned(),
+        (None, Some(key)) => key.trim().to_owned(),
+        (None, None) => anyhow::bail!(
+            "the user API needs a key: --api-key-file <FILE> (STANDBY_SERVER_API_KEY_FILE) or STANDBY_SERVER_API_KEY"
+        ),
+    };
+    if key.is_empty() {
+        match file {
+            Some(path) => anyhow::bail!("the API key file {} is empty", path.display()),
+            None => anyhow::bail!("--api-key (STANDBY_SERVER_API_KEY) is empty"),
+        }
+    }
+    Ok(Secret::new(key))
+}
+
 /// Makes the data directory (the store, the secret key, the sandboxes)
 /// reachable by its owner only: created 0700, or tightened to it.
 fn private_dir(dir: &Path) -> anyhow::Result<()> {
@@ -267,9 +294,7 @@ async fn serve(args: Serve) -> anyhow::Result<()> {
         }
         None => Spec { workspace: Workspace::default(), mcp_servers: Vec::new(), shell: None, deadline: None },
     };
-    if args.api_key.trim().is_empty() {
-        anyhow::bail!("--api-key (STANDBY_SERVER_API_KEY) is empty");
-    }
+    let api_key = api_key(args.api_key_file.as_deref(), args.api_key)?;
     let agent = match args.provider {
         ProviderKind::Local => {
             let agent = agent_bin(args.agent_bin)?;
@@ -291,7 +316,7 @@ async fn serve(args: Serve) -> anyhow::Result<()> {
     }
     let store_path = args.store.unwrap_or_else(|| args.data_dir.join("standby.db"));
     let store = Arc::new(SqliteStore::open(&store_path, &key)?);
-    let mut config = ServerConfig::new(Secret::new(args.api_key), spec);
+    let mut config = ServerConfig::new(api_key, spec);
     config.listen = args.listen;
     config.public_url = args.public_url;
     config.pool_size = args.pool_size;

@@ -1,6 +1,7 @@
 //! What the real `standby-server` keeps on disk: run requests sealed while
 //! the run lives and gone once it ends, every file and directory readable
-//! by the server's user only.
+//! by the server's user only, and the keys read from files (a missing or
+//! malformed one stops the start, naming it).
 
 use std::hash::{BuildHasher, RandomState};
 use std::os::unix::fs::PermissionsExt as _;
@@ -9,7 +10,7 @@ use std::time::Duration;
 
 use nix::sys::signal::Signal;
 use serde_json::json;
-use standby_e2e::server_process::ServerBuilder;
+use standby_e2e::server_process::{ServerBuilder, server_bin};
 
 /// Bound on each wait for the server.
 const WAIT: Duration = Duration::from_secs(60);
@@ -110,4 +111,46 @@ async fn a_runs_secrets_are_sealed_while_it_lives_and_gone_once_it_ends() {
         assert!(!contains(&bytes, value), "`{value}` is left in the store after the run ended");
     }
     assert!(!contains(&bytes, "sealed1:"), "no sealed request is kept either");
+}
+
+/// Starts `serve` with `args` (port 0, spool provider: nothing launched)
+/// and expects it to refuse to start; its stderr.
+async fn refused_start(data: &Path, args: &[&str]) -> String {
+    let mut command = tokio::process::Command::new(server_bin());
+    for (name, _) in std::env::vars_os() {
+        if name.to_str().is_some_and(|name| name.starts_with("STANDBY_")) {
+            command.env_remove(name);
+        }
+    }
+    let output = command
+        .args(["serve", "--listen", "127.0.0.1:0", "--provider", "spool", "--data-dir"])
+        .arg(data)
+        .args(args)
+        .kill_on_drop(true)
+        .output();
+    let output = tokio::time::timeout(WAIT, output).await.expect("it stops at once").expect("it runs");
+    assert!(!output.status.success(), "it started: {}", String::from_utf8_lossy(&output.stdout));
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
+#[tokio::test]
+async fn missing_or_malformed_key_files_stop_the_start_naming_the_file() {
+    let dir = tempfile::tempdir().expect("a temp dir");
+    let data = dir.path().join("data");
+    let api_key = dir.path().join("api.key");
+    std::fs::write(&api_key, "k-1\n").expect("the API key file");
+    let api_key = api_key.display().to_string();
+
+    let missing = dir.path().join("no-such.key").display().to_string();
+    let stderr = refused_start(&data, &["--api-key-file", &missing]).await;
+    assert!(stderr.contains(&missing) && stderr.contains("API key file"), "{stderr}");
+
+    let short = dir.path().join("short.key");
+    std::fs::write(&short, "0123abcd\n").expect("a short key");
+    let short = short.display().to_string();
+    let stderr = refused_start(&data, &["--api-key-file", &api_key, "--secret-key-file", &short]).await;
+    assert!(stderr.contains(&short) && stderr.contains("64 hexadecimal digits"), "{stderr}");
+
+    let stderr = refused_start(&data, &[]).await;
+    assert!(stderr.contains("--api-key-file"), "no key at all names the flag: {stderr}");
 }
