@@ -26,3 +26,4 @@ pub mod seal;
 pub mod server;
 pub mod spool;
 pub mod store;
+mod submit_checks;
