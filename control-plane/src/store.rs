@@ -189,14 +189,13 @@ impl SqliteStore {
                 .map_err(write)?;
         }
         let plain: Vec<(String, String)> = {
-            let mut statement = transaction
-                .prepare("SELECT run_id, doc FROM run_requests WHERE doc NOT LIKE 'sealed%'")
+            let mut statement = transaction.prepare("SELECT run_id, doc FROM run_requests").map_err(write)?;
+            let rows = statement
+                .query_map([], |row| Ok((row.get::<_, String>(0)?, row.get::<_, String>(1)?)))
+                .map_err(write)?
+                .collect::<Result<Vec<_>, _>>()
                 .map_err(write)?;
-            statement
-                .query_map([], |row| Ok((row.get(0)?, row.get(1)?)))
-                .map_err(write)?
-                .collect::<Result<_, _>>()
-                .map_err(write)?
+            rows.into_iter().filter(|(_, doc)| !Sealer::is_sealed(doc)).collect()
         };
         for (run_id, doc) in &plain {
             let sealed = self.sealer.seal(run_id, doc.as_bytes());
