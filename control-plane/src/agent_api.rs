@@ -120,7 +120,14 @@ async fn request(state: &AppState, run_id: &str) -> Result<RunRequest, ApiError>
     let id = run_id.to_owned();
     from_store(state, move |store| store.request(&id))
         .await?
-        .ok_or_else(|| ApiError::new(StatusCode::NOT_FOUND, format!("no run `{run_id}`")))
+        // Only a terminal run's request is gone (deleted with its terminal
+        // state), and its credential is revoked by then: a late call.
+        .ok_or_else(|| {
+            ApiError::new(
+                StatusCode::NOT_FOUND,
+                format!("run `{run_id}` has ended: what it was submitted with is deleted"),
+            )
+        })
 }
 
 // ---- the control socket ---------------------------------------------------------

@@ -11,6 +11,7 @@ use futures::{SinkExt, StreamExt};
 use serde_json::{Value, json};
 use standby_control_plane::dispatch::Found;
 use standby_control_plane::provider::{AgentLaunch, Details, Launched, ProviderError, SandboxProvider};
+use standby_control_plane::seal::SealKey;
 use standby_control_plane::server::{RunningServer, ServerConfig, start};
 use standby_control_plane::store::{SqliteStore, Store};
 use standby_protocol::{Secret, ServerMessage, Spec, Workspace};
@@ -448,7 +449,8 @@ async fn a_committed_standby_that_dies_is_written_off_and_the_run_goes_cold() {
 async fn a_restart_keeps_runs_and_relaunches_standbys() {
     let dir = tempfile::tempdir().expect("a temp dir");
     let path = dir.path().join("standby.db");
-    let open = |path: &Path| -> Arc<dyn Store> { Arc::new(SqliteStore::open(path).expect("the store opens")) };
+    let key = SealKey::random();
+    let open = |path: &Path| -> Arc<dyn Store> { Arc::new(SqliteStore::open(path, &key).expect("the store opens")) };
     let mut harness = harness(1, open(&path), Found::Stopped).await;
     let (sandbox_id, old_token, _socket) = ready_standby(&mut harness).await;
     harness.server.engine().drain().await.expect("draining");
