@@ -175,11 +175,11 @@ impl Driver {
                     ControlEvent::Message { credential, message } => {
                         if credential == Credential::Run
                             && self.confirmed_at.is_none()
-                            && matches!(&message, ServerMessage::Assignment(a) if Some(a.execution_id.as_str()) == self.machine.execution_id())
+                            && matches!(&*message, ServerMessage::Assignment(a) if Some(a.execution_id.as_str()) == self.machine.execution_id())
                         {
                             self.confirmed_at = Some(Instant::now());
                         }
-                        Input::Server { credential, message }
+                        Input::Server { credential, message: *message }
                     }
                 },
                 Some(PrepEvent::SpecLoaded(spec)) = prep_rx.recv() => {

@@ -42,9 +42,10 @@ pub const STABLE_AFTER: Duration = Duration::from_secs(10);
 #[derive(Debug)]
 pub enum ControlEvent {
     Connected(Credential),
+    /// Boxed: an assignment is large, the other events are not.
     Message {
         credential: Credential,
-        message: ServerMessage,
+        message: Box<ServerMessage>,
     },
     /// `401`, `403` or `410`: this credential will not be retried; the task
     /// waits for another credential.
@@ -264,7 +265,7 @@ async fn session(
                         tracing::debug!(type_name, "message of unknown type skipped");
                     }
                     Ok(message) => {
-                        if events.send(ControlEvent::Message { credential: kind, message }).await.is_err() {
+                        if events.send(ControlEvent::Message { credential: kind, message: Box::new(message) }).await.is_err() {
                             return SessionEnd::Shutdown;
                         }
                     }
