@@ -29,8 +29,10 @@ use crate::redact::Redactor;
 use crate::shell::IdleShell;
 use crate::{prepare, reaper};
 
-/// How long the final log upload may take once the run has exited.
-const LOG_DRAIN_BOUND: Duration = Duration::from_secs(30);
+/// How long the agent waits for the log shipper once the run has exited: a
+/// backstop behind the shipper's own drain bound, which starts when the
+/// output ends (at most 2 s after the run's exit).
+const LOG_DRAIN_BOUND: Duration = Duration::from_secs(35);
 /// Grace for stray children at exit.
 const CHILD_GRACE: Duration = Duration::from_secs(2);
 
@@ -353,7 +355,11 @@ impl Driver {
             execution_id.clone(),
             output,
             redactor,
-            self.config.event_timeout,
+            logship::ShipConfig {
+                spool_dir: self.config.workspace.join(install::STATE_DIR),
+                bound: self.config.log_spool_max,
+                drain: logship::DRAIN_BOUND,
+            },
         ));
         let started_event = tokio::spawn({
             let (api, id, timeout) = (self.api.clone(), execution_id.clone(), self.config.event_timeout);

@@ -90,6 +90,11 @@ pub struct Args {
     #[arg(long, env = "STANDBY_INSECURE")]
     pub insecure: bool,
 
+    /// Bytes of the run's output kept while the log endpoint fails (testing only).
+    #[arg(long, env = "STANDBY_LOG_SPOOL_MAX", value_name = "BYTES", default_value_t = crate::logship::SPOOL_BOUND,
+          value_parser = clap::value_parser!(u64).range(1..), hide = true)]
+    pub log_spool_max: u64,
+
     /// Run the install steps one after another (benchmarking only).
     #[arg(long, env = "STANDBY_INSTALL_PLAN", value_name = "PLAN", default_value = "parallel", hide = true)]
     pub install_plan: InstallPlan,
@@ -158,6 +163,7 @@ pub struct Config {
     pub mcp_ready_timeout: Duration,
     pub event_timeout: Duration,
     pub install_plan: InstallPlan,
+    pub log_spool_max: u64,
 }
 
 /// A setting that failed validation; the agent exits 2 with this message.
@@ -192,6 +198,7 @@ impl Args {
             mcp_ready_timeout: self.mcp_ready_timeout,
             event_timeout: self.event_timeout,
             install_plan: self.install_plan,
+            log_spool_max: self.log_spool_max,
         })
     }
 }
