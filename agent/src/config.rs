@@ -63,6 +63,13 @@ pub struct Args {
           value_parser = parse_duration)]
     pub install_timeout: Duration,
 
+    /// Bound on the whole preparation (spec, clones, setup, MCP servers, idle
+    /// shell). When it passes with no assignment held, exit 15; with one
+    /// held, the install fails (stage `prepare`, requeueable) and exit 13.
+    #[arg(long, env = "STANDBY_PREPARE_TIMEOUT", value_name = "DURATION", default_value = "30m",
+          value_parser = parse_duration)]
+    pub prepare_timeout: Duration,
+
     /// After a cancel or SIGTERM, how long the run has between SIGTERM and SIGKILL.
     #[arg(long, env = "STANDBY_CANCEL_GRACE", value_name = "DURATION", default_value = "10s",
           value_parser = parse_duration)]
@@ -159,6 +166,7 @@ pub struct Config {
     pub deadline: Option<Deadline>,
     pub confirm_timeout: Duration,
     pub install_timeout: Duration,
+    pub prepare_timeout: Duration,
     pub cancel_grace: Duration,
     pub mcp_ready_timeout: Duration,
     pub event_timeout: Duration,
@@ -194,6 +202,7 @@ impl Args {
             deadline: self.deadline,
             confirm_timeout: self.confirm_timeout,
             install_timeout: self.install_timeout,
+            prepare_timeout: self.prepare_timeout,
             cancel_grace: self.cancel_grace,
             mcp_ready_timeout: self.mcp_ready_timeout,
             event_timeout: self.event_timeout,
