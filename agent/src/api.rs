@@ -1,8 +1,10 @@
 //! HTTP calls to the server, and the one place errors are classified as
 //! retryable or not.
 //!
-//! Every request carries the bearer credential and `Standby-Protocol: 1`.
-//! A call is one attempt; [`retry`] repeats transient failures with jittered
+//! A request to the server's origin carries the bearer credential and
+//! `Standby-Protocol: 1`; one to any other origin (an attachment's
+//! pre-signed URL) carries neither, and no redirect leaves the origin a
+//! request was sent to. Answers are read with a cap. A call is one attempt; [`retry`] repeats transient failures with jittered
 //! exponential backoff (backon), honouring `Retry-After`, until a deadline.
 
 use std::sync::Arc;
