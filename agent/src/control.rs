@@ -45,7 +45,7 @@ pub enum ControlEvent {
     Connected(Credential),
     Message {
         credential: Credential,
-        /// Boxed: an assignment is large next to the other events.
+        /// Boxed: an assignment is far larger than the other events.
         message: Box<ServerMessage>,
     },
     /// `401`, `403` or `410`: this credential will not be retried; the task
