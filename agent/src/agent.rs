@@ -7,6 +7,7 @@
 //! left, exit.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use nix::sys::signal::{Signal, killpg};
@@ -82,14 +83,15 @@ struct Started {
     started_event: JoinHandle<()>,
 }
 
-/// Runs one agent life to its end and returns how it ended.
-pub async fn run(config: Config, spec_source: SpecSource) -> Exit {
+/// Runs one agent life to its end and returns how it ended. `tls` is the
+/// one trust store of the control socket and every HTTP call.
+pub async fn run(config: Config, spec_source: SpecSource, tls: Arc<rustls::ClientConfig>) -> Exit {
     if let Err(e) = reaper::become_subreaper() {
         tracing::warn!(error = %e, "cannot become a child subreaper; orphans of children will not be reaped");
     }
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
     let reaper_task = reaper::spawn_reaper(shutdown_rx);
-    let exit = match Driver::new(config) {
+    let exit = match Driver::new(config, tls) {
         Ok(driver) => driver.run(spec_source).await,
         Err(message) => {
             tracing::error!(message, "cannot start");
@@ -104,6 +106,7 @@ pub async fn run(config: Config, spec_source: SpecSource) -> Exit {
 
 struct Driver {
     config: Config,
+    tls: Arc<rustls::ClientConfig>,
     api: Api,
     machine: Lifecycle,
     spec: Option<Spec>,
@@ -117,8 +120,9 @@ struct Driver {
 }
 
 impl Driver {
-    fn new(config: Config) -> Result<Self, String> {
-        let api = Api::new(&config.server_url).map_err(|e| format!("HTTP client: {e}"))?;
+    fn new(config: Config, tls: Arc<rustls::ClientConfig>) -> Result<Self, String> {
+        let api = Api::with_tls(&config.server_url, Arc::clone(&tls), config.insecure)
+            .map_err(|e| format!("HTTP client: {e}"))?;
         let start = Instant::now();
         let standby_deadline = config.deadline.map(|d| deadline_instant(d, start));
         let timeouts = Timeouts {
@@ -131,6 +135,7 @@ impl Driver {
         };
         Ok(Self {
             config,
+            tls,
             api,
             machine: Lifecycle::new(timeouts),
             spec: None,
@@ -150,24 +155,19 @@ impl Driver {
 
         let (login_tx, login_rx) =
             watch::channel(Login { kind: Credential::Standby, secret: self.config.token.clone() });
-        let login_rx_for_spec = login_rx.clone();
         let (status_tx, status_rx) = watch::channel(self.machine.heartbeat());
         let (control_tx, mut control_rx) = mpsc::channel(16);
         let control_config = ControlConfig {
             socket_url: self.config.socket_url.clone(),
             heartbeat_interval: self.config.heartbeat_interval,
+            tls: Arc::clone(&self.tls),
         };
         let (control_stop_tx, control_stop_rx) = watch::channel(false);
         let control = control::spawn(control_config, login_rx, status_rx, control_tx, control_stop_rx);
 
         let (prep_tx, mut prep_rx) = mpsc::channel(1);
-        let mut prep: Option<JoinHandle<Result<Prepared, PrepFailure>>> = Some(tokio::spawn(prepare_all(
-            self.config.clone(),
-            self.api.clone(),
-            spec_source,
-            login_rx_for_spec,
-            prep_tx,
-        )));
+        let mut prep: Option<JoinHandle<Result<Prepared, PrepFailure>>> =
+            Some(tokio::spawn(prepare_all(self.config.clone(), self.api.clone(), spec_source, prep_tx)));
 
         let mut finish = None;
         while finish.is_none() {
@@ -189,12 +189,13 @@ impl Driver {
                 },
                 Some(PrepEvent::SpecLoaded(spec)) = prep_rx.recv() => {
                     self.spec_loaded(*spec);
-                    continue;
+                    Input::SpecLoaded
                 }
                 result = join(&mut prep) => {
                     prep = None;
                     // The spec is sent before preparation ends; take it even
-                    // if this branch won the race against the message.
+                    // if this branch won the race against the message (the
+                    // machine counts a prepared sandbox's spec as loaded).
                     while let Ok(PrepEvent::SpecLoaded(spec)) = prep_rx.try_recv() {
                         self.spec_loaded(*spec);
                     }
@@ -203,9 +204,8 @@ impl Driver {
                             self.prepared = Some(prepared);
                             Input::PrepareFinished(Ok(()))
                         }
-                        // Once an assignment is accepted the standby credential
-                        // is revoked; a spec fetch it fails is a failed
-                        // preparation (requeueable), not a standby refusal.
+                        // With an assignment held, a refused spec fetch is a
+                        // failed preparation (requeueable), not a standby refusal.
                         Err(PrepFailure::Refused(status)) if self.machine.execution_id().is_some() => {
                             Input::PrepareFinished(Err(format!("fetching the spec: the server answered {status} after the assignment was accepted")))
                         }
@@ -276,9 +276,11 @@ impl Driver {
     /// Carries out one action; returns what it led to, if anything.
     fn act(&mut self, action: Action, login: &watch::Sender<Login>) -> Option<Input> {
         match action {
-            Action::Confirm { execution_id, credential } => {
+            Action::Accepted { execution_id, credential } => {
                 self.assigned_at = Some(Instant::now());
-                self.run_credential = Some((execution_id, credential.clone()));
+                self.run_credential = Some((execution_id, credential));
+            }
+            Action::Confirm { credential } => {
                 let _ = login.send(Login { kind: Credential::Run, secret: credential });
             }
             Action::Install(assignment) => {
@@ -430,6 +432,10 @@ impl Driver {
                 _ => tracing::warn!("run output was not fully shipped"),
             }
         }
+        if self.run_credential.is_some() {
+            let repos = self.spec.as_ref().map(|spec| spec.workspace.repos.as_slice()).unwrap_or_default();
+            crate::hygiene::remove_run_files(&self.config.workspace, repos).await;
+        }
         if let (Some(kind), Some((execution_id, credential))) = (report_kind, &self.run_credential) {
             let name = event_name(&kind);
             match report(&self.api, credential, execution_id, kind, self.config.event_timeout).await {
@@ -496,12 +502,11 @@ async fn prepare_all(
     config: Config,
     api: Api,
     source: SpecSource,
-    login: watch::Receiver<Login>,
     events: mpsc::Sender<PrepEvent>,
 ) -> Result<Prepared, PrepFailure> {
     let spec = match source {
         SpecSource::File(spec) => *spec,
-        SpecSource::Server => fetch_spec(&api, &login).await?,
+        SpecSource::Server => fetch_spec(&api, &config.token).await?,
     };
     let _ = events.send(PrepEvent::SpecLoaded(Box::new(spec.clone()))).await;
     let root = &config.workspace;
@@ -521,24 +526,21 @@ fn default_shell() -> Vec<String> {
     vec![if bash.exists() { bash.display().to_string() } else { "/bin/sh".to_owned() }]
 }
 
-/// `GET /v1/standby/spec`, retrying transient failures without end (the
-/// deadline and SIGTERM still apply: they end the task from outside). Each
-/// attempt uses the credential the agent currently holds: an assignment
-/// accepted during the fetch revokes the standby credential, and the run
-/// credential is the one that can still be presented.
-async fn fetch_spec(api: &Api, login: &watch::Receiver<Login>) -> Result<Spec, PrepFailure> {
+/// `GET /v1/standby/spec` with the standby credential, retrying transient
+/// failures without end (the deadlines and SIGTERM still apply: they end the
+/// task from outside). The lifecycle keeps the standby credential in force
+/// until the spec is loaded, so this never races the switch to the run
+/// credential.
+async fn fetch_spec(api: &Api, token: &Secret) -> Result<Spec, PrepFailure> {
     let path = standby_protocol::SPEC_PATH;
     let forever = Instant::now() + Duration::from_secs(100 * 365 * 24 * 3600);
     tracing::info!("fetching the spec");
     let backoff = call_backoff().with_max_delay(control::BACKOFF_CAP);
-    retry(&format!("GET {path}"), forever, backoff, || {
-        let secret = login.borrow().secret.clone();
-        async move { api.get_json(&secret, path).await }
-    })
-    .await
-    .map_err(|e| match (e.class(), e.status()) {
-        (Class::Unauthorized | Class::Gone, Some(status)) => PrepFailure::Refused(status),
-        _ => PrepFailure::Failed(format!("fetching the spec: {e}")),
+    retry(&format!("GET {path}"), forever, backoff, || api.get_json(token, path)).await.map_err(|e| {
+        match (e.class(), e.status()) {
+            (Class::Unauthorized | Class::Gone, Some(status)) => PrepFailure::Refused(status),
+            _ => PrepFailure::Failed(format!("fetching the spec: {e}")),
+        }
     })
 }
 

@@ -1,18 +1,23 @@
 //! HTTP calls to the server, and the one place errors are classified as
 //! retryable or not.
 //!
-//! Every request carries the bearer credential and `Standby-Protocol: 1`.
-//! A call is one attempt; [`retry`] repeats transient failures with jittered
+//! A request to the server's origin carries the bearer credential and
+//! `Standby-Protocol: 1`; one to any other origin (an attachment's
+//! pre-signed URL) carries neither, and no redirect leaves the origin a
+//! request was sent to. Answers are read with a cap. A call is one attempt; [`retry`] repeats transient failures with jittered
 //! exponential backoff (backon), honouring `Retry-After`, until a deadline.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use backon::{BackoffBuilder, ExponentialBuilder};
-use reqwest::{Method, StatusCode, header};
+use reqwest::{Method, StatusCode, Url, header};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use standby_protocol::{PROTOCOL_HEADER, PROTOCOL_VERSION, Secret};
 use tokio::time::Instant;
+
+use crate::urls::{describe_url, same_origin};
 
 /// What to do about a failure.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -52,6 +57,13 @@ pub enum ApiError {
     },
     #[error("{call}: unexpected answer: {problem}")]
     Decode { call: String, problem: String },
+    /// The answer is larger than the agent reads for this call.
+    #[error("{call}: the answer exceeds the cap of {} ({cap} bytes)", human_bytes(*cap))]
+    TooLarge { call: String, cap: u64 },
+    /// Not attempted or not followed: off the server's origin over plain
+    /// http, or a redirect to another origin.
+    #[error("{call}: {problem}")]
+    Refused { call: String, problem: String },
     #[error("{call}: gave up after {attempts} attempts: {last}")]
     Exhausted { call: String, attempts: u32, last: Box<ApiError> },
 }
@@ -61,7 +73,7 @@ impl ApiError {
         match self {
             Self::Status { status, .. } => classify_status(*status),
             Self::Transport { .. } => Class::Transient,
-            Self::Decode { .. } => Class::Fatal,
+            Self::Decode { .. } | Self::TooLarge { .. } | Self::Refused { .. } => Class::Fatal,
             Self::Exhausted { last, .. } => match last.class() {
                 Class::Transient => Class::Transient,
                 other => other,
@@ -74,7 +86,7 @@ impl ApiError {
         match self {
             Self::Status { status, .. } => Some(status.as_u16()),
             Self::Exhausted { last, .. } => last.status(),
-            Self::Transport { .. } | Self::Decode { .. } => None,
+            Self::Transport { .. } | Self::Decode { .. } | Self::TooLarge { .. } | Self::Refused { .. } => None,
         }
     }
 
@@ -83,6 +95,15 @@ impl ApiError {
             Self::Status { retry_after, .. } => *retry_after,
             _ => None,
         }
+    }
+}
+
+/// `1 MiB`, `64 KiB` or `100 bytes`: a cap as people read it.
+pub fn human_bytes(bytes: u64) -> String {
+    match bytes {
+        b if b >= 1 << 20 && b % (1 << 20) == 0 => format!("{} MiB", b >> 20),
+        b if b >= 1 << 10 && b % (1 << 10) == 0 => format!("{} KiB", b >> 10),
+        b => format!("{b} bytes"),
     }
 }
 
@@ -97,11 +118,60 @@ pub fn parse_retry_after(value: &str, now: std::time::SystemTime) -> Option<Dura
     Some(at.duration_since(now).unwrap_or_default())
 }
 
-/// Installs the process-wide TLS provider (ring) that reqwest and
-/// tungstenite use; reqwest is built without one. Idempotent: every place
-/// that builds an HTTP client calls it first.
+/// Installs the process-wide TLS provider (ring) for the clients that do
+/// not take the agent's own configuration ([`crate::tls`]): reqwest is built
+/// without one. Idempotent.
 pub fn install_tls_provider() {
     let _ = rustls::crypto::ring::default_provider().install_default();
+}
+
+/// Largest JSON answer read from any call (spec, secrets, attachments list,
+/// git and cloud credentials, metadata): read by streaming and abandoned at
+/// the cap, so a broken or hostile server cannot grow the agent's memory.
+pub const MAX_JSON_BYTES: u64 = 1 << 20;
+
+/// Most redirects followed for one request.
+const MAX_REDIRECTS: usize = 10;
+
+/// A redirect the agent does not follow; its URLs are described without
+/// query strings.
+#[derive(Debug, thiserror::Error)]
+enum RedirectRefused {
+    #[error("redirect from {from} to {to} leaves the origin the request was sent to; not followed")]
+    CrossOrigin { from: String, to: String },
+    #[error("more than {MAX_REDIRECTS} redirects")]
+    TooMany,
+}
+
+/// Redirects are followed only within the origin a request was sent to
+/// (amendment 2): a server cannot bounce the run credential, or a
+/// pre-signed URL's request, to another origin.
+fn redirect_policy() -> reqwest::redirect::Policy {
+    reqwest::redirect::Policy::custom(|attempt| {
+        let Some(first) = attempt.previous().first() else {
+            return attempt.follow();
+        };
+        if !same_origin(first, attempt.url()) {
+            let refused = RedirectRefused::CrossOrigin {
+                from: describe_url(first.as_str()),
+                to: describe_url(attempt.url().as_str()),
+            };
+            return attempt.error(refused);
+        }
+        if attempt.previous().len() > MAX_REDIRECTS {
+            return attempt.error(RedirectRefused::TooMany);
+        }
+        attempt.follow()
+    })
+}
+
+/// Who a request goes to, which decides what it carries.
+#[derive(Debug, Clone, Copy)]
+pub enum To<'a> {
+    /// The server's origin: the bearer credential and `Standby-Protocol: 1`.
+    Server(&'a Secret),
+    /// Another origin: no credential and no protocol header of any kind.
+    Foreign,
 }
 
 /// A client for one server.
@@ -109,17 +179,49 @@ pub fn install_tls_provider() {
 pub struct Api {
     client: reqwest::Client,
     base: String,
+    server: Url,
+    insecure: bool,
 }
 
 impl Api {
-    pub fn new(base: &reqwest::Url) -> Result<Self, reqwest::Error> {
+    /// A client trusting the system's roots, for loopback servers and tests.
+    pub fn new(base: &Url) -> Result<Self, reqwest::Error> {
+        Self::build(base, None, false)
+    }
+
+    /// The agent's client: `tls` is the one trust store it shares with the
+    /// control socket; `insecure` allows plain http to attachments off
+    /// loopback.
+    pub fn with_tls(base: &Url, tls: Arc<rustls::ClientConfig>, insecure: bool) -> Result<Self, reqwest::Error> {
+        Self::build(base, Some(tls), insecure)
+    }
+
+    fn build(base: &Url, tls: Option<Arc<rustls::ClientConfig>>, insecure: bool) -> Result<Self, reqwest::Error> {
         install_tls_provider();
-        let client = reqwest::Client::builder()
+        let mut builder = reqwest::Client::builder()
             .connect_timeout(Duration::from_secs(10))
             .read_timeout(Duration::from_secs(60))
-            .user_agent(concat!("standby/", env!("CARGO_PKG_VERSION")))
-            .build()?;
-        Ok(Self { client, base: base.as_str().trim_end_matches('/').to_owned() })
+            .redirect(redirect_policy())
+            .user_agent(concat!("standby/", env!("CARGO_PKG_VERSION")));
+        if let Some(tls) = tls {
+            builder = builder.tls_backend_preconfigured(rustls::ClientConfig::clone(&tls));
+        }
+        Ok(Self {
+            client: builder.build()?,
+            base: base.as_str().trim_end_matches('/').to_owned(),
+            server: base.clone(),
+            insecure,
+        })
+    }
+
+    /// The server's base URL.
+    pub fn server(&self) -> &Url {
+        &self.server
+    }
+
+    /// Plain http allowed off loopback.
+    pub fn insecure(&self) -> bool {
+        self.insecure
     }
 
     /// A path (starting with `/`) appended to the base URL, prefix kept; any
@@ -128,42 +230,43 @@ impl Api {
         if path_or_url.starts_with('/') { format!("{}{path_or_url}", self.base) } else { path_or_url.to_owned() }
     }
 
-    async fn send(
+    /// Sends one request; a non-`2xx` answer is an error.
+    pub async fn send(
         &self,
         method: Method,
-        credential: &Secret,
-        path: &str,
+        to: To<'_>,
+        path_or_url: &str,
         body: Option<&serde_json::Value>,
     ) -> Result<reqwest::Response, ApiError> {
-        let call = format!("{method} {path}");
-        let response = self.answer(method, credential, path, body).await?;
+        let call = call_name(&method, path_or_url);
+        let response = self.answer(method, to, path_or_url, body).await?;
         if response.status().is_success() { Ok(response) } else { Err(refusal(call, &response)) }
     }
 
-    /// One request, whatever the status of its answer.
+    /// One request, whatever the status of its answer. Only a request to
+    /// the server's origin carries the credential and the protocol header.
     async fn answer(
         &self,
         method: Method,
-        credential: &Secret,
-        path: &str,
+        to: To<'_>,
+        path_or_url: &str,
         body: Option<&serde_json::Value>,
     ) -> Result<reqwest::Response, ApiError> {
-        let call = format!("{method} {path}");
-        let mut request = self
-            .client
-            .request(method, self.url(path))
-            .bearer_auth(credential.expose())
-            .header(PROTOCOL_HEADER, PROTOCOL_VERSION);
+        let call = call_name(&method, path_or_url);
+        let mut request = self.client.request(method, self.url(path_or_url));
+        if let To::Server(credential) = to {
+            request = request.bearer_auth(credential.expose()).header(PROTOCOL_HEADER, PROTOCOL_VERSION);
+        }
         if let Some(body) = body {
             request = request.json(body);
         }
-        request.send().await.map_err(|source| ApiError::Transport { call, source: source.without_url() })
+        request.send().await.map_err(|source| transport(&call, source))
     }
 
-    /// One `GET`, decoded as JSON.
+    /// One `GET`, decoded as JSON (at most [`MAX_JSON_BYTES`] of it).
     pub async fn get_json<T: DeserializeOwned>(&self, credential: &Secret, path: &str) -> Result<T, ApiError> {
-        let response = self.send(Method::GET, credential, path, None).await?;
-        decode(format!("GET {path}"), response).await
+        let response = self.send(Method::GET, To::Server(credential), path, None).await?;
+        decode(call_name(&Method::GET, path), response).await
     }
 
     /// One `POST` of `body` (an empty object when `None`), the answer decoded as JSON.
@@ -174,14 +277,14 @@ impl Api {
         body: Option<&B>,
     ) -> Result<T, ApiError> {
         let value = encode(path, body)?;
-        let response = self.send(Method::POST, credential, path, Some(&value)).await?;
-        decode(format!("POST {path}"), response).await
+        let response = self.send(Method::POST, To::Server(credential), path, Some(&value)).await?;
+        decode(call_name(&Method::POST, path), response).await
     }
 
     /// One `POST` whose answer only matters by its status (any `2xx`).
     pub async fn post<B: Serialize>(&self, credential: &Secret, path: &str, body: &B) -> Result<(), ApiError> {
         let value = encode(path, Some(body))?;
-        self.send(Method::POST, credential, path, Some(&value)).await.map(drop)
+        self.send(Method::POST, To::Server(credential), path, Some(&value)).await.map(drop)
     }
 
     /// One `POST` whose `409` answer carries a body the caller acts on (a
@@ -195,39 +298,55 @@ impl Api {
         body: &B,
     ) -> Result<Option<C>, ApiError> {
         let value = encode(path, Some(body))?;
-        let call = format!("POST {path}");
-        let response = self.answer(Method::POST, credential, path, Some(&value)).await?;
+        let call = call_name(&Method::POST, path);
+        let response = self.answer(Method::POST, To::Server(credential), path, Some(&value)).await?;
         let status = response.status();
         if status.is_success() {
             return Ok(None);
         }
-        let error = refusal(call, &response);
+        let error = refusal(call.clone(), &response);
         if status != StatusCode::CONFLICT {
             return Err(error);
         }
-        match response.bytes().await {
+        match read_capped(&call, response, MAX_JSON_BYTES).await {
             Ok(bytes) => serde_json::from_slice(&bytes).map(Some).map_err(|_| error),
             Err(_) => Err(error),
         }
     }
+}
 
-    /// One `GET` of raw bytes, at most `limit` of them.
-    pub async fn get_bytes(&self, credential: &Secret, path_or_url: &str, limit: u64) -> Result<Vec<u8>, ApiError> {
-        let call = format!("GET {path_or_url}");
-        let mut response = self.send(Method::GET, credential, path_or_url, None).await?;
-        let mut bytes = Vec::new();
-        while let Some(chunk) = response
-            .chunk()
-            .await
-            .map_err(|source| ApiError::Transport { call: call.clone(), source: source.without_url() })?
-        {
-            bytes.extend_from_slice(&chunk);
-            if bytes.len() as u64 > limit {
-                return Err(ApiError::Decode { call, problem: format!("body exceeds {limit} bytes") });
-            }
-        }
-        Ok(bytes)
+/// How a call is named in errors and logs: the method and the URL or path,
+/// without a query string.
+pub fn call_name(method: &Method, path_or_url: &str) -> String {
+    format!("{method} {}", describe_url(path_or_url))
+}
+
+/// A request that got no answer. A refused redirect is final; anything
+/// else (refused, reset, timed out) is transient. The URL is dropped from
+/// reqwest's message: the call names it, without its query string.
+pub fn transport(call: &str, error: reqwest::Error) -> ApiError {
+    if error.is_redirect() {
+        let problem =
+            std::error::Error::source(&error).map_or_else(|| "a redirect was refused".to_owned(), ToString::to_string);
+        return ApiError::Refused { call: call.to_owned(), problem };
     }
+    ApiError::Transport { call: call.to_owned(), source: error.without_url() }
+}
+
+/// Reads a body to its end, failing at `cap` bytes without reading further.
+pub async fn read_capped(call: &str, mut response: reqwest::Response, cap: u64) -> Result<Vec<u8>, ApiError> {
+    let too_large = || ApiError::TooLarge { call: call.to_owned(), cap };
+    if response.content_length().is_some_and(|length| length > cap) {
+        return Err(too_large());
+    }
+    let mut bytes = Vec::new();
+    while let Some(chunk) = response.chunk().await.map_err(|source| transport(call, source))? {
+        if (bytes.len() + chunk.len()) as u64 > cap {
+            return Err(too_large());
+        }
+        bytes.extend_from_slice(&chunk);
+    }
+    Ok(bytes)
 }
 
 /// The error for a non-`2xx` answer, with its `Retry-After`.
@@ -251,10 +370,7 @@ fn encode<B: Serialize>(path: &str, body: Option<&B>) -> Result<serde_json::Valu
 }
 
 async fn decode<T: DeserializeOwned>(call: String, response: reqwest::Response) -> Result<T, ApiError> {
-    let bytes = response
-        .bytes()
-        .await
-        .map_err(|source| ApiError::Transport { call: call.clone(), source: source.without_url() })?;
+    let bytes = read_capped(&call, response, MAX_JSON_BYTES).await?;
     serde_json::from_slice(&bytes)
         .map_err(|e| ApiError::Decode { call, problem: standby_protocol::describe_json_error(&e) })
 }

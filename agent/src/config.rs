@@ -2,7 +2,6 @@
 //! variables as fallbacks. Everything is validated here, before any IO, so a
 //! bad setting exits 2 with a message naming the setting and the value.
 
-use std::net::IpAddr;
 use std::path::PathBuf;
 use std::time::{Duration, SystemTime};
 
@@ -11,6 +10,7 @@ use reqwest::Url;
 use standby_protocol::Secret;
 
 use crate::exit;
+use crate::urls::is_loopback;
 
 /// `standby`: the pre-warmed sandbox agent.
 ///
@@ -93,7 +93,8 @@ pub struct Args {
     #[arg(long, env = "STANDBY_LOG_FORMAT", value_name = "FORMAT", default_value = "text")]
     pub log_format: LogFormat,
 
-    /// Allow plain `http://`/`ws://` to a host that is not a loopback address.
+    /// Allow plain `http://`/`ws://` to a host that is not a loopback address
+    /// (the server, and attachments on another origin).
     #[arg(long, env = "STANDBY_INSECURE")]
     pub insecure: bool,
 
@@ -101,6 +102,12 @@ pub struct Args {
     #[arg(long, env = "STANDBY_LOG_SPOOL_MAX", value_name = "BYTES", default_value_t = crate::logship::SPOOL_BOUND,
           value_parser = clap::value_parser!(u64).range(1..), hide = true)]
     pub log_spool_max: u64,
+    /// A PEM file of extra CA certificates, trusted next to the system's
+    /// roots for both the control socket (wss) and HTTP calls (https): a
+    /// server or object store behind a private CA. Unreadable, or holding
+    /// no certificate: exit 2.
+    #[arg(long, env = "STANDBY_CA_FILE", value_name = "FILE")]
+    pub ca_file: Option<PathBuf>,
 
     /// Run the install steps one after another (benchmarking only).
     #[arg(long, env = "STANDBY_INSTALL_PLAN", value_name = "PLAN", default_value = "parallel", hide = true)]
@@ -172,6 +179,10 @@ pub struct Config {
     pub event_timeout: Duration,
     pub install_plan: InstallPlan,
     pub log_spool_max: u64,
+    /// Plain http allowed off loopback (`--insecure`).
+    pub insecure: bool,
+    /// Extra trusted CA certificates (`STANDBY_CA_FILE`), loaded by [`crate::tls`].
+    pub ca_file: Option<PathBuf>,
 }
 
 /// A setting that failed validation; the agent exits 2 with this message.
@@ -208,6 +219,8 @@ impl Args {
             event_timeout: self.event_timeout,
             install_plan: self.install_plan,
             log_spool_max: self.log_spool_max,
+            insecure: self.insecure,
+            ca_file: self.ca_file,
         })
     }
 }
@@ -238,11 +251,6 @@ fn parse_server_url(text: &str, insecure: bool) -> Result<Url, ConfigError> {
     let trimmed = url.path().trim_end_matches('/').to_owned();
     url.set_path(&trimmed);
     Ok(url)
-}
-
-fn is_loopback(host: &str) -> bool {
-    let bare = host.trim_start_matches('[').trim_end_matches(']');
-    bare.eq_ignore_ascii_case("localhost") || bare.parse::<IpAddr>().is_ok_and(|ip| ip.is_loopback())
 }
 
 fn socket_url(server_url: &Url) -> Url {

@@ -6,6 +6,7 @@
 //! (a change closes the current connection and reconnects at once) and the
 //! state each heartbeat reports.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use backon::{BackoffBuilder, ExponentialBuilder};
@@ -69,6 +70,8 @@ pub type Status = (AgentState, Option<String>);
 pub struct ControlConfig {
     pub socket_url: Url,
     pub heartbeat_interval: Duration,
+    /// The agent's one trust store, shared with its HTTP calls.
+    pub tls: Arc<rustls::ClientConfig>,
 }
 
 /// Spawns the connection task. It ends when `shutdown` turns true (closing
@@ -124,7 +127,7 @@ async fn run(
         let current = login.borrow_and_update().clone();
         attempts += 1;
         let attempt = tokio::select! {
-            attempt = connect(&config.socket_url, &current.secret) => attempt,
+            attempt = connect(&config.socket_url, &config.tls, &current.secret) => attempt,
             _ = login.changed() => {
                 delays = backoff();
                 continue;
@@ -184,7 +187,7 @@ async fn run(
     }
 }
 
-async fn connect(url: &Url, secret: &Secret) -> Attempt {
+async fn connect(url: &Url, tls: &Arc<rustls::ClientConfig>, secret: &Secret) -> Attempt {
     let mut request = match url.as_str().into_client_request() {
         Ok(request) => request,
         Err(e) => return Attempt::Transient { error: e.to_string(), retry_after: None },
@@ -201,7 +204,8 @@ async fn connect(url: &Url, secret: &Secret) -> Attempt {
         .write_buffer_size(0)
         .max_message_size(Some(MAX_MESSAGE_BYTES))
         .max_frame_size(Some(MAX_MESSAGE_BYTES));
-    let connecting = tokio_tungstenite::connect_async_tls_with_config(request, Some(config), true, None);
+    let connector = tokio_tungstenite::Connector::Rustls(Arc::clone(tls));
+    let connecting = tokio_tungstenite::connect_async_tls_with_config(request, Some(config), true, Some(connector));
     match tokio::time::timeout(Duration::from_secs(20), connecting).await {
         Err(_) => Attempt::Transient { error: "connect timed out after 20s".into(), retry_after: None },
         Ok(Ok((socket, _))) => Attempt::Connected(Box::new(socket)),

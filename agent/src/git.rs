@@ -63,29 +63,34 @@ pub enum GitError {
     NotASha { op: String, url: String, path: PathBuf, output: String },
 }
 
-/// `url` without its userinfo, for logs and errors: a token in a clone URL
-/// (`https://x-access-token:…@host/…`) must never reach either.
-///
-/// Only URLs with a scheme (`scheme://`) carry userinfo; an scp-like
-/// `git@host:path` names a login, not a credential, and is left as it is.
-pub fn redact_url(url: &str) -> String {
-    let Some(scheme_end) = url.find("://") else {
-        return url.to_owned();
-    };
-    let authority_start = scheme_end + 3;
-    let rest = &url[authority_start..];
-    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
-    match rest[..authority_end].rfind('@') {
-        Some(at) => format!("{}{}", &url[..authority_start], &rest[at + 1..]),
-        None => url.to_owned(),
-    }
-}
+/// `url` without userinfo, query string and fragment, for logs and errors:
+/// a token in a clone URL (`https://x-access-token:…@host/…`) must never
+/// reach either. The one helper is [`crate::urls::describe_url`].
+pub use crate::urls::describe_url as redact_url;
 
 /// The userinfo of `url` (`user:password`), if it has one.
 fn userinfo(url: &str) -> Option<&str> {
     let rest = &url[url.find("://")? + 3..];
     let authority = &rest[..rest.find(['/', '?', '#']).unwrap_or(rest.len())];
     authority.rfind('@').map(|at| &authority[..at])
+}
+
+/// Removes every `credential.helper` entry of `dir`'s own repository
+/// configuration whose value mentions `needle` (the path of a credential
+/// store the agent wrote), so nothing points git at a removed file. Returns
+/// how many were removed.
+pub async fn unset_credential_helpers(repo: &Repo, dir: &Path, needle: &str) -> Result<usize, GitError> {
+    let empty = BTreeMap::new();
+    let git = Git { url: &repo.url, dir, extra_env: &empty };
+    let Some(values) = git.query("config", &["config", "--local", "--get-all", "credential.helper"]).await? else {
+        return Ok(0);
+    };
+    let mut removed = 0;
+    for value in values.lines().filter(|value| value.contains(needle)) {
+        git.run("config", &["config", "--local", "--fixed-value", "--unset-all", "credential.helper", value]).await?;
+        removed += 1;
+    }
+    Ok(removed)
 }
 
 /// Describes how a process ended, the way errors name it:

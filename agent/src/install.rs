@@ -23,10 +23,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::Duration;
 
-use sha2::{Digest, Sha256};
 use standby_protocol::{
-    Attachment, AttachmentsResponse, CloudCredentialsResponse, Fingerprint, GitCredential, GitCredentialsResponse, Run,
-    Secret, SecretsResponse, Spec, fingerprint, paths,
+    CloudCredentialsResponse, Fingerprint, GitCredential, GitCredentialsResponse, Run, Secret, SecretsResponse, Spec,
+    fingerprint, paths,
 };
 use tokio::time::Instant;
 
@@ -34,11 +33,8 @@ use crate::api::{Api, ApiError, Class, call_backoff, retry};
 use crate::config::InstallPlan;
 use crate::lifecycle::{Cause, InstallFailure};
 use crate::mcp::McpSupervisor;
-use crate::paths::{check_file_name, resolve_inside, write_atomic};
+use crate::paths::{resolve_inside, write_atomic};
 use crate::shell::IdleShell;
-
-/// Largest attachment accepted.
-pub const MAX_ATTACHMENT_BYTES: u64 = 256 << 20;
 
 /// The agent's directory inside the workspace.
 pub const STATE_DIR: &str = ".standby";
@@ -107,10 +103,17 @@ impl Steps {
 }
 
 /// A failed call fails the install, requeueable; a refused run credential
-/// means the run was withdrawn (cancelled, superseded or requeued).
-fn network(stage: &'static str) -> impl Fn(ApiError) -> InstallFailure {
-    move |error| match (error.class(), error.status()) {
-        (Class::Unauthorized | Class::Gone, Some(status)) => InstallFailure::refused(stage, error.to_string(), status),
+/// means the run was withdrawn (cancelled, superseded or requeued). An
+/// answer over its cap, or a URL or redirect the origin rule refuses, is the
+/// run's data at fault: a cold sandbox would meet it too (not requeueable).
+pub(crate) fn network(stage: &'static str) -> impl Fn(ApiError) -> InstallFailure {
+    move |error| match (&error, error.class(), error.status()) {
+        (_, Class::Unauthorized | Class::Gone, Some(status)) => {
+            InstallFailure::refused(stage, error.to_string(), status)
+        }
+        (ApiError::TooLarge { .. } | ApiError::Refused { .. }, ..) => {
+            InstallFailure::new(stage, error.to_string(), Cause::InvalidRun)
+        }
         _ => InstallFailure::new(stage, error.to_string(), Cause::Network),
     }
 }
@@ -126,6 +129,10 @@ pub async fn install(input: &InstallInput, prepared: &mut Prepared) -> Result<In
     write_atomic(&state_dir.join(".gitignore"), b"*\n", 0o644)
         .await
         .map_err(|e| InstallFailure::new("check", format!("writing {}: {e}", state_dir.display()), Cause::Sandbox))?;
+    // A previous turn's agent may have been killed before its cleanup. Only
+    // the files, to keep git off the critical path: a helper entry left
+    // behind points at this run's store or at nothing.
+    crate::hygiene::remove_run_files(&input.root, &[]).await;
 
     let Prepared { shell, mcp, fingerprint: prepared_fingerprint } = prepared;
     let mcp_restart = steps.time("mcp", restart_mcp(mcp, &input.run.mcp_env));
@@ -223,7 +230,7 @@ fn check(input: &InstallInput, prepared: &Fingerprint) -> Result<PathBuf, Instal
 async fn fetch_parallel(input: &InstallInput, steps: &Steps) -> Result<Fetched, InstallFailure> {
     let (secrets, (), (), cloud, (git_env, git_passwords)) = futures::try_join!(
         steps.time("secrets", secrets(input)),
-        steps.time("attachments", attachments(input)),
+        steps.time("attachments", crate::attachments::attachments(input)),
         steps.time("metadata", metadata(input)),
         steps.time("cloud_credentials", cloud_credentials(input)),
         git_then_refresh(input, steps),
@@ -233,7 +240,7 @@ async fn fetch_parallel(input: &InstallInput, steps: &Steps) -> Result<Fetched, 
 
 async fn fetch_sequential(input: &InstallInput, steps: &Steps) -> Result<Fetched, InstallFailure> {
     let secrets = steps.time("secrets", secrets(input)).await?;
-    steps.time("attachments", attachments(input)).await?;
+    steps.time("attachments", crate::attachments::attachments(input)).await?;
     steps.time("metadata", metadata(input)).await?;
     let cloud = steps.time("cloud_credentials", cloud_credentials(input)).await?;
     let (git_env, git_passwords) = git_then_refresh(input, steps).await?;
@@ -289,48 +296,8 @@ pub fn attachments_dir(root: &Path) -> PathBuf {
     root.join(STATE_DIR).join("attachments")
 }
 
-fn git_credentials_file(root: &Path) -> PathBuf {
+pub fn git_credentials_file(root: &Path) -> PathBuf {
     root.join(STATE_DIR).join("git-credentials")
-}
-
-async fn attachments(input: &InstallInput) -> Result<(), InstallFailure> {
-    let path = paths::attachments(&input.execution_id);
-    let response: AttachmentsResponse =
-        retry(&format!("GET {path}"), input.deadline, call_backoff(), || input.api.get_json(&input.credential, &path))
-            .await
-            .map_err(network("attachments"))?;
-    // Every name is checked before anything is downloaded or written.
-    for attachment in &response.attachments {
-        check_file_name(&attachment.name)
-            .map_err(|e| InstallFailure::new("attachments", format!("attachment name: {e}"), Cause::InvalidRun))?;
-    }
-    let dir = attachments_dir(&input.root);
-    tokio::fs::create_dir_all(&dir)
-        .await
-        .map_err(|e| InstallFailure::new("attachments", format!("creating {}: {e}", dir.display()), Cause::Sandbox))?;
-    futures::future::try_join_all(response.attachments.iter().map(|a| download(input, &dir, a))).await?;
-    Ok(())
-}
-
-async fn download(input: &InstallInput, dir: &Path, attachment: &Attachment) -> Result<(), InstallFailure> {
-    let call = format!("GET {}", attachment.url);
-    let bytes = retry(&call, input.deadline, call_backoff(), || {
-        input.api.get_bytes(&input.credential, &attachment.url, MAX_ATTACHMENT_BYTES)
-    })
-    .await
-    .map_err(network("attachments"))?;
-    let actual: String = Sha256::digest(&bytes).iter().map(|b| format!("{b:02x}")).collect();
-    if !actual.eq_ignore_ascii_case(attachment.sha256.trim()) {
-        return Err(InstallFailure::new(
-            "attachments",
-            format!("attachment `{}`: SHA-256 is {actual}, expected {}", attachment.name, attachment.sha256),
-            Cause::Network,
-        ));
-    }
-    let file = dir.join(&attachment.name);
-    write_atomic(&file, &bytes, 0o600)
-        .await
-        .map_err(|e| InstallFailure::new("attachments", format!("writing {}: {e}", file.display()), Cause::Sandbox))
 }
 
 /// Fetches git credentials, writes them in git's credential-store format

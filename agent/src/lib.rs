@@ -8,10 +8,12 @@
 
 pub mod agent;
 pub mod api;
+pub mod attachments;
 pub mod config;
 pub mod control;
 pub mod exit;
 pub mod git;
+pub mod hygiene;
 pub mod install;
 pub mod lifecycle;
 pub mod logging;
@@ -23,3 +25,5 @@ pub mod process;
 pub mod reaper;
 pub mod redact;
 pub mod shell;
+pub mod tls;
+pub mod urls;

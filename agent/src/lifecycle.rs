@@ -96,6 +96,9 @@ impl InstallFailure {
 
 #[derive(Debug)]
 pub enum Input {
+    /// The spec is known (read from `STANDBY_SPEC` or fetched with the
+    /// standby credential).
+    SpecLoaded,
     /// Workspace, MCP servers and idle shell are ready (or not).
     PrepareFinished(Result<(), String>),
     /// A control connection was established.
@@ -130,8 +133,11 @@ pub enum RunSignal {
 
 #[derive(Debug)]
 pub enum Action {
+    /// An assignment was accepted: from here every call uses its run
+    /// credential (reports included), whatever else is held.
+    Accepted { execution_id: String, credential: Secret },
     /// Close the standby connection and connect with the run credential.
-    Confirm { execution_id: String, credential: Secret },
+    Confirm { credential: Secret },
     /// Install the run (preparation is done).
     Install(Box<Assignment>),
     /// Installed and confirmed: start the run. Emitted at most once.
@@ -158,6 +164,11 @@ enum Phase {
     /// An assignment was accepted and the run has not started.
     Installing {
         execution_id: String,
+        /// The confirmation, held until the spec is loaded: switching to the
+        /// run credential closes the standby connection, and a server may
+        /// revoke the standby credential the moment the run credential
+        /// connects, so the spec (a standby call) must be fetched first.
+        confirm: Option<Action>,
         held: Option<Box<Assignment>>,
         install_by: Option<Instant>,
         installed: bool,
@@ -202,13 +213,14 @@ pub struct Timeouts {
 #[derive(Debug)]
 pub struct Lifecycle {
     phase: Phase,
+    spec_loaded: bool,
     prepared: bool,
     timeouts: Timeouts,
 }
 
 impl Lifecycle {
     pub fn new(timeouts: Timeouts) -> Self {
-        Self { phase: Phase::Waiting, prepared: false, timeouts }
+        Self { phase: Phase::Waiting, spec_loaded: false, prepared: false, timeouts }
     }
 
     /// Applies a second standby deadline (the spec's) when it is earlier.
@@ -273,6 +285,7 @@ impl Lifecycle {
             return Vec::new();
         }
         match input {
+            Input::SpecLoaded => self.on_spec_loaded(),
             Input::PrepareFinished(result) => self.on_prepared(now, result),
             Input::Connected(credential) => {
                 tracing::debug!(?credential, "control connection established");
@@ -298,6 +311,14 @@ impl Lifecycle {
         actions
     }
 
+    fn on_spec_loaded(&mut self) -> Vec<Action> {
+        self.spec_loaded = true;
+        match &mut self.phase {
+            Phase::Installing { confirm, .. } => confirm.take().into_iter().collect(),
+            _ => Vec::new(),
+        }
+    }
+
     fn on_prepared(&mut self, now: Instant, result: Result<(), String>) -> Vec<Action> {
         if let Err(message) = result {
             return match self.phase {
@@ -308,17 +329,17 @@ impl Lifecycle {
                 _ => self.finish(None, Exit::PrepareFailed),
             };
         }
+        // A prepared sandbox has its spec, whatever the order the driver
+        // saw the two in.
+        let mut actions = self.on_spec_loaded();
         self.prepared = true;
-        match &mut self.phase {
-            Phase::Installing { held, install_by, .. } => match held.take() {
-                Some(assignment) => {
-                    *install_by = Some(now + self.timeouts.install);
-                    vec![Action::Install(assignment)]
-                }
-                None => Vec::new(),
-            },
-            _ => Vec::new(),
+        if let Phase::Installing { held, install_by, .. } = &mut self.phase
+            && let Some(assignment) = held.take()
+        {
+            *install_by = Some(now + self.timeouts.install);
+            actions.push(Action::Install(assignment));
         }
+        actions
     }
 
     fn on_refused(&mut self, now: Instant, credential: Credential, status: u16) -> Vec<Action> {
@@ -371,9 +392,12 @@ impl Lifecycle {
         let incoming = assignment.execution_id.clone();
         match &mut self.phase {
             Phase::Waiting => {
-                tracing::info!(execution_id = %incoming, prepared = self.prepared, "assignment accepted");
-                let confirm =
-                    Action::Confirm { execution_id: incoming.clone(), credential: assignment.run_credential.clone() };
+                tracing::info!(execution_id = %incoming, prepared = self.prepared, spec_loaded = self.spec_loaded, "assignment accepted");
+                let confirm = Action::Confirm { credential: assignment.run_credential.clone() };
+                let (confirm_now, confirm_held) =
+                    if self.spec_loaded { (Some(confirm), None) } else { (None, Some(confirm)) };
+                let accepted =
+                    Action::Accepted { execution_id: incoming.clone(), credential: assignment.run_credential.clone() };
                 let assignment = Box::new(assignment);
                 let (held, install_by, install) = if self.prepared {
                     (None, Some(now + self.timeouts.install), Some(Action::Install(assignment)))
@@ -382,13 +406,14 @@ impl Lifecycle {
                 };
                 self.phase = Phase::Installing {
                     execution_id: incoming,
+                    confirm: confirm_held,
                     held,
                     install_by,
                     installed: false,
                     confirm_by: now + self.timeouts.confirm,
                     confirmed: false,
                 };
-                std::iter::once(confirm).chain(install).collect()
+                std::iter::once(accepted).chain(confirm_now).chain(install).collect()
             }
             Phase::Installing { execution_id, confirmed, installed, .. } if *execution_id == incoming => {
                 if credential == Credential::Run && !*confirmed {
@@ -600,6 +625,7 @@ mod tests {
         actions
             .iter()
             .map(|a| match a {
+                Action::Accepted { .. } => "accepted",
                 Action::Confirm { .. } => "confirm",
                 Action::Install(_) => "install",
                 Action::StartRun => "start",
@@ -623,7 +649,7 @@ mod tests {
         let (mut m, now) = machine(None);
         m.handle(now, Input::PrepareFinished(Ok(())));
         let actions = m.handle(now, server(Credential::Standby, assignment("exe_1")));
-        assert_eq!(names(&actions), ["confirm", "install"]);
+        assert_eq!(names(&actions), ["accepted", "confirm", "install"]);
         (m, now)
     }
 
@@ -685,13 +711,40 @@ mod tests {
     #[test]
     fn assignment_during_preparation_is_held_then_installed() {
         let (mut m, now) = machine(Some(Duration::from_secs(5)));
+        assert!(m.handle(now, Input::SpecLoaded).is_empty());
         let actions = m.handle(now, server(Credential::Standby, assignment("exe_1")));
-        assert_eq!(names(&actions), ["confirm"], "confirmation starts at once, the install waits");
+        assert_eq!(names(&actions), ["accepted", "confirm"], "confirmation starts at once, the install waits");
         assert_eq!(m.heartbeat(), (AgentState::Preparing, Some("exe_1".into())));
         // The standby deadline no longer applies once an assignment is held.
         assert!(m.handle(now + Duration::from_secs(6), Input::Tick).is_empty());
         let actions = m.handle(now, Input::PrepareFinished(Ok(())));
         assert!(matches!(&actions[..], [Action::Install(a)] if a.execution_id == "exe_1"));
+    }
+
+    #[test]
+    fn confirmation_waits_for_the_spec() {
+        let (mut m, now) = machine(None);
+        let actions = m.handle(now, server(Credential::Standby, assignment("exe_1")));
+        assert_eq!(names(&actions), ["accepted"], "the standby connection stays until the spec is fetched");
+        assert_eq!(m.heartbeat(), (AgentState::Preparing, Some("exe_1".into())));
+        assert_eq!(m.next_deadline(), Some(now + CONFIRM), "the confirm timeout counts from acceptance");
+        assert_eq!(names(&m.handle(now, Input::SpecLoaded)), ["confirm"]);
+        assert!(m.handle(now, Input::SpecLoaded).is_empty(), "confirmed once");
+        assert!(matches!(&m.handle(now, Input::PrepareFinished(Ok(())))[..], [Action::Install(_)]));
+
+        // A preparation that ends first releases both.
+        let (mut m, now) = machine(None);
+        assert_eq!(names(&m.handle(now, server(Credential::Standby, assignment("exe_1")))), ["accepted"]);
+        assert_eq!(names(&m.handle(now, Input::PrepareFinished(Ok(())))), ["confirm", "install"]);
+
+        // Never loaded: the confirm timeout fails the install, requeueable.
+        let (mut m, now) = machine(None);
+        m.handle(now, server(Credential::Standby, assignment("exe_1")));
+        let (report, exit) = finish(&m.handle(now + CONFIRM, Input::Tick));
+        assert_eq!(exit, Exit::InstallFailed);
+        assert!(
+            matches!(report, Some(EventKind::InstallFailed { requeueable: true, ref stage, .. }) if stage == "confirm")
+        );
     }
 
     #[test]

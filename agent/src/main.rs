@@ -6,7 +6,7 @@ use std::process::ExitCode;
 use clap::Parser;
 use standby_agent::config::Args;
 use standby_agent::exit::Exit;
-use standby_agent::{agent, logging};
+use standby_agent::{agent, logging, tls};
 
 fn main() -> ExitCode {
     // Usage errors exit 2 (clap's own code), `--help`/`--version` exit 0.
@@ -29,6 +29,13 @@ fn main() -> ExitCode {
         return Exit::Internal.into();
     }
     standby_agent::api::install_tls_provider();
+    // Reading the CA file is IO, so it follows validation (and logging, for
+    // what loading the system's roots reports); a file that cannot be used
+    // is bad configuration all the same.
+    let tls = match tls::client_config(config.ca_file.as_deref()) {
+        Ok(tls) => tls,
+        Err(error) => return usage(&error.to_string()),
+    };
     let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
         Ok(runtime) => runtime,
         Err(e) => {
@@ -37,7 +44,7 @@ fn main() -> ExitCode {
         }
     };
     tracing::info!(version = env!("CARGO_PKG_VERSION"), server = %config.server_url, workspace = %config.workspace.display(), "standby starting");
-    runtime.block_on(agent::run(config, spec_source)).into()
+    runtime.block_on(agent::run(config, spec_source, tls)).into()
 }
 
 fn usage(message: &str) -> ExitCode {

@@ -6,7 +6,6 @@
 //! Needs the binary: `cargo build --bins` first (or set `STANDBY_BIN`).
 
 use std::collections::BTreeMap;
-use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::time::Duration;
 
@@ -697,6 +696,8 @@ cp "$STANDBY_METADATA_FILE" "$out/metadata.json"
 cp "$STANDBY_ATTACHMENTS_DIR/spec.md" "$out/spec.md"
 printf 'protocol=https\nhost=git.example\n\n' | git credential fill > "$out/credential" 2> "$out/credential.err"
 git config --get-all credential.helper > "$out/helper"
+store=$(sed -n 's/^store --file=//p' "$out/helper" | tail -n 1)
+stat -c %a "$store" > "$out/store-mode"
 git rev-parse HEAD > "$out/head"
 pwd -P > "$out/pwd"
 echo findings written"#,
@@ -751,8 +752,10 @@ echo findings written"#,
         .lines()
         .find_map(|line| line.strip_prefix("store --file="))
         .unwrap_or_else(|| panic!("no credential store among the helpers: {helper:?}"));
-    let mode = std::fs::metadata(store.trim()).expect("the credential store exists").permissions().mode();
-    assert_eq!(mode & 0o777, 0o600, "the git credentials file is mode {:o}", mode & 0o777);
+    // Observed by the run: the store is removed when the run ends.
+    assert!(!Path::new(store.trim()).exists(), "the credential store outlived the run");
+    let mode = read(&out.join("store-mode"));
+    assert_eq!(mode.trim(), "600", "the git credentials file is mode {mode}");
 
     assert_eq!(read(&out.join("head")).trim(), expected, "the repo is at expected_sha");
     assert_ne!(expected, later);

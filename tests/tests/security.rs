@@ -755,7 +755,6 @@ async fn setup_commands_and_every_child_of_the_agent_never_see_the_standby_crede
 
 #[tokio::test]
 async fn secret_files_are_mode_0600() {
-    use std::os::unix::fs::PermissionsExt as _;
     let server = TestServer::start().await;
     let dir = scratch("standby-security-");
     let workspace = dir.path().join("workspace");
@@ -769,17 +768,24 @@ async fn secret_files_are_mode_0600() {
         .heartbeat_interval("200ms")
         .spawn();
     agent.watch(server.wait_for_heartbeat(|heartbeat| heartbeat.state == AgentState::Ready)).await;
-    let execution = ExecutionSetup::new(&["true"])
+    // The run reports the modes: its files are removed when it ends.
+    let modes = dir.path().join("modes");
+    let script = format!(
+        "cd .standby && stat -c '%a %n' metadata.json git-credentials attachments/spec.md > '{}'",
+        modes.display()
+    );
+    let execution = ExecutionSetup::new(&["/bin/sh", "-c", &script])
         .secret("API_KEY", "mode-secret-4")
         .metadata(json!({"ticket": "t-4"}))
         .attachment("spec.md", b"# spec\n")
         .git_credential("https", "git.example", "bot", "mode-git-5");
     server.assign(&token, execution);
     assert_eq!(agent.wait_exit(WAIT).await, 0, "{}", agent.output_tail());
-    let state = workspace.join(".standby");
-    for file in [state.join("metadata.json"), state.join("git-credentials"), state.join("attachments/spec.md")] {
-        let mode = std::fs::metadata(&file).unwrap_or_else(|e| panic!("{}: {e}", file.display())).permissions().mode();
-        assert_eq!(mode & 0o777, 0o600, "{} is mode {:o}", file.display(), mode & 0o777);
+    let modes = std::fs::read_to_string(&modes).unwrap_or_else(|e| panic!("{}: {e}", modes.display()));
+    let files: Vec<&str> = modes.lines().map(|line| line.split_once(' ').map_or(line, |(_, file)| file)).collect();
+    assert_eq!(files, ["metadata.json", "git-credentials", "attachments/spec.md"], "{modes}");
+    for line in modes.lines() {
+        assert!(line.starts_with("600 "), "not mode 0600: {line}");
     }
     // Secret values are in the run's environment only, never in a file.
     for entry in walk(&workspace) {

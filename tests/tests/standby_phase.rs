@@ -736,26 +736,26 @@ async fn an_unreadable_or_malformed_spec_file_exits_2_naming_it() {
 
 #[tokio::test]
 async fn a_spec_still_unfetched_when_the_assignment_arrives_fails_the_install_instead_of_hanging() {
-    // A cold sandbox can be assigned before it has its spec. Accepting the
-    // assignment revokes the standby credential; the spec fetch then
-    // presents the run credential, and when that is refused too the
-    // preparation fails as a requeueable install failure.
+    // A cold sandbox can be assigned before it has its spec. The switch to
+    // the run credential waits for the spec (a standby call); a spec that
+    // never comes fails the install at the confirm timeout, requeueable,
+    // and the spec is never asked for with the run credential.
     let server = TestServer::start().await;
     let token = server.add_standby();
     server.set_spec_json(json!({"workspace": {}}));
-    server.fail(Endpoint::Spec, Failure::times(503, 3));
-    let mut agent = AgentBuilder::new(&server.url(), &token).heartbeat_interval("200ms").spawn();
+    server.fail(Endpoint::Spec, Failure::always(503));
+    let mut agent = AgentBuilder::new(&server.url(), &token).heartbeat_interval("200ms").confirm_timeout("2s").spawn();
     agent.watch(server.wait_for_http_call(|call| call.endpoint == Endpoint::Spec && call.status == 503)).await;
     let execution_id = server.assign(&token, ExecutionSetup::new(&["true"]));
     let code = agent.wait_exit(EXIT).await;
     assert_exit(&agent, code, 13, "the spec could not be fetched after the assignment");
     let failures = server.install_failures(&execution_id);
     assert_eq!(failures.len(), 1, "{}", server.records().summary());
-    assert_eq!(failures[0].stage, "prepare");
+    assert_eq!(failures[0].stage, "confirm");
     assert!(failures[0].requeueable);
     let run_credential_tried = server
         .http_calls()
         .iter()
         .any(|call| call.endpoint == Endpoint::Spec && call.credential == Some(CredentialKind::Run));
-    assert!(run_credential_tried, "the spec fetch never presented the run credential");
+    assert!(!run_credential_tried, "the spec fetch presented the run credential");
 }

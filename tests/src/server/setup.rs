@@ -17,6 +17,9 @@ pub struct ExecutionSetup {
     pub git_credentials: Vec<GitCredential>,
     pub metadata: serde_json::Value,
     pub cloud_env: BTreeMap<String, String>,
+    /// Lists the attachments in the assignment's `run.attachments`
+    /// (amendment 5) as well as answering the attachments call.
+    pub inline_attachments: bool,
 }
 
 impl ExecutionSetup {
@@ -38,6 +41,7 @@ impl ExecutionSetup {
             git_credentials: Vec::new(),
             metadata: serde_json::json!({}),
             cloud_env: BTreeMap::new(),
+            inline_attachments: false,
         }
     }
 
@@ -81,6 +85,12 @@ impl ExecutionSetup {
     /// `/v1/executions/{id}/attachments/{name}` with its true SHA-256.
     pub fn attachment(mut self, name: &str, content: &[u8]) -> Self {
         self.attachments.push(AttachmentSetup::new(name, content));
+        self
+    }
+
+    /// Sends the attachments inline in the assignment (amendment 5).
+    pub fn inline_attachments(mut self) -> Self {
+        self.inline_attachments = true;
         self
     }
 

@@ -309,10 +309,14 @@ impl Inner {
             return Err(ServerError::DuplicateExecution(execution_id));
         }
         let run_credential = self.mint("run_");
+        let mut run = setup.run.clone();
+        if setup.inline_attachments {
+            run.attachments = Some(listed_attachments(&execution_id, &setup));
+        }
         let assignment = ServerMessage::Assignment(Assignment {
             execution_id: execution_id.clone(),
             run_credential: Secret::new(run_credential.clone()),
-            run: setup.run.clone(),
+            run,
         })
         .encode()
         .expect("an assignment always encodes");
@@ -693,18 +697,7 @@ impl Inner {
         match request.endpoint {
             Endpoint::Secrets => HttpAnswer::json(200, &SecretsResponse { secrets: secrets(&setup.secrets) }),
             Endpoint::Attachments => {
-                let attachments = setup
-                    .attachments
-                    .iter()
-                    .map(|attachment| Attachment {
-                        name: attachment.name.clone(),
-                        url: attachment.url.clone().unwrap_or_else(|| {
-                            format!("{}/{}", standby_protocol::paths::attachments(&execution_id), attachment.name)
-                        }),
-                        sha256: attachment.sha256.clone().unwrap_or_else(|| sha256_hex(&attachment.content)),
-                    })
-                    .collect();
-                HttpAnswer::json(200, &AttachmentsResponse { attachments })
+                HttpAnswer::json(200, &AttachmentsResponse { attachments: listed_attachments(&execution_id, setup) })
             }
             Endpoint::AttachmentFile => {
                 match setup.attachments.iter().find(|attachment| Some(attachment.name.as_str()) == request.attachment) {
@@ -856,6 +849,22 @@ impl Inner {
         record.log_forgotten = true;
         Ok(())
     }
+}
+
+/// The attachments of an execution as the attachments call answers them
+/// (and an inline assignment lists them).
+fn listed_attachments(execution_id: &str, setup: &ExecutionSetup) -> Vec<Attachment> {
+    setup
+        .attachments
+        .iter()
+        .map(|attachment| Attachment {
+            name: attachment.name.clone(),
+            url: attachment.url.clone().unwrap_or_else(|| {
+                format!("{}/{}", standby_protocol::paths::attachments(execution_id), attachment.name)
+            }),
+            sha256: attachment.sha256.clone().unwrap_or_else(|| sha256_hex(&attachment.content)),
+        })
+        .collect()
 }
 
 /// The bearer credential, if the request carries one.

@@ -1,0 +1,145 @@
+//! The run's attachments: listed inline in the assignment (amendment 5) or
+//! by the attachments call, each fetched from its `url` under the origin
+//! rule ([`crate::urls::attachment_target`]), streamed to a temporary file
+//! in the attachments directory while it is hashed, and renamed into place
+//! only when its SHA-256 matches. No attachment is ever held in memory whole.
+
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use reqwest::Method;
+use sha2::{Digest, Sha256};
+use standby_protocol::{Attachment, AttachmentsResponse, paths};
+use tokio::io::AsyncWriteExt;
+
+use crate::api::{ApiError, To, call_backoff, call_name, human_bytes, retry, transport};
+use crate::install::{InstallInput, attachments_dir, network};
+use crate::lifecycle::{Cause, InstallFailure};
+use crate::paths::check_file_name;
+use crate::urls::{Target, attachment_target, describe_url};
+
+/// Largest attachment accepted.
+pub const MAX_ATTACHMENT_BYTES: u64 = 256 << 20;
+
+const STAGE: &str = "attachments";
+
+/// Distinguishes the temporary files of concurrent downloads.
+static TEMP_COUNTER: AtomicU64 = AtomicU64::new(0);
+
+/// Lists, checks and writes every attachment of the run.
+pub async fn attachments(input: &InstallInput) -> Result<(), InstallFailure> {
+    let listed = match &input.run.attachments {
+        Some(inline) => inline.clone(),
+        None => {
+            let path = paths::attachments(&input.execution_id);
+            let response: AttachmentsResponse = retry(&format!("GET {path}"), input.deadline, call_backoff(), || {
+                input.api.get_json(&input.credential, &path)
+            })
+            .await
+            .map_err(network(STAGE))?;
+            response.attachments
+        }
+    };
+    // Every name and URL is checked before anything is downloaded or written.
+    let mut targets = Vec::with_capacity(listed.len());
+    for attachment in &listed {
+        check_file_name(&attachment.name)
+            .map_err(|e| InstallFailure::new(STAGE, format!("attachment name: {e}"), Cause::InvalidRun))?;
+        let target = attachment_target(input.api.server(), &attachment.url, input.api.insecure()).map_err(|e| {
+            InstallFailure::new(STAGE, format!("attachment `{}`: {e}", attachment.name), Cause::InvalidRun)
+        })?;
+        targets.push(target);
+    }
+    let dir = attachments_dir(&input.root);
+    tokio::fs::create_dir_all(&dir)
+        .await
+        .map_err(|e| InstallFailure::new(STAGE, format!("creating {}: {e}", dir.display()), Cause::Sandbox))?;
+    let downloads = listed.iter().zip(&targets).map(|(attachment, target)| download(input, &dir, attachment, target));
+    futures::future::try_join_all(downloads).await?;
+    Ok(())
+}
+
+/// Fetches one attachment (retrying transient failures from the start),
+/// then renames it into place if its SHA-256 matches.
+async fn download(
+    input: &InstallInput,
+    dir: &Path,
+    attachment: &Attachment,
+    target: &Target,
+) -> Result<(), InstallFailure> {
+    let call = call_name(&Method::GET, target.url().as_str());
+    let temp = dir.join(format!(
+        ".{}.{}.{}.part",
+        attachment.name,
+        std::process::id(),
+        TEMP_COUNTER.fetch_add(1, Ordering::Relaxed)
+    ));
+    let result = async {
+        // A disk error is the inner `Err`: retrying the call cannot help.
+        let actual = retry(&call, input.deadline, call_backoff(), || stream_to(input, target, &call, &temp))
+            .await
+            .map_err(network(STAGE))?
+            .map_err(|message| InstallFailure::new(STAGE, message, Cause::Sandbox))?;
+        if !actual.eq_ignore_ascii_case(attachment.sha256.trim()) {
+            return Err(InstallFailure::new(
+                STAGE,
+                format!("attachment `{}`: SHA-256 is {actual}, expected {}", attachment.name, attachment.sha256),
+                Cause::Network,
+            ));
+        }
+        let file = dir.join(&attachment.name);
+        tokio::fs::rename(&temp, &file)
+            .await
+            .map_err(|e| InstallFailure::new(STAGE, format!("writing {}: {e}", file.display()), Cause::Sandbox))
+    }
+    .await;
+    if result.is_err() {
+        // Best effort: the download already failed; a leftover is removed
+        // with the run's files when the run ends.
+        let _ = tokio::fs::remove_file(&temp).await;
+    }
+    result
+}
+
+/// One attempt: streams the body into `temp` (created anew, mode 0600),
+/// hashing as it goes, and returns the SHA-256 in lowercase hex, or (inner
+/// `Err`) why the file could not be written.
+async fn stream_to(
+    input: &InstallInput,
+    target: &Target,
+    call: &str,
+    temp: &Path,
+) -> Result<Result<String, String>, ApiError> {
+    let to = match target {
+        Target::Server(_) => To::Server(&input.credential),
+        Target::Foreign(_) => To::Foreign,
+    };
+    let mut response = input.api.send(Method::GET, to, target.url().as_str(), None).await?;
+    let too_large = || ApiError::TooLarge { call: call.to_owned(), cap: MAX_ATTACHMENT_BYTES };
+    if response.content_length().is_some_and(|length| length > MAX_ATTACHMENT_BYTES) {
+        return Err(too_large());
+    }
+    let io = |e: std::io::Error| format!("writing {}: {e}", temp.display());
+    let file = tokio::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(temp).await;
+    let mut file = match file {
+        Ok(file) => file,
+        Err(e) => return Ok(Err(io(e))),
+    };
+    let mut hasher = Sha256::new();
+    let mut written = 0u64;
+    while let Some(chunk) = response.chunk().await.map_err(|e| transport(call, e))? {
+        written += chunk.len() as u64;
+        if written > MAX_ATTACHMENT_BYTES {
+            return Err(too_large());
+        }
+        hasher.update(&chunk);
+        if let Err(e) = file.write_all(&chunk).await {
+            return Ok(Err(io(e)));
+        }
+    }
+    if let Err(e) = file.sync_all().await {
+        return Ok(Err(io(e)));
+    }
+    tracing::debug!(url = describe_url(target.url().as_str()), size = %human_bytes(written), "attachment fetched");
+    Ok(Ok(hasher.finalize().iter().map(|b| format!("{b:02x}")).collect()))
+}

@@ -1,0 +1,91 @@
+//! Per-turn hygiene: the files that hold one run's data are removed when
+//! the run ends (exited, cancelled, failed), and again before a run is
+//! installed (a previous agent on the workspace may have been killed before
+//! it could clean up), so a follow-up turn in the same sandbox never sees
+//! an earlier turn's data.
+//!
+//! Removed: the attachments directory, `metadata.json`, the git credential
+//! store, and every `credential.helper` entry in a prepared repo's own
+//! configuration that points at that store. Cloud credentials and secrets
+//! are only ever in the run's environment, which ends with the run.
+
+use std::io::ErrorKind;
+use std::path::Path;
+
+use standby_protocol::Repo;
+
+use crate::install::{attachments_dir, git_credentials_file, metadata_file};
+use crate::paths::resolve_inside;
+
+/// Removes one run's files from the workspace at `root`, whose repos are
+/// `repos`. Best effort: a file that cannot be removed is logged (by path,
+/// never by content) and the rest are still removed.
+pub async fn remove_run_files(root: &Path, repos: &[Repo]) {
+    let store = git_credentials_file(root);
+    let files = [metadata_file(root), store.clone()];
+    for file in &files {
+        match tokio::fs::remove_file(file).await {
+            Ok(()) => tracing::debug!(file = %file.display(), "run file removed"),
+            Err(e) if e.kind() == ErrorKind::NotFound => {}
+            Err(e) => tracing::warn!(file = %file.display(), error = %e, "cannot remove a run file"),
+        }
+    }
+    let dir = attachments_dir(root);
+    match tokio::fs::remove_dir_all(&dir).await {
+        Ok(()) => tracing::debug!(dir = %dir.display(), "attachments removed"),
+        Err(e) if e.kind() == ErrorKind::NotFound => {}
+        Err(e) => tracing::warn!(dir = %dir.display(), error = %e, "cannot remove the attachments"),
+    }
+    let needle = store.display().to_string();
+    for repo in repos {
+        let Ok(dest) = resolve_inside(root, &repo.path) else {
+            continue;
+        };
+        if !dest.join(".git").exists() {
+            continue;
+        }
+        match crate::git::unset_credential_helpers(repo, &dest, &needle).await {
+            Ok(0) => {}
+            Ok(removed) => {
+                tracing::info!(path = repo.path, removed, "credential helpers pointing at the run's store removed")
+            }
+            Err(e) => tracing::warn!(path = repo.path, error = %e, "cannot clean the repository's credential helpers"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn git(dir: &Path, args: &[&str]) -> String {
+        let output = std::process::Command::new("git").args(args).current_dir(dir).output().expect("git runs");
+        assert!(output.status.success(), "git {args:?}: {}", String::from_utf8_lossy(&output.stderr));
+        String::from_utf8_lossy(&output.stdout).into_owned()
+    }
+
+    #[tokio::test]
+    async fn a_runs_files_and_helpers_pointing_at_its_store_are_removed() {
+        let root = tempfile::tempdir().expect("a temporary directory");
+        let root = root.path();
+        let app = root.join("app");
+        std::fs::create_dir_all(&app).expect("create the repo");
+        git(&app, &["init", "-q"]);
+        let store = git_credentials_file(root);
+        std::fs::create_dir_all(attachments_dir(root)).expect("create the attachments dir");
+        std::fs::write(attachments_dir(root).join("spec.md"), "spec").expect("write");
+        std::fs::write(metadata_file(root), "{}").expect("write");
+        std::fs::write(&store, "https://u:turn1@git.example\n").expect("write");
+        git(&app, &["config", "--local", "--add", "credential.helper", &format!("store --file={}", store.display())]);
+        git(&app, &["config", "--local", "--add", "credential.helper", "cache"]);
+
+        let repo =
+            Repo { url: "https://git.example/app.git".into(), path: "app".into(), git_ref: None, expected_sha: None };
+        remove_run_files(root, std::slice::from_ref(&repo)).await;
+
+        assert!(!attachments_dir(root).exists() && !metadata_file(root).exists() && !store.exists());
+        assert_eq!(git(&app, &["config", "--local", "--get-all", "credential.helper"]).trim(), "cache");
+        // Nothing left: a second pass is a no-op.
+        remove_run_files(root, &[repo]).await;
+    }
+}
