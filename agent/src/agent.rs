@@ -26,8 +26,8 @@ use crate::lifecycle::{Action, Credential, Input, InstallFailure, Lifecycle, Run
 use crate::logship::{self, ShipReport};
 use crate::mcp::McpSupervisor;
 use crate::redact::Redactor;
-use crate::shell::IdleShell;
-use crate::{prepare, reaper};
+use crate::shell::{IdleShell, ShellError};
+use crate::{prepare, process, reaper, time};
 
 /// How long the final log upload may take once the run has exited.
 const LOG_DRAIN_BOUND: Duration = Duration::from_secs(30);
@@ -118,7 +118,8 @@ impl Driver {
     fn new(config: Config) -> Result<Self, String> {
         let api = Api::new(&config.server_url).map_err(|e| format!("HTTP client: {e}"))?;
         let start = Instant::now();
-        let standby_deadline = config.deadline.map(|d| deadline_instant(d, start));
+        let standby_deadline =
+            config.deadline.map(|d| time::deadline_instant(d, start, start, std::time::SystemTime::now()));
         let timeouts = Timeouts {
             standby_deadline,
             confirm: config.confirm_timeout,
@@ -173,6 +174,7 @@ impl Driver {
                     ControlEvent::Connected(credential) => Input::Connected(credential),
                     ControlEvent::Refused { credential, status } => Input::Refused { credential, status },
                     ControlEvent::Message { credential, message } => {
+                        let message = *message;
                         if credential == Credential::Run
                             && self.confirmed_at.is_none()
                             && matches!(&message, ServerMessage::Assignment(a) if Some(a.execution_id.as_str()) == self.machine.execution_id())
@@ -238,7 +240,7 @@ impl Driver {
                 for action in self.machine.handle(Instant::now(), input) {
                     match action {
                         Action::Finish { report, exit } => finish = Some((report, exit)),
-                        other => inputs.extend(self.act(other, &login_tx)),
+                        other => inputs.extend(self.act(other, &login_tx).await),
                     }
                 }
             }
@@ -258,7 +260,11 @@ impl Driver {
     fn spec_loaded(&mut self, spec: Spec) {
         if let Some(at) = spec.deadline.as_deref() {
             match crate::config::parse_time(at) {
-                Ok(at) => self.machine.tighten_standby_deadline(deadline_instant(Deadline::At(at), Instant::now())),
+                Ok(at) => {
+                    let now = Instant::now();
+                    let deadline = time::deadline_instant(Deadline::At(at), now, now, std::time::SystemTime::now());
+                    self.machine.tighten_standby_deadline(deadline);
+                }
                 Err(e) => tracing::warn!(error = e, "the spec's deadline is ignored"),
             }
         }
@@ -266,7 +272,7 @@ impl Driver {
     }
 
     /// Carries out one action; returns what it led to, if anything.
-    fn act(&mut self, action: Action, login: &watch::Sender<Login>) -> Option<Input> {
+    async fn act(&mut self, action: Action, login: &watch::Sender<Login>) -> Option<Input> {
         match action {
             Action::Confirm { execution_id, credential } => {
                 self.assigned_at = Some(Instant::now());
@@ -291,7 +297,7 @@ impl Driver {
                         deadline: None,
                     }),
                     plan: self.config.install_plan,
-                    deadline: Instant::now() + self.config.install_timeout,
+                    deadline: time::after(Instant::now(), self.config.install_timeout),
                 };
                 let (abort_tx, abort_rx) = oneshot::channel();
                 let task = tokio::spawn(async move {
@@ -309,7 +315,7 @@ impl Driver {
                 }
             }
             Action::StartRun => {
-                if let Err(failure) = self.start_run() {
+                if let Err(failure) = self.start_run().await {
                     return Some(Input::RunFailedToStart(failure));
                 }
             }
@@ -330,7 +336,7 @@ impl Driver {
 
     /// Spawns the run on the prepared terminal, then (off the critical
     /// path) reports `started` and ships its output.
-    fn start_run(&mut self) -> Result<(), InstallFailure> {
+    async fn start_run(&mut self) -> Result<(), InstallFailure> {
         let installed = self.installed.take().ok_or_else(|| InstallFailure::new("start", "nothing installed", true))?;
         let prepared =
             self.prepared.as_mut().ok_or_else(|| InstallFailure::new("start", "no prepared terminal", true))?;
@@ -338,8 +344,15 @@ impl Driver {
             self.run_credential.clone().ok_or_else(|| InstallFailure::new("start", "no run credential", true))?;
         let shell =
             prepared.shell.take().ok_or_else(|| InstallFailure::new("start", "the idle shell is gone", true))?;
-        let mut run = shell
-            .replace(&installed.argv, &installed.cwd, &installed.env)
+        // Killing and reaping the shell and forking the run block: off the
+        // runtime, which keeps the heartbeats going meanwhile.
+        let (installed, replaced) = process::off_runtime(move || {
+            let replaced = shell.replace(&installed.argv, &installed.cwd, &installed.env);
+            (installed, replaced)
+        })
+        .await
+        .ok_or_else(|| InstallFailure::new("start", "the task starting the run failed", true))?;
+        let mut run = replaced
             .map_err(|e| InstallFailure::new("start", format!("starting `{}`: {e}", installed.argv[0]), false))?;
         let started_at = Instant::now();
         let pgid = i32::try_from(run.pid()).unwrap_or(i32::MAX);
@@ -454,8 +467,8 @@ pub async fn report(
     let event =
         Event { event_id: format!("{execution_id}-{}-{:016x}", event_name(&kind), rand::random::<u64>()), kind };
     let path = paths::events(execution_id);
-    retry(&format!("POST {path}"), Instant::now() + timeout, call_backoff(), || api.post(credential, &path, &event))
-        .await
+    let deadline = time::after(Instant::now(), timeout);
+    retry(&format!("POST {path}"), deadline, call_backoff(), || api.post(credential, &path, &event)).await
 }
 
 /// Loads the spec, prepares the workspace, starts the MCP servers and opens
@@ -478,8 +491,16 @@ async fn prepare_all(
         .await
         .map_err(|e| PrepFailure::Failed(e.to_string()))?;
     let shell_argv = spec.shell.clone().filter(|argv| !argv.is_empty()).unwrap_or_else(default_shell);
-    let shell = IdleShell::open(&shell_argv, root, &crate::process::child_env())
-        .map_err(|e| PrepFailure::Failed(format!("idle shell `{}`: {e}", shell_argv.join(" "))))?;
+    let shell = {
+        let (argv, root) = (shell_argv.clone(), root.clone());
+        // Opening a terminal and forking the shell block: off the runtime.
+        process::off_runtime(move || IdleShell::open(&argv, &root, &process::child_env()))
+            .await
+            .unwrap_or_else(|| {
+                Err(ShellError::Spawn { program: shell_argv[0].clone(), source: "the task failed".into() })
+            })
+            .map_err(|e| PrepFailure::Failed(format!("idle shell `{}`: {e}", shell_argv.join(" "))))?
+    };
     tracing::info!(fingerprint = %workspace.fingerprint, skipped = workspace.skipped, "ready");
     Ok(Prepared { shell: Some(shell), mcp, fingerprint: workspace.fingerprint })
 }
@@ -496,7 +517,7 @@ fn default_shell() -> Vec<String> {
 /// credential is the one that can still be presented.
 async fn fetch_spec(api: &Api, login: &watch::Receiver<Login>) -> Result<Spec, PrepFailure> {
     let path = standby_protocol::SPEC_PATH;
-    let forever = Instant::now() + Duration::from_secs(100 * 365 * 24 * 3600);
+    let forever = time::after(Instant::now(), time::FOREVER);
     tracing::info!("fetching the spec");
     let backoff = call_backoff().with_max_delay(control::BACKOFF_CAP);
     retry(&format!("GET {path}"), forever, backoff, || {
@@ -508,16 +529,6 @@ async fn fetch_spec(api: &Api, login: &watch::Receiver<Login>) -> Result<Spec, P
         (Class::Unauthorized | Class::Gone, Some(status)) => PrepFailure::Refused(status),
         _ => PrepFailure::Failed(format!("fetching the spec: {e}")),
     })
-}
-
-fn deadline_instant(deadline: Deadline, start: Instant) -> Instant {
-    match deadline {
-        Deadline::After(after) => start + after,
-        Deadline::At(at) => {
-            let from_now = at.duration_since(std::time::SystemTime::now()).unwrap_or_default();
-            Instant::now() + from_now
-        }
-    }
 }
 
 /// Waits for an optional task; never resolves when there is none.

@@ -42,9 +42,10 @@ pub const STABLE_AFTER: Duration = Duration::from_secs(10);
 #[derive(Debug)]
 pub enum ControlEvent {
     Connected(Credential),
+    /// Boxed: an assignment is far larger than the other events.
     Message {
         credential: Credential,
-        message: ServerMessage,
+        message: Box<ServerMessage>,
     },
     /// `401`, `403` or `410`: this credential will not be retried; the task
     /// waits for another credential.
@@ -239,7 +240,10 @@ async fn session(
     if let Err(e) = writer.send(heartbeat(status)).await {
         return SessionEnd::Dropped(format!("sending the first heartbeat: {e}"));
     }
-    let mut ticker = tokio::time::interval_at(Instant::now() + config.heartbeat_interval, config.heartbeat_interval);
+    let mut ticker = tokio::time::interval_at(
+        crate::time::after(Instant::now(), config.heartbeat_interval),
+        config.heartbeat_interval,
+    );
     ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
     loop {
         tokio::select! {
@@ -264,7 +268,7 @@ async fn session(
                         tracing::debug!(type_name, "message of unknown type skipped");
                     }
                     Ok(message) => {
-                        if events.send(ControlEvent::Message { credential: kind, message }).await.is_err() {
+                        if events.send(ControlEvent::Message { credential: kind, message: Box::new(message) }).await.is_err() {
                             return SessionEnd::Shutdown;
                         }
                     }

@@ -23,3 +23,4 @@ pub mod process;
 pub mod reaper;
 pub mod redact;
 pub mod shell;
+pub mod time;

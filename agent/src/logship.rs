@@ -250,7 +250,7 @@ impl Sender {
     async fn send(&self, batch: &[u8]) -> Result<(), Failure> {
         let chunk = LogChunk::new(self.offset, batch);
         let call = format!("POST {}", self.path);
-        let deadline = Instant::now() + self.chunk_timeout;
+        let deadline = crate::time::after(Instant::now(), self.chunk_timeout);
         // `retry` only checks its deadline between attempts; the outer bound
         // also cuts an attempt that hangs.
         let attempts =
