@@ -42,9 +42,9 @@ pub const STABLE_AFTER: Duration = Duration::from_secs(10);
 #[derive(Debug)]
 pub enum ControlEvent {
     Connected(Credential),
-    /// Boxed: an assignment is far larger than the other events.
     Message {
         credential: Credential,
+        /// Boxed: an assignment is far larger than the other events.
         message: Box<ServerMessage>,
     },
     /// `401`, `403` or `410`: this credential will not be retried; the task
