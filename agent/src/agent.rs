@@ -22,15 +22,17 @@ use crate::config::{Config, Deadline};
 use crate::control::{self, ControlConfig, ControlEvent, Login};
 use crate::exit::Exit;
 use crate::install::{self, InstallInput, Installed, Prepared};
-use crate::lifecycle::{Action, Credential, Input, InstallFailure, Lifecycle, RunSignal, Timeouts};
+use crate::lifecycle::{Action, Cause, Credential, Input, InstallFailure, Lifecycle, RunSignal, Timeouts};
 use crate::logship::{self, ShipReport};
 use crate::mcp::McpSupervisor;
 use crate::redact::Redactor;
 use crate::shell::{IdleShell, ShellError};
 use crate::{prepare, process, reaper, time};
 
-/// How long the final log upload may take once the run has exited.
-const LOG_DRAIN_BOUND: Duration = Duration::from_secs(30);
+/// How long the agent waits for the log shipper once the run has exited: a
+/// backstop behind the shipper's own drain bound, which starts when the
+/// output ends (at most 2 s after the run's exit).
+const LOG_DRAIN_BOUND: Duration = Duration::from_secs(35);
 /// Grace for stray children at exit.
 const CHILD_GRACE: Duration = Duration::from_secs(2);
 
@@ -122,6 +124,8 @@ impl Driver {
             config.deadline.map(|d| time::deadline_instant(d, start, start, std::time::SystemTime::now()));
         let timeouts = Timeouts {
             standby_deadline,
+            prepare_deadline: Some(time::after(start, config.prepare_timeout)),
+            prepare: config.prepare_timeout,
             confirm: config.confirm_timeout,
             install: config.install_timeout,
             grace: config.cancel_grace,
@@ -248,7 +252,10 @@ impl Driver {
         }
         let (report, exit) = finish.unwrap_or((None, Exit::Internal));
         if let Some(prep) = prep {
+            // Dropping the preparation kills what it started (git and setup
+            // process groups, MCP servers); wait until it is dropped.
             prep.abort();
+            let _ = prep.await;
         }
         self.wind_down(report).await;
         let _ = control_stop_tx.send(true);
@@ -337,13 +344,14 @@ impl Driver {
     /// Spawns the run on the prepared terminal, then (off the critical
     /// path) reports `started` and ships its output.
     async fn start_run(&mut self) -> Result<(), InstallFailure> {
-        let installed = self.installed.take().ok_or_else(|| InstallFailure::new("start", "nothing installed", true))?;
-        let prepared =
-            self.prepared.as_mut().ok_or_else(|| InstallFailure::new("start", "no prepared terminal", true))?;
-        let (execution_id, credential) =
-            self.run_credential.clone().ok_or_else(|| InstallFailure::new("start", "no run credential", true))?;
-        let shell =
-            prepared.shell.take().ok_or_else(|| InstallFailure::new("start", "the idle shell is gone", true))?;
+        let missing = |what: &str| InstallFailure::new("start", what, Cause::Sandbox);
+        let installed = self.installed.take().ok_or_else(|| missing("nothing installed"))?;
+        let prepared = self.prepared.as_mut().ok_or_else(|| missing("no prepared terminal"))?;
+        let (execution_id, credential) = self.run_credential.clone().ok_or_else(|| missing("no run credential"))?;
+        let shell = prepared
+            .shell
+            .take()
+            .ok_or_else(|| InstallFailure::new("terminal", "the idle shell is gone", Cause::RefusedShell))?;
         // Killing and reaping the shell and forking the run block: off the
         // runtime, which keeps the heartbeats going meanwhile.
         let (installed, replaced) = process::off_runtime(move || {
@@ -351,9 +359,8 @@ impl Driver {
             (installed, replaced)
         })
         .await
-        .ok_or_else(|| InstallFailure::new("start", "the task starting the run failed", true))?;
-        let mut run = replaced
-            .map_err(|e| InstallFailure::new("start", format!("starting `{}`: {e}", installed.argv[0]), false))?;
+        .ok_or_else(|| missing("the task starting the run failed"))?;
+        let mut run = replaced.map_err(|e| start_failure(&installed.argv[0], &e))?;
         let started_at = Instant::now();
         let pgid = i32::try_from(run.pid()).unwrap_or(i32::MAX);
         self.log_timing(&execution_id, &installed, started_at);
@@ -366,7 +373,11 @@ impl Driver {
             execution_id.clone(),
             output,
             redactor,
-            self.config.event_timeout,
+            logship::ShipConfig {
+                spool_dir: self.config.workspace.join(install::STATE_DIR),
+                bound: self.config.log_spool_max,
+                drain: logship::DRAIN_BOUND,
+            },
         ));
         let started_event = tokio::spawn({
             let (api, id, timeout) = (self.api.clone(), execution_id.clone(), self.config.event_timeout);
@@ -442,6 +453,25 @@ impl Driver {
             if let Some(shell) = prepared.shell.take() {
                 shell.close().await;
             }
+        }
+    }
+}
+
+/// The install failure for a run that could not replace the idle shell:
+/// a shell that refuses to be replaced (it died or became busy since the
+/// install checked it) is this sandbox's problem, a command that cannot
+/// start is the run's.
+fn start_failure(program: &str, error: &ShellError) -> InstallFailure {
+    let message = format!("starting `{program}`: {error}");
+    match error {
+        ShellError::NotAlive { .. } | ShellError::Busy { .. } | ShellError::NoForeground | ShellError::NotWritable => {
+            InstallFailure::new("terminal", message, Cause::RefusedShell)
+        }
+        ShellError::EmptyCommand | ShellError::Cwd { .. } | ShellError::Spawn { .. } => {
+            InstallFailure::new("start", message, Cause::InvalidRun)
+        }
+        ShellError::OpenPty { .. } | ShellError::Io { .. } | ShellError::Signal { .. } => {
+            InstallFailure::new("start", message, Cause::Sandbox)
         }
     }
 }
@@ -576,5 +606,38 @@ async fn sleep_until(deadline: Option<Instant>) {
     match deadline {
         Some(at) => tokio::time::sleep_until(at).await,
         None => std::future::pending().await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::PathBuf;
+
+    use super::*;
+
+    #[test]
+    fn a_shell_refusing_replacement_is_requeueable_a_command_that_cannot_start_is_not() {
+        let refusals = [
+            ShellError::Busy { foreground_pgid: 42 },
+            ShellError::NotAlive { status: "exit status 1".into() },
+            ShellError::NoForeground,
+            ShellError::NotWritable,
+        ];
+        for error in refusals {
+            let failure = start_failure("agent.sh", &error);
+            assert_eq!((failure.stage.as_str(), failure.requeueable), ("terminal", true), "{failure:?}");
+        }
+        let invalid = [
+            ShellError::EmptyCommand,
+            ShellError::Cwd { path: PathBuf::from("/nope"), source: std::io::ErrorKind::NotFound.into() },
+            ShellError::Spawn { program: "agent.sh".into(), source: "not found".into() },
+        ];
+        for error in invalid {
+            let failure = start_failure("agent.sh", &error);
+            assert_eq!((failure.stage.as_str(), failure.requeueable), ("start", false), "{failure:?}");
+        }
+        let failure = start_failure("agent.sh", &ShellError::OpenPty { source: "no ptys left".into() });
+        assert_eq!((failure.stage.as_str(), failure.requeueable), ("start", true), "{failure:?}");
+        assert!(failure.message.starts_with("starting `agent.sh`: "), "{}", failure.message);
     }
 }

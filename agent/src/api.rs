@@ -136,6 +136,19 @@ impl Api {
         body: Option<&serde_json::Value>,
     ) -> Result<reqwest::Response, ApiError> {
         let call = format!("{method} {path}");
+        let response = self.answer(method, credential, path, body).await?;
+        if response.status().is_success() { Ok(response) } else { Err(refusal(call, &response)) }
+    }
+
+    /// One request, whatever the status of its answer.
+    async fn answer(
+        &self,
+        method: Method,
+        credential: &Secret,
+        path: &str,
+        body: Option<&serde_json::Value>,
+    ) -> Result<reqwest::Response, ApiError> {
+        let call = format!("{method} {path}");
         let mut request = self
             .client
             .request(method, self.url(path))
@@ -144,20 +157,7 @@ impl Api {
         if let Some(body) = body {
             request = request.json(body);
         }
-        let response = request
-            .send()
-            .await
-            .map_err(|source| ApiError::Transport { call: call.clone(), source: source.without_url() })?;
-        let status = response.status();
-        if status.is_success() {
-            return Ok(response);
-        }
-        let retry_after = response
-            .headers()
-            .get(header::RETRY_AFTER)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| parse_retry_after(v, std::time::SystemTime::now()));
-        Err(ApiError::Status { call, status, retry_after })
+        request.send().await.map_err(|source| ApiError::Transport { call, source: source.without_url() })
     }
 
     /// One `GET`, decoded as JSON.
@@ -184,6 +184,33 @@ impl Api {
         self.send(Method::POST, credential, path, Some(&value)).await.map(drop)
     }
 
+    /// One `POST` whose `409` answer carries a body the caller acts on (a
+    /// log chunk's `{"received": n}`): `Ok(None)` for any `2xx`,
+    /// `Ok(Some(body))` for a `409` with a body of type `C`, an error
+    /// otherwise (a `409` without one included).
+    pub async fn post_or_conflict<B: Serialize, C: DeserializeOwned>(
+        &self,
+        credential: &Secret,
+        path: &str,
+        body: &B,
+    ) -> Result<Option<C>, ApiError> {
+        let value = encode(path, Some(body))?;
+        let call = format!("POST {path}");
+        let response = self.answer(Method::POST, credential, path, Some(&value)).await?;
+        let status = response.status();
+        if status.is_success() {
+            return Ok(None);
+        }
+        let error = refusal(call, &response);
+        if status != StatusCode::CONFLICT {
+            return Err(error);
+        }
+        match response.bytes().await {
+            Ok(bytes) => serde_json::from_slice(&bytes).map(Some).map_err(|_| error),
+            Err(_) => Err(error),
+        }
+    }
+
     /// One `GET` of raw bytes, at most `limit` of them.
     pub async fn get_bytes(&self, credential: &Secret, path_or_url: &str, limit: u64) -> Result<Vec<u8>, ApiError> {
         let call = format!("GET {path_or_url}");
@@ -201,6 +228,16 @@ impl Api {
         }
         Ok(bytes)
     }
+}
+
+/// The error for a non-`2xx` answer, with its `Retry-After`.
+fn refusal(call: String, response: &reqwest::Response) -> ApiError {
+    let retry_after = response
+        .headers()
+        .get(header::RETRY_AFTER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| parse_retry_after(v, std::time::SystemTime::now()));
+    ApiError::Status { call, status: response.status(), retry_after }
 }
 
 fn encode<B: Serialize>(path: &str, body: Option<&B>) -> Result<serde_json::Value, ApiError> {

@@ -70,6 +70,13 @@ pub struct Args {
           value_parser = parse_duration)]
     pub install_timeout: Duration,
 
+    /// Bound on the whole preparation (spec, clones, setup, MCP servers, idle
+    /// shell). When it passes with no assignment held, exit 15; with one
+    /// held, the install fails (stage `prepare`, requeueable) and exit 13.
+    #[arg(long, env = "STANDBY_PREPARE_TIMEOUT", value_name = "DURATION", default_value = "30m",
+          value_parser = parse_duration)]
+    pub prepare_timeout: Duration,
+
     /// After a cancel or SIGTERM, how long the run has between SIGTERM and SIGKILL.
     #[arg(long, env = "STANDBY_CANCEL_GRACE", value_name = "DURATION", default_value = "10s",
           value_parser = parse_duration)]
@@ -96,6 +103,11 @@ pub struct Args {
     /// Allow plain `http://`/`ws://` to a host that is not a loopback address.
     #[arg(long, env = "STANDBY_INSECURE")]
     pub insecure: bool,
+
+    /// Bytes of the run's output kept while the log endpoint fails (testing only).
+    #[arg(long, env = "STANDBY_LOG_SPOOL_MAX", value_name = "BYTES", default_value_t = crate::logship::SPOOL_BOUND,
+          value_parser = clap::value_parser!(u64).range(1..), hide = true)]
+    pub log_spool_max: u64,
 
     /// Run the install steps one after another (benchmarking only).
     #[arg(long, env = "STANDBY_INSTALL_PLAN", value_name = "PLAN", default_value = "parallel", hide = true)]
@@ -161,10 +173,12 @@ pub struct Config {
     pub deadline: Option<Deadline>,
     pub confirm_timeout: Duration,
     pub install_timeout: Duration,
+    pub prepare_timeout: Duration,
     pub cancel_grace: Duration,
     pub mcp_ready_timeout: Duration,
     pub event_timeout: Duration,
     pub install_plan: InstallPlan,
+    pub log_spool_max: u64,
 }
 
 /// A setting that failed validation; the agent exits 2 with this message.
@@ -203,10 +217,12 @@ impl Args {
             deadline: self.deadline,
             confirm_timeout: self.confirm_timeout,
             install_timeout: self.install_timeout,
+            prepare_timeout: self.prepare_timeout,
             cancel_grace: self.cancel_grace,
             mcp_ready_timeout: self.mcp_ready_timeout,
             event_timeout: self.event_timeout,
             install_plan: self.install_plan,
+            log_spool_max: self.log_spool_max,
         })
     }
 }

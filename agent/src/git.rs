@@ -19,6 +19,11 @@ use tokio::process::Command;
 
 use crate::process::{child_env, register, unregister};
 
+/// `http.lowSpeedLimit` (bytes per second) and `http.lowSpeedTime`
+/// (seconds): a transfer slower than the limit for that long fails.
+const LOW_SPEED_LIMIT: &str = "1";
+const LOW_SPEED_TIME: &str = "60";
+
 /// How many trailing lines of git's stderr an error keeps: enough for
 /// git's "fatal:" line and its hint, without flooding a report.
 const STDERR_LINES: usize = 5;
@@ -135,12 +140,19 @@ impl Git<'_> {
             .args(args)
             .current_dir(self.dir)
             .env_clear()
+            // A transfer with no progress for 60 s fails (the environment
+            // may say otherwise); a server that never answers at all is
+            // left to the preparation or install bound, which kills the
+            // whole group.
+            .env("GIT_HTTP_LOW_SPEED_LIMIT", LOW_SPEED_LIMIT)
+            .env("GIT_HTTP_LOW_SPEED_TIME", LOW_SPEED_TIME)
             .envs(child_env())
             .env("GIT_TERMINAL_PROMPT", "0")
             .envs(self.extra_env)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
+            .process_group(0)
             .kill_on_drop(true);
         for name in REPO_LOCATING_VARIABLES {
             command.env_remove(name);
@@ -262,7 +274,9 @@ impl Git<'_> {
 }
 
 /// Unregisters a child once its owner is done with it, also when the
-/// owning future is dropped (`kill_on_drop` then kills it and tokio reaps it).
+/// owning future is dropped (`kill_on_drop` then kills it and tokio reaps
+/// it), and kills its process group: git's transport helpers
+/// (`git-remote-https`, `ssh`) die with it, and the reaper reaps them.
 struct Registration(u32);
 
 impl Registration {
@@ -274,6 +288,10 @@ impl Registration {
 
 impl Drop for Registration {
     fn drop(&mut self) {
+        if let Ok(pgid) = i32::try_from(self.0) {
+            // ESRCH: the group is already empty, which is the goal.
+            let _ = nix::sys::signal::killpg(nix::unistd::Pid::from_raw(pgid), nix::sys::signal::Signal::SIGKILL);
+        }
         unregister(self.0);
     }
 }

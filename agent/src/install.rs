@@ -32,7 +32,7 @@ use tokio::time::Instant;
 
 use crate::api::{Api, ApiError, Class, call_backoff, retry};
 use crate::config::InstallPlan;
-use crate::lifecycle::InstallFailure;
+use crate::lifecycle::{Cause, InstallFailure};
 use crate::mcp::McpSupervisor;
 use crate::paths::{check_file_name, resolve_inside, write_atomic};
 use crate::shell::IdleShell;
@@ -111,7 +111,7 @@ impl Steps {
 fn network(stage: &'static str) -> impl Fn(ApiError) -> InstallFailure {
     move |error| match (error.class(), error.status()) {
         (Class::Unauthorized | Class::Gone, Some(status)) => InstallFailure::refused(stage, error.to_string(), status),
-        _ => InstallFailure::new(stage, error.to_string(), true),
+        _ => InstallFailure::new(stage, error.to_string(), Cause::Network),
     }
 }
 
@@ -125,7 +125,7 @@ pub async fn install(input: &InstallInput, prepared: &mut Prepared) -> Result<In
     // root must never pick them up with `git add -A`.
     write_atomic(&state_dir.join(".gitignore"), b"*\n", 0o644)
         .await
-        .map_err(|e| InstallFailure::new("check", format!("writing {}: {e}", state_dir.display()), true))?;
+        .map_err(|e| InstallFailure::new("check", format!("writing {}: {e}", state_dir.display()), Cause::Sandbox))?;
 
     let Prepared { shell, mcp, fingerprint: prepared_fingerprint } = prepared;
     let mcp_restart = steps.time("mcp", restart_mcp(mcp, &input.run.mcp_env));
@@ -137,9 +137,12 @@ pub async fn install(input: &InstallInput, prepared: &mut Prepared) -> Result<In
         };
         steps
             .time("terminal", async {
-                let shell =
-                    shell.as_mut().ok_or_else(|| InstallFailure::new("terminal", "the idle shell is gone", true))?;
-                shell.check_replaceable().map_err(|e| InstallFailure::new("terminal", e.to_string(), true))
+                let shell = shell
+                    .as_mut()
+                    .ok_or_else(|| InstallFailure::new("terminal", "the idle shell is gone", Cause::RefusedShell))?;
+                shell
+                    .check_replaceable()
+                    .map_err(|e| InstallFailure::new("terminal", e.to_string(), Cause::RefusedShell))
             })
             .await?;
         Ok::<_, InstallFailure>((cwd, fetched))
@@ -158,11 +161,12 @@ pub async fn install(input: &InstallInput, prepared: &mut Prepared) -> Result<In
     if !failed_mcp.is_empty() {
         let message = failed_mcp.join("; ");
         if input.run.strict_mcp {
-            return Err(InstallFailure::new("mcp", message, true));
+            return Err(InstallFailure::new("mcp", message, Cause::StrictMcp));
         }
         tracing::warn!(execution_id = %input.execution_id, failures = message, "MCP servers failed to restart; the run is degraded");
     }
-    let mcp_config = mcp.write_config(&input.root).map_err(|e| InstallFailure::new("mcp", e.to_string(), true))?;
+    let mcp_config =
+        mcp.write_config(&input.root).map_err(|e| InstallFailure::new("mcp", e.to_string(), Cause::Sandbox))?;
     let env = run_env(input, &fetched, mcp_config.as_deref());
     let secrets = fetched
         .secrets
@@ -189,18 +193,18 @@ async fn restart_mcp(mcp: &mut McpSupervisor, mcp_env: &BTreeMap<String, String>
 fn check(input: &InstallInput, prepared: &Fingerprint) -> Result<PathBuf, InstallFailure> {
     let run = &input.run;
     if run.command.is_empty() || run.command[0].is_empty() {
-        return Err(InstallFailure::new("check", "the run has no command", false));
+        return Err(InstallFailure::new("check", "the run has no command", Cause::InvalidRun));
     }
     let cwd = match run.cwd.as_deref() {
         None | Some("") => input.root.clone(),
         Some(cwd) => resolve_inside(&input.root, cwd)
-            .map_err(|e| InstallFailure::new("check", format!("run cwd: {e}"), false))?,
+            .map_err(|e| InstallFailure::new("check", format!("run cwd: {e}"), Cause::InvalidRun))?,
     };
     if !cwd.is_dir() {
         return Err(InstallFailure::new(
             "check",
             format!("run cwd `{}` is not a directory in the workspace", run.cwd.as_deref().unwrap_or(".")),
-            false,
+            Cause::InvalidRun,
         ));
     }
     if let Some(workspace) = &run.workspace {
@@ -209,7 +213,7 @@ fn check(input: &InstallInput, prepared: &Fingerprint) -> Result<PathBuf, Instal
             return Err(InstallFailure::new(
                 "same_preparation",
                 format!("the run's workspace has fingerprint {wanted}, this sandbox was prepared as {prepared}"),
-                true,
+                Cause::FingerprintMismatch,
             ));
         }
     }
@@ -274,7 +278,7 @@ async fn metadata(input: &InstallInput) -> Result<(), InstallFailure> {
     let bytes = serde_json::to_vec_pretty(&value).unwrap_or_default();
     write_atomic(&file, &bytes, 0o600)
         .await
-        .map_err(|e| InstallFailure::new("metadata", format!("writing {}: {e}", file.display()), true))
+        .map_err(|e| InstallFailure::new("metadata", format!("writing {}: {e}", file.display()), Cause::Sandbox))
 }
 
 pub fn metadata_file(root: &Path) -> PathBuf {
@@ -298,12 +302,12 @@ async fn attachments(input: &InstallInput) -> Result<(), InstallFailure> {
     // Every name is checked before anything is downloaded or written.
     for attachment in &response.attachments {
         check_file_name(&attachment.name)
-            .map_err(|e| InstallFailure::new("attachments", format!("attachment name: {e}"), false))?;
+            .map_err(|e| InstallFailure::new("attachments", format!("attachment name: {e}"), Cause::InvalidRun))?;
     }
     let dir = attachments_dir(&input.root);
     tokio::fs::create_dir_all(&dir)
         .await
-        .map_err(|e| InstallFailure::new("attachments", format!("creating {}: {e}", dir.display()), true))?;
+        .map_err(|e| InstallFailure::new("attachments", format!("creating {}: {e}", dir.display()), Cause::Sandbox))?;
     futures::future::try_join_all(response.attachments.iter().map(|a| download(input, &dir, a))).await?;
     Ok(())
 }
@@ -320,13 +324,13 @@ async fn download(input: &InstallInput, dir: &Path, attachment: &Attachment) -> 
         return Err(InstallFailure::new(
             "attachments",
             format!("attachment `{}`: SHA-256 is {actual}, expected {}", attachment.name, attachment.sha256),
-            true,
+            Cause::Network,
         ));
     }
     let file = dir.join(&attachment.name);
     write_atomic(&file, &bytes, 0o600)
         .await
-        .map_err(|e| InstallFailure::new("attachments", format!("writing {}: {e}", file.display()), true))
+        .map_err(|e| InstallFailure::new("attachments", format!("writing {}: {e}", file.display()), Cause::Sandbox))
 }
 
 /// Fetches git credentials, writes them in git's credential-store format
@@ -344,9 +348,9 @@ async fn git_credentials(input: &InstallInput) -> Result<(BTreeMap<String, Strin
     }
     let file = git_credentials_file(&input.root);
     let lines: String = response.credentials.iter().map(store_line).collect();
-    write_atomic(&file, lines.as_bytes(), 0o600)
-        .await
-        .map_err(|e| InstallFailure::new("git_credentials", format!("writing {}: {e}", file.display()), true))?;
+    write_atomic(&file, lines.as_bytes(), 0o600).await.map_err(|e| {
+        InstallFailure::new("git_credentials", format!("writing {}: {e}", file.display()), Cause::Sandbox)
+    })?;
     let index = std::env::var("GIT_CONFIG_COUNT").ok().and_then(|n| n.parse::<usize>().ok()).unwrap_or(0);
     let env = BTreeMap::from([
         ("GIT_CONFIG_COUNT".to_owned(), (index + 1).to_string()),
@@ -384,11 +388,13 @@ async fn refresh(input: &InstallInput, git_env: &BTreeMap<String, String>) -> Re
     let repos = input.run.workspace.as_ref().map_or(&input.spec.workspace.repos, |w| &w.repos);
     let refreshes = repos.iter().map(|repo| async move {
         let dest = resolve_inside(&input.root, &repo.path)
-            .map_err(|e| InstallFailure::new("refresh", format!("repo path: {e}"), false))?;
+            .map_err(|e| InstallFailure::new("refresh", format!("repo path: {e}"), Cause::InvalidRun))?;
         let sha = tokio::time::timeout_at(input.deadline, crate::git::refresh(repo, &dest, git_env))
             .await
-            .map_err(|_| InstallFailure::new("refresh", format!("refreshing `{}` timed out", repo.path), true))?
-            .map_err(|e| InstallFailure::new("refresh", e.to_string(), true))?;
+            .map_err(|_| {
+                InstallFailure::new("refresh", format!("refreshing `{}` timed out", repo.path), Cause::Deadline)
+            })?
+            .map_err(|e| InstallFailure::new("refresh", e.to_string(), Cause::Network))?;
         tracing::debug!(path = repo.path, sha, "repo refreshed");
         Ok::<_, InstallFailure>(())
     });

@@ -21,6 +21,54 @@ pub enum Credential {
     Run,
 }
 
+/// What kind of failure stopped the install: decides `requeueable`, in
+/// this one place. The contract's rule: requeueable where a fresh cold
+/// sandbox could plausibly succeed, not where the run itself is invalid.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Cause {
+    /// The run is invalid wherever it goes: no command, a `cwd` that leaves
+    /// the workspace or is not a directory, an attachment name with a path
+    /// separator or `..`, a repo path that leaves the workspace, a command
+    /// that cannot be spawned.
+    InvalidRun,
+    /// A call to the server, a download or a git transfer failed.
+    Network,
+    /// The idle shell is dead, busy or its terminal not writable.
+    RefusedShell,
+    /// The assignment's workspace is not the one prepared here.
+    FingerprintMismatch,
+    /// An MCP server failed to restart under `strict_mcp`.
+    StrictMcp,
+    /// The install did not finish within its bound.
+    Deadline,
+    /// Delivery was not confirmed within the confirm timeout.
+    Unconfirmed,
+    /// Preparation failed, or its bound passed, with the assignment held.
+    Preparation,
+    /// The agent was stopped (SIGTERM) before the run started.
+    Terminated,
+    /// This sandbox could not do its part: a file it could not write, a
+    /// terminal gone missing.
+    Sandbox,
+}
+
+impl Cause {
+    pub fn requeueable(self) -> bool {
+        match self {
+            Self::InvalidRun => false,
+            Self::Network
+            | Self::RefusedShell
+            | Self::FingerprintMismatch
+            | Self::StrictMcp
+            | Self::Deadline
+            | Self::Unconfirmed
+            | Self::Preparation
+            | Self::Terminated
+            | Self::Sandbox => true,
+        }
+    }
+}
+
 /// Why the install failed, as reported in `install_failed`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct InstallFailure {
@@ -33,12 +81,13 @@ pub struct InstallFailure {
 }
 
 impl InstallFailure {
-    pub fn new(stage: &str, message: impl Into<String>, requeueable: bool) -> Self {
-        Self { stage: stage.to_owned(), message: message.into(), requeueable, refused: None }
+    /// A failure at `stage`; `cause` decides whether it is requeueable.
+    pub fn new(stage: &str, message: impl Into<String>, cause: Cause) -> Self {
+        Self { stage: stage.to_owned(), message: message.into(), requeueable: cause.requeueable(), refused: None }
     }
 
     pub fn refused(stage: &str, message: impl Into<String>, status: u16) -> Self {
-        Self { refused: Some(status), ..Self::new(stage, message, true) }
+        Self { refused: Some(status), ..Self::new(stage, message, Cause::Network) }
     }
 
     fn event(self) -> EventKind {
@@ -140,6 +189,11 @@ pub const WITHDRAW_GRACE: Duration = Duration::from_secs(1);
 pub struct Timeouts {
     /// No assignment by then: exit 12.
     pub standby_deadline: Option<Instant>,
+    /// Preparation not finished by then: exit 15, or the held assignment's
+    /// install fails (stage `prepare`).
+    pub prepare_deadline: Option<Instant>,
+    /// The preparation bound the deadline came from, for messages.
+    pub prepare: Duration,
     pub confirm: Duration,
     pub install: Duration,
     /// Between SIGTERM and SIGKILL for a stopping run.
@@ -201,12 +255,13 @@ impl Lifecycle {
 
     /// When [`Input::Tick`] should next be delivered.
     pub fn next_deadline(&self) -> Option<Instant> {
+        let prepare = self.timeouts.prepare_deadline.filter(|_| !self.prepared);
         match &self.phase {
-            Phase::Waiting => self.timeouts.standby_deadline,
+            Phase::Waiting => [self.timeouts.standby_deadline, prepare].into_iter().flatten().min(),
             Phase::Installing { install_by, installed, confirm_by, confirmed, .. } => {
                 let confirm = (!confirmed).then_some(*confirm_by);
                 let install = install_by.filter(|_| !installed);
-                [confirm, install].into_iter().flatten().min()
+                [confirm, install, prepare].into_iter().flatten().min()
             }
             Phase::Running { stop: Some((_, kill_at)), killed: false, .. } => Some(*kill_at),
             Phase::Withdrawing { until, .. } => Some(*until),
@@ -247,9 +302,10 @@ impl Lifecycle {
     fn on_prepared(&mut self, now: Instant, result: Result<(), String>) -> Vec<Action> {
         if let Err(message) = result {
             return match self.phase {
-                Phase::Installing { .. } => {
-                    self.finish(Some(InstallFailure::new("prepare", message, true).event()), Exit::InstallFailed)
-                }
+                Phase::Installing { .. } => self.finish(
+                    Some(InstallFailure::new("prepare", message, Cause::Preparation).event()),
+                    Exit::InstallFailed,
+                ),
                 _ => self.finish(None, Exit::PrepareFailed),
             };
         }
@@ -398,6 +454,11 @@ impl Lifecycle {
         vec![Action::SignalRun(RunSignal::Terminate)]
     }
 
+    /// Preparation has not finished and its bound has passed.
+    fn preparation_overdue(&self, now: Instant) -> bool {
+        !self.prepared && self.timeouts.prepare_deadline.is_some_and(|by| now >= by)
+    }
+
     fn on_run_exited(&mut self, code: i32) -> Vec<Action> {
         let Phase::Running { stop, .. } = &self.phase else {
             return Vec::new();
@@ -414,8 +475,12 @@ impl Lifecycle {
             Phase::Waiting => self.finish(None, Exit::Success),
             Phase::Installing { .. } => self.finish(
                 Some(
-                    InstallFailure::new("terminated", "the agent was stopped (SIGTERM) before the run started", true)
-                        .event(),
+                    InstallFailure::new(
+                        "terminated",
+                        "the agent was stopped (SIGTERM) before the run started",
+                        Cause::Terminated,
+                    )
+                    .event(),
                 ),
                 Exit::InstallFailed,
             ),
@@ -426,30 +491,50 @@ impl Lifecycle {
     }
 
     fn on_tick(&mut self, now: Instant) -> Vec<Action> {
+        let overdue = self.preparation_overdue(now);
         match &mut self.phase {
             Phase::Waiting => match self.timeouts.standby_deadline {
                 Some(deadline) if now >= deadline => {
                     tracing::info!("standby deadline passed with no assignment");
                     self.finish(None, Exit::DeadlinePassed)
                 }
+                _ if overdue => {
+                    tracing::error!(
+                        timeout = %humantime::format_duration(self.timeouts.prepare),
+                        "preparation did not finish within STANDBY_PREPARE_TIMEOUT"
+                    );
+                    self.finish(None, Exit::PrepareFailed)
+                }
                 _ => Vec::new(),
             },
+            Phase::Installing { .. } if overdue => {
+                let message =
+                    format!("preparation did not finish within {}", humantime::format_duration(self.timeouts.prepare));
+                self.finish(
+                    Some(InstallFailure::new("prepare", message, Cause::Preparation).event()),
+                    Exit::InstallFailed,
+                )
+            }
             Phase::Installing { confirm_by, confirmed, install_by, installed, .. } => {
                 if !*confirmed && now >= *confirm_by {
                     let message = format!(
                         "delivery was not confirmed within {}",
                         humantime::format_duration(self.timeouts.confirm)
                     );
-                    return self
-                        .finish(Some(InstallFailure::new("confirm", message, true).event()), Exit::InstallFailed);
+                    return self.finish(
+                        Some(InstallFailure::new("confirm", message, Cause::Unconfirmed).event()),
+                        Exit::InstallFailed,
+                    );
                 }
                 if !*installed && install_by.is_some_and(|by| now >= by) {
                     let message = format!(
                         "the install did not finish within {}",
                         humantime::format_duration(self.timeouts.install)
                     );
-                    return self
-                        .finish(Some(InstallFailure::new("install", message, true).event()), Exit::InstallFailed);
+                    return self.finish(
+                        Some(InstallFailure::new("install", message, Cause::Deadline).event()),
+                        Exit::InstallFailed,
+                    );
                 }
                 Vec::new()
             }
@@ -477,11 +562,14 @@ mod tests {
     const CONFIRM: Duration = Duration::from_secs(300);
     const INSTALL: Duration = Duration::from_secs(120);
     const GRACE: Duration = Duration::from_secs(10);
+    const PREPARE: Duration = Duration::from_secs(1800);
 
     fn machine(deadline: Option<Duration>) -> (Lifecycle, Instant) {
         let start = Instant::now();
         let timeouts = Timeouts {
             standby_deadline: deadline.map(|d| start + d),
+            prepare_deadline: Some(start + PREPARE),
+            prepare: PREPARE,
             confirm: CONFIRM,
             install: INSTALL,
             grace: GRACE,
@@ -623,6 +711,63 @@ mod tests {
     }
 
     #[test]
+    fn preparation_past_its_bound_exits_15_without_an_assignment() {
+        let (mut m, start) = machine(None);
+        assert_eq!(m.next_deadline(), Some(start + PREPARE));
+        assert!(m.handle(start + PREPARE - Duration::from_millis(1), Input::Tick).is_empty());
+        let (report, exit) = finish(&m.handle(start + PREPARE, Input::Tick));
+        assert_eq!((report, exit), (None, Exit::PrepareFailed));
+    }
+
+    #[test]
+    fn preparation_past_its_bound_with_an_assignment_held_fails_the_install_requeueable() {
+        let (mut m, start) = machine(None);
+        m.handle(start, server(Credential::Standby, assignment("exe_1")));
+        // The confirmation is done; only the preparation is outstanding.
+        m.handle(start, server(Credential::Run, assignment("exe_1")));
+        assert_eq!(m.next_deadline(), Some(start + PREPARE));
+        let actions = m.handle(start + PREPARE, Input::Tick);
+        assert_eq!(names(&actions), ["abort", "finish"]);
+        let (report, exit) = finish(&actions);
+        assert_eq!(exit, Exit::InstallFailed);
+        assert!(
+            matches!(report, Some(EventKind::InstallFailed { requeueable: true, ref stage, ref message }) if stage == "prepare" && message.contains("30m")),
+            "{report:?}"
+        );
+    }
+
+    #[test]
+    fn the_preparation_bound_ends_with_the_preparation() {
+        let (mut m, start) = machine(None);
+        m.handle(start, Input::PrepareFinished(Ok(())));
+        assert_eq!(m.next_deadline(), None);
+        assert!(m.handle(start + PREPARE, Input::Tick).is_empty());
+        m.handle(start + PREPARE, server(Credential::Standby, assignment("exe_1")));
+        assert_eq!(m.next_deadline(), Some(start + PREPARE + INSTALL), "only the install bound applies");
+    }
+
+    #[test]
+    fn requeueable_follows_the_kind_of_failure() {
+        let requeueable = [
+            (Cause::Network, true),
+            (Cause::RefusedShell, true),
+            (Cause::FingerprintMismatch, true),
+            (Cause::StrictMcp, true),
+            (Cause::Deadline, true),
+            (Cause::Unconfirmed, true),
+            (Cause::Preparation, true),
+            (Cause::Terminated, true),
+            (Cause::Sandbox, true),
+            (Cause::InvalidRun, false),
+        ];
+        for (cause, expected) in requeueable {
+            assert_eq!(cause.requeueable(), expected, "{cause:?}");
+            assert_eq!(InstallFailure::new("stage", "why", cause).requeueable, expected, "{cause:?}");
+        }
+        assert!(InstallFailure::refused("secrets", "401", 401).requeueable);
+    }
+
+    #[test]
     fn standby_refusals_map_to_exit_codes() {
         for (status, expected) in [(410, Exit::Unavailable), (401, Exit::Unauthorized), (403, Exit::Unauthorized)] {
             let (mut m, now) = machine(None);
@@ -697,7 +842,7 @@ mod tests {
     #[test]
     fn install_failure_is_reported_as_given() {
         let (mut m, now) = installing();
-        let failure = InstallFailure::new("check", "cwd `../x` leaves the workspace", false);
+        let failure = InstallFailure::new("check", "cwd `../x` leaves the workspace", Cause::InvalidRun);
         let (report, exit) = finish(&m.handle(now, Input::InstallFinished(Err(failure))));
         assert_eq!(exit, Exit::InstallFailed);
         assert!(matches!(report, Some(EventKind::InstallFailed { requeueable: false, .. })));
@@ -795,7 +940,7 @@ mod tests {
     #[test]
     fn spawn_failure_is_an_install_failure() {
         let (mut m, now) = running();
-        let failure = InstallFailure::new("start", "`nope`: command not found", false);
+        let failure = InstallFailure::new("start", "`nope`: command not found", Cause::InvalidRun);
         let (report, exit) = finish(&m.handle(now, Input::RunFailedToStart(failure)));
         assert_eq!(exit, Exit::InstallFailed);
         assert!(matches!(report, Some(EventKind::InstallFailed { requeueable: false, .. })));
@@ -811,10 +956,17 @@ mod tests {
             grace in crate::time::tests::any_duration(),
             deadline in crate::time::tests::any_duration(),
             tick in crate::time::tests::any_duration(),
+            prepare in crate::time::tests::any_duration(),
         ) {
             let start = Instant::now();
-            let timeouts =
-                Timeouts { standby_deadline: Some(time::after(start, deadline)), confirm, install, grace };
+            let timeouts = Timeouts {
+                standby_deadline: Some(time::after(start, deadline)),
+                prepare_deadline: Some(time::after(start, prepare)),
+                prepare,
+                confirm,
+                install,
+                grace,
+            };
             let mut m = Lifecycle::new(timeouts);
             let later = time::after(start, tick);
             m.handle(start, server(Credential::Standby, assignment("exe_1")));

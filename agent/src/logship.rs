@@ -1,275 +1,350 @@
-//! Ships the run's terminal output to `POST /v1/executions/{id}/log`.
+//! Ships the run's terminal output to `POST /v1/executions/{id}/log`
+//! without ever holding the run up, and without losing output silently.
 //!
-//! Two halves run concurrently in one task: a batcher reads the output,
-//! redacts it and cuts it into batches, and a sender posts the batches one at
-//! a time, strictly in order. Between them sits a queue of `QUEUE` batches,
-//! so output keeps being read into the next batch while a POST is in flight,
-//! but when the server is slower than the run, the batcher waits on the full
-//! queue, stops reading, and the run's output channel fills up: the producer
-//! feels the backpressure instead of the agent buffering without limit.
-//! Memory held here is bounded by about `QUEUE + 2` batches (the queue, the
-//! one in flight, the one being filled) plus one output item and its
-//! redacted copy.
+//! A spooler thread reads the output as the terminal delivers it, redacts
+//! it and appends it to a spool: a ring of `bound` bytes in an unlinked
+//! file (default [`SPOOL_BOUND`], 64 MiB). It waits on nothing but the disk,
+//! so the terminal is drained at the run's pace whatever the server does.
+//! A sender posts chunks from the spool one at a time, strictly in order,
+//! retrying transient failures with backoff for as long as it takes.
+//! [`ledger::Ledger`] keeps the books (offsets, spool positions, gaps);
+//! this module does the IO around it.
+//!
+//! - Spool full of unsent bytes: the newest bytes are dropped; the next
+//!   chunk carries `dropped` and its true `offset` (amendment 6).
+//! - `409` with `{"received": n}`: sending resumes from `n`, from the spool
+//!   if it still holds those bytes, else with the gap as `dropped`.
+//! - `401`/`403`/`410`: the credential was revoked; nothing more is sent.
+//! - Any other refusal: that chunk is given up; the next reports it as
+//!   `dropped`.
+//! - Once the output has ended, the sender has `drain` (default
+//!   [`DRAIN_BOUND`], 30 s) to get the rest acknowledged; then it gives up,
+//!   so a dead log endpoint cannot hold the run's final event forever.
 
+mod ledger;
+mod store;
+
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
-use standby_protocol::{LogChunk, Secret};
-use tokio::sync::mpsc;
-use tokio::sync::mpsc::error::SendError;
+use backon::BackoffBuilder;
+use standby_protocol::{LogChunk, LogReceived, Secret};
+use tokio::sync::{Notify, mpsc};
 use tokio::time::Instant;
 
-use crate::api::{self, Api, ApiError, Class};
+use self::ledger::{Chunk, Ledger};
+use self::store::Store;
+use crate::api::{self, Api, Class};
 use crate::redact::Redactor;
 
 /// Largest chunk of output per request (before base64): few requests for a
 /// chatty run, and a retry re-sends little.
 pub const MAX_BATCH: usize = 64 * 1024;
 
-/// How long the first byte of a batch waits for more before the batch goes
-/// out anyway, so a quiet run's output still shows up promptly.
+/// How long the first unsent byte waits for more before a chunk goes out
+/// anyway, so a quiet run's output still shows up promptly.
 pub const FLUSH_AFTER: Duration = Duration::from_millis(100);
 
-/// Batches waiting for the sender besides the one in flight.
-const QUEUE: usize = 2;
+/// Default spool bound: output the server has not acknowledged beyond this
+/// is dropped (and reported as `dropped`).
+pub const SPOOL_BOUND: u64 = 64 * 1024 * 1024;
+
+/// Default time the sender has, once the output ended, to get the rest
+/// acknowledged before the run's final event is reported anyway.
+pub const DRAIN_BOUND: Duration = Duration::from_secs(30);
+
+/// Where and how much to spool, and how long to drain.
+#[derive(Debug, Clone)]
+pub struct ShipConfig {
+    /// Directory of the spool file (the workspace's `.standby/`).
+    pub spool_dir: PathBuf,
+    pub bound: u64,
+    pub drain: Duration,
+}
 
 /// What happened to the run's output.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct ShipReport {
-    /// Bytes of the redacted stream the server acknowledged.
+    /// Bytes of the redacted output the server acknowledged.
     pub bytes: u64,
     /// Chunks the server acknowledged.
     pub chunks: u64,
-    /// Bytes of the redacted stream given up on: chunks that kept failing,
-    /// and everything after the credential was refused.
+    /// Bytes of the redacted output the server never got: dropped at the
+    /// spool, refused, or unsent when shipping ended.
     pub lost_bytes: u64,
+    /// `409` answers that moved the sender to the server's count.
+    pub resyncs: u64,
 }
 
-/// [`ship`] running in a task of its own, so the agent can start shipping
-/// when the run starts and collect the report once the run's output closed.
-///
-/// Dropping the handle does not stop shipping: the task still ends when the
-/// output closes, which is what keeps the run's producer from blocking on a
-/// channel nobody reads.
-#[derive(Debug)]
-pub struct LogShipper {
-    task: tokio::task::JoinHandle<ShipReport>,
+/// The spool and its books, shared by the spooler and the sender.
+struct Spool {
+    ledger: Ledger,
+    store: Store,
+    /// The output has ended.
+    closed: bool,
+    /// When the oldest unsent byte arrived.
+    pending_since: Option<Instant>,
+    /// Dropping at the spool right now (logged once per episode).
+    overflowing: bool,
 }
 
-impl LogShipper {
-    /// Starts [`ship`] on the current runtime.
-    pub fn spawn(
-        api: Api,
-        credential: Secret,
-        execution_id: String,
-        output: mpsc::Receiver<Vec<u8>>,
-        redactor: Redactor,
-        chunk_timeout: Duration,
-    ) -> Self {
-        Self { task: tokio::spawn(ship(api, credential, execution_id, output, redactor, chunk_timeout)) }
-    }
+struct Shared {
+    spool: Mutex<Spool>,
+    /// Wakes the sender: new output, or its end.
+    wake: Notify,
+}
 
-    /// Waits until the output closed and every chunk was acknowledged or
-    /// given up on. A panic in shipping is resumed here.
-    pub async fn finish(self) -> ShipReport {
-        match self.task.await {
-            Ok(report) => report,
-            Err(error) if error.is_panic() => std::panic::resume_unwind(error.into_panic()),
-            Err(error) => {
-                tracing::warn!(%error, "log shipping was cancelled before it finished");
-                ShipReport::default()
-            }
-        }
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, Spool> {
+        self.spool.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
 
-/// Reads `output` until it closes; redacts with `redactor`; batches up to
-/// [`MAX_BATCH`] bytes, flushing a batch once [`FLUSH_AFTER`] passed since its
-/// first byte or when full; sends chunks one at a time strictly in order, as
-/// [`LogChunk`] with `offset` = bytes of the redacted stream already sent.
-///
-/// Each chunk is retried with [`api::retry`] and [`api::call_backoff`] while
-/// the error is transient, for at most `chunk_timeout` in all. A chunk that
-/// still fails is dropped and counted in `lost_bytes`, with a warning naming
-/// the execution and the byte range; the offset still advances past it, so
-/// the server does not take the next chunk for a retry of this one. A
-/// `401`/`403`/`410` means the run credential was revoked: nothing more is
-/// sent, and the rest of the output is read (so the run never blocks on it)
-/// and counted as lost.
+/// Reads `output` until it closes, redacted with `redactor`, and ships it
+/// as described in the module documentation. Returns once everything was
+/// acknowledged or given up on.
 pub async fn ship(
     api: Api,
     credential: Secret,
     execution_id: String,
     output: mpsc::Receiver<Vec<u8>>,
     redactor: Redactor,
-    chunk_timeout: Duration,
+    config: ShipConfig,
 ) -> ShipReport {
-    let (queue, batches) = mpsc::channel(QUEUE);
-    let sender = Sender {
-        path: format!("/v1/executions/{execution_id}/log"),
-        api,
-        credential,
-        execution_id,
-        chunk_timeout,
-        offset: 0,
-        report: ShipReport::default(),
-        revoked: false,
+    let store =
+        Store::open(&config.spool_dir, &format!("log-spool-{execution_id}-{}", std::process::id()), config.bound);
+    let shared = Arc::new(Shared {
+        spool: Mutex::new(Spool {
+            ledger: Ledger::new(config.bound),
+            store,
+            closed: false,
+            pending_since: None,
+            overflowing: false,
+        }),
+        wake: Notify::new(),
+    });
+    let spooler = {
+        let (shared, execution_id) = (Arc::clone(&shared), execution_id.clone());
+        tokio::task::spawn_blocking(move || spool_output(output, redactor, &shared, &execution_id))
     };
-    // The batcher only fails when the sender's queue is gone, and the sender
-    // reads it until it closes: that result carries nothing.
-    let (_, report) = tokio::join!(batch(output, redactor, queue), sender.run(batches));
+    let sender = Sender { path: format!("/v1/executions/{execution_id}/log"), api, credential, execution_id, shared };
+    let report = sender.run(config.drain).await;
+    // The spooler ends with the output; after a give-up it only drops.
+    drop(spooler);
     report
 }
 
-/// Reads `output` until it closes, redacts it and cuts the redacted stream
-/// into batches for `queue`. While `queue` is full it does not read `output`:
-/// that is the backpressure.
-async fn batch(
-    mut output: mpsc::Receiver<Vec<u8>>,
-    mut redactor: Redactor,
-    queue: mpsc::Sender<Vec<u8>>,
-) -> Result<(), SendError<Vec<u8>>> {
-    let mut batcher = Batcher { batch: Vec::new(), flush_at: None, queue };
-    loop {
-        let chunk = match batcher.flush_at {
-            Some(at) => tokio::select! {
-                chunk = output.recv() => chunk,
-                () = tokio::time::sleep_until(at) => {
-                    batcher.flush().await?;
-                    continue;
-                }
-            },
-            None => output.recv().await,
-        };
-        let Some(chunk) = chunk else { break };
-        batcher.add(&redactor.push(&chunk)).await?;
+/// The spooler: reads the output until it closes and appends it, redacted.
+fn spool_output(mut output: mpsc::Receiver<Vec<u8>>, mut redactor: Redactor, shared: &Shared, execution_id: &str) {
+    while let Some(data) = output.blocking_recv() {
+        append(shared, &redactor.push(&data), execution_id);
     }
-    batcher.add(&redactor.finish()).await?;
-    batcher.flush().await
+    append(shared, &redactor.finish(), execution_id);
+    shared.lock().closed = true;
+    shared.wake.notify_one();
 }
 
-/// The batch being filled.
-struct Batcher {
-    batch: Vec<u8>,
-    /// When the batch goes out even if not full; set by its first byte.
-    flush_at: Option<Instant>,
-    queue: mpsc::Sender<Vec<u8>>,
-}
-
-impl Batcher {
-    async fn add(&mut self, mut data: &[u8]) -> Result<(), SendError<Vec<u8>>> {
-        while !data.is_empty() {
-            if self.batch.is_empty() {
-                self.flush_at = Some(Instant::now() + FLUSH_AFTER);
-            }
-            let (now, rest) = data.split_at(data.len().min(MAX_BATCH - self.batch.len()));
-            self.batch.extend_from_slice(now);
-            data = rest;
-            if self.batch.len() == MAX_BATCH {
-                self.flush().await?;
-            }
+fn append(shared: &Shared, data: &[u8], execution_id: &str) {
+    if data.is_empty() {
+        return;
+    }
+    let mut guard = shared.lock();
+    let spool = &mut *guard;
+    let placement = spool.ledger.push(data.len() as u64);
+    if placement.keep > 0 {
+        let kept = &data[..usize::try_from(placement.keep).unwrap_or(data.len())];
+        if let Err(error) = spool.store.write(placement.at, kept) {
+            tracing::warn!(execution_id, %error, bytes = kept.len(), "cannot spool the run's output; these bytes are dropped");
+            spool.ledger.unwrite(&placement);
         }
-        Ok(())
     }
-
-    async fn flush(&mut self) -> Result<(), SendError<Vec<u8>>> {
-        self.flush_at = None;
-        if self.batch.is_empty() {
-            return Ok(());
+    match (placement.dropped > 0, spool.overflowing) {
+        (true, false) => {
+            spool.overflowing = true;
+            tracing::warn!(
+                execution_id,
+                bound = spool.ledger.bound(),
+                at = spool.ledger.end() - placement.dropped,
+                "the log spool is full of output the server has not acknowledged; dropping the newest output"
+            );
         }
-        self.queue.send(std::mem::take(&mut self.batch)).await
+        (false, true) => spool.overflowing = false,
+        _ => {}
     }
+    if spool.pending_since.is_none() {
+        spool.pending_since = Some(Instant::now());
+    }
+    drop(guard);
+    shared.wake.notify_one();
 }
 
-/// Posts batches in order and keeps the books.
+/// What the sender does next.
+enum Step {
+    /// Nothing due: wait for more output, or until `Some(at)`.
+    Wait(Option<Instant>),
+    Send(Chunk, Vec<u8>),
+    Done,
+}
+
+/// Posts chunks from the spool, in order, and keeps the report.
 struct Sender {
     api: Api,
     credential: Secret,
     execution_id: String,
     path: String,
-    chunk_timeout: Duration,
-    /// Bytes of the redacted stream before the next batch, sent or lost.
-    offset: u64,
-    report: ShipReport,
-    /// The credential was refused: every further batch is lost.
-    revoked: bool,
-}
-
-/// Why a chunk was given up on.
-#[derive(Debug, thiserror::Error)]
-enum Failure {
-    #[error(transparent)]
-    Api(#[from] ApiError),
-    #[error("no acknowledgement within {0:?}")]
-    TimedOut(Duration),
+    shared: Arc<Shared>,
 }
 
 impl Sender {
-    async fn run(mut self, mut batches: mpsc::Receiver<Vec<u8>>) -> ShipReport {
-        while let Some(batch) = batches.recv().await {
-            let len = batch.len() as u64;
-            if self.revoked {
-                self.report.lost_bytes += len;
-            } else {
-                match self.send(&batch).await {
-                    Ok(()) => {
-                        self.report.bytes += len;
-                        self.report.chunks += 1;
+    async fn run(&self, drain: Duration) -> ShipReport {
+        let mut report = ShipReport::default();
+        let mut gaps = 0;
+        let mut delays = api::call_backoff().build();
+        let mut drain_by = None;
+        let mut revoked = false;
+        let execution_id = self.execution_id.as_str();
+        loop {
+            let step = self.step(revoked, drain, &mut drain_by);
+            let (chunk, data) = match step {
+                Step::Done => break,
+                Step::Wait(at) => {
+                    tokio::select! {
+                        () = self.shared.wake.notified() => {}
+                        () = sleep_until(at) => {}
                     }
-                    Err(failure) => {
-                        self.report.lost_bytes += len;
-                        self.revoked = matches!(
-                            &failure,
-                            Failure::Api(error) if matches!(error.class(), Class::Unauthorized | Class::Gone)
-                        );
-                        let (from, to) = (self.offset, self.offset + len);
-                        let execution_id = self.execution_id.as_str();
-                        if self.revoked {
-                            tracing::warn!(
-                                execution_id, from, error = %failure,
-                                "the run credential was refused; discarding the rest of the run's output"
-                            );
-                        } else {
-                            tracing::warn!(execution_id, from, to, error = %failure, "dropped a chunk of the run's output");
+                    continue;
+                }
+                Step::Send(chunk, data) => (chunk, data),
+            };
+            let body = LogChunk::after_gap(chunk.offset, chunk.dropped, &data);
+            let attempt = self.api.post_or_conflict::<_, LogReceived>(&self.credential, &self.path, &body);
+            let Some(result) = within(drain_by, attempt).await else { break };
+            match result {
+                Ok(None) => {
+                    let mut spool = self.shared.lock();
+                    spool.ledger.ack(&chunk);
+                    if spool.ledger.next(1).is_none() {
+                        spool.pending_since = None;
+                    }
+                    report.chunks += 1;
+                    report.bytes += chunk.len;
+                    gaps += chunk.dropped;
+                    delays = api::call_backoff().build();
+                }
+                Ok(Some(LogReceived { received })) if received == chunk.offset - chunk.dropped => {
+                    // The server agrees with our count and still refuses.
+                    tracing::warn!(
+                        execution_id,
+                        offset = chunk.offset,
+                        received,
+                        "the server refused a chunk at its own count; it is reported as dropped"
+                    );
+                    self.shared.lock().ledger.give_up(&chunk);
+                }
+                Ok(Some(LogReceived { received })) => {
+                    tracing::info!(
+                        execution_id,
+                        offset = chunk.offset,
+                        received,
+                        "the server holds another part of the log; resuming from its count"
+                    );
+                    self.shared.lock().ledger.resync(received);
+                    report.resyncs += 1;
+                }
+                Err(error) => match error.class() {
+                    Class::Transient => {
+                        let delay = delays.next().unwrap_or(Duration::from_secs(5));
+                        tracing::debug!(execution_id, offset = chunk.offset, %error, ?delay, "log chunk not acknowledged; retrying");
+                        if within(drain_by, tokio::time::sleep(delay)).await.is_none() {
+                            break;
                         }
                     }
-                }
+                    Class::Unauthorized | Class::Gone => {
+                        tracing::warn!(execution_id, offset = chunk.offset, %error, "the run credential was refused; discarding the rest of the run's output");
+                        revoked = true;
+                    }
+                    Class::Fatal => {
+                        tracing::warn!(execution_id, offset = chunk.offset, bytes = chunk.len, %error, "the server refused a chunk of the run's output; it is reported as dropped");
+                        self.shared.lock().ledger.give_up(&chunk);
+                    }
+                },
             }
-            self.offset += len;
+        }
+        let ledger = &self.shared.lock().ledger;
+        report.lost_bytes = gaps + ledger.outstanding();
+        if ledger.outstanding() > 0 && !revoked {
+            tracing::warn!(
+                execution_id,
+                unsent = ledger.outstanding(),
+                ?drain,
+                "the log was not fully acknowledged within the drain bound"
+            );
         }
         tracing::debug!(
-            execution_id = self.execution_id,
-            bytes = self.report.bytes,
-            chunks = self.report.chunks,
-            lost_bytes = self.report.lost_bytes,
+            execution_id,
+            bytes = report.bytes,
+            chunks = report.chunks,
+            lost_bytes = report.lost_bytes,
+            resyncs = report.resyncs,
             "run output shipped"
         );
-        self.report
+        report
     }
 
-    /// Sends one chunk, retrying transient failures until `chunk_timeout`.
-    async fn send(&self, batch: &[u8]) -> Result<(), Failure> {
-        let chunk = LogChunk::new(self.offset, batch);
-        let call = format!("POST {}", self.path);
-        let deadline = crate::time::after(Instant::now(), self.chunk_timeout);
-        // `retry` only checks its deadline between attempts; the outer bound
-        // also cuts an attempt that hangs.
-        let attempts =
-            api::retry(&call, deadline, api::call_backoff(), || self.api.post(&self.credential, &self.path, &chunk));
-        match tokio::time::timeout_at(deadline, attempts).await {
-            Ok(result) => Ok(result?),
-            Err(_) => Err(Failure::TimedOut(self.chunk_timeout)),
+    /// Decides the next step under the lock; reads a due chunk's bytes.
+    fn step(&self, revoked: bool, drain: Duration, drain_by: &mut Option<Instant>) -> Step {
+        let mut spool = self.shared.lock();
+        let now = Instant::now();
+        if spool.closed && drain_by.is_none() {
+            *drain_by = Some(crate::time::after(now, drain));
         }
+        if revoked {
+            return if spool.closed { Step::Done } else { Step::Wait(None) };
+        }
+        let Some(chunk) = spool.ledger.next(MAX_BATCH as u64) else {
+            return if spool.closed { Step::Done } else { Step::Wait(None) };
+        };
+        let flush_at = spool.pending_since.map(|since| since + FLUSH_AFTER);
+        let due = spool.closed || chunk.len >= MAX_BATCH as u64 || flush_at.is_none_or(|at| now >= at);
+        if !due {
+            return Step::Wait(flush_at);
+        }
+        match spool.store.read(chunk.at, usize::try_from(chunk.len).unwrap_or(MAX_BATCH)) {
+            Ok(data) => Step::Send(chunk, data),
+            Err(error) => {
+                tracing::warn!(execution_id = self.execution_id, %error, offset = chunk.offset, "cannot read the log spool; the chunk is reported as dropped");
+                spool.ledger.give_up(&chunk);
+                Step::Wait(Some(now))
+            }
+        }
+    }
+}
+
+/// `future`, cut off at `deadline` when there is one (`None` then).
+async fn within<F: Future>(deadline: Option<Instant>, future: F) -> Option<F::Output> {
+    match deadline {
+        Some(at) => tokio::time::timeout_at(at, future).await.ok(),
+        None => Some(future.await),
+    }
+}
+
+async fn sleep_until(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::{Arc, Mutex};
 
     use axum::Json;
     use axum::extract::{Path, State};
     use axum::http::{HeaderMap, StatusCode, header};
+    use axum::response::{IntoResponse, Response};
     use standby_protocol::{PROTOCOL_HEADER, PROTOCOL_VERSION};
 
     use super::*;
@@ -277,15 +352,22 @@ mod tests {
     const TOKEN: &str = "run-token";
     const EXECUTION: &str = "exe_1";
 
-    /// Decides the answer to request number `n` (from 0) carrying `chunk`.
-    type Answer = dyn Fn(usize, &LogChunk) -> StatusCode + Send + Sync;
+    /// A status forced on request number `n` (from 0) carrying `chunk`,
+    /// instead of the log's own rules.
+    type Fault = dyn Fn(usize, &LogChunk) -> Option<StatusCode> + Send + Sync;
 
     #[derive(Default)]
     struct Received {
         /// Every request that passed the checks, in arrival order.
         requests: Vec<LogChunk>,
-        /// The ones answered `2xx`.
+        /// The ones appended.
         accepted: Vec<LogChunk>,
+        /// The log's bytes, gaps left out.
+        log: Vec<u8>,
+        /// The log's length, gaps included: what a `409` reports.
+        length: u64,
+        /// `(offset, dropped)` of every recorded gap.
+        gaps: Vec<(u64, u64)>,
         /// Requests with the wrong credential, header or execution.
         malformed: usize,
     }
@@ -293,37 +375,55 @@ mod tests {
     #[derive(Clone)]
     struct Server {
         received: Arc<Mutex<Received>>,
-        answer: Arc<Answer>,
+        fault: Arc<Fault>,
     }
 
+    /// The contract's log endpoint (amendment 6): a chunk at the stored
+    /// length plus `dropped` is appended (a gap recorded), a retry of the
+    /// last chunk acknowledged, anything else answered `409` with the count.
     async fn receive(
         State(server): State<Server>,
         Path(execution): Path<String>,
         headers: HeaderMap,
         Json(chunk): Json<LogChunk>,
-    ) -> StatusCode {
+    ) -> Response {
         let mut received = server.received.lock().expect("lock is not poisoned");
         let bearer = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok());
         let protocol = headers.get(PROTOCOL_HEADER).and_then(|v| v.to_str().ok());
         if bearer != Some(&format!("Bearer {TOKEN}")) || protocol != Some(PROTOCOL_VERSION) || execution != EXECUTION {
             received.malformed += 1;
-            return StatusCode::BAD_REQUEST;
+            return StatusCode::BAD_REQUEST.into_response();
         }
-        let status = (server.answer)(received.requests.len(), &chunk);
+        let fault = (server.fault)(received.requests.len(), &chunk);
         received.requests.push(chunk.clone());
-        if status.is_success() {
-            received.accepted.push(chunk);
+        if let Some(status) = fault {
+            return status.into_response();
         }
-        status
+        let data = chunk.bytes().expect("base64 data");
+        let end = chunk.offset + data.len() as u64;
+        if chunk.offset == received.length + chunk.dropped {
+            if chunk.dropped > 0 {
+                let at = received.length;
+                received.gaps.push((at, chunk.dropped));
+            }
+            received.log.extend(&data);
+            received.length = end;
+            received.accepted.push(chunk);
+            StatusCode::OK.into_response()
+        } else if end == received.length && received.accepted.last() == Some(&chunk) {
+            StatusCode::OK.into_response()
+        } else {
+            (StatusCode::CONFLICT, Json(LogReceived { received: received.length })).into_response()
+        }
     }
 
     /// A log endpoint on 127.0.0.1, and an `Api` pointing at it.
-    async fn serve(answer: impl Fn(usize, &LogChunk) -> StatusCode + Send + Sync + 'static) -> (Api, Server) {
+    async fn serve(fault: impl Fn(usize, &LogChunk) -> Option<StatusCode> + Send + Sync + 'static) -> (Api, Server) {
         // reqwest is built without a default crypto provider; the agent's
         // main installs one, tests do it here (a second install is refused,
         // which is fine).
         crate::api::install_tls_provider();
-        let server = Server { received: Arc::default(), answer: Arc::new(answer) };
+        let server = Server { received: Arc::default(), fault: Arc::new(fault) };
         let app = axum::Router::new()
             .route("/v1/executions/{id}/log", axum::routing::post(receive))
             .with_state(server.clone());
@@ -335,33 +435,29 @@ mod tests {
     }
 
     /// Feeds `items` into an output channel holding at most one item, as
-    /// the run's terminal would, and closes it.
-    fn produce(items: Vec<Vec<u8>>) -> mpsc::Receiver<Vec<u8>> {
+    /// the run's terminal would, and closes it. The task ends when every
+    /// item was taken.
+    fn produce(items: Vec<Vec<u8>>) -> (mpsc::Receiver<Vec<u8>>, tokio::task::JoinHandle<()>) {
         let (tx, rx) = mpsc::channel(1);
-        tokio::spawn(async move {
+        let producer = tokio::spawn(async move {
             for item in items {
                 tx.send(item).await.expect("the shipper reads until the output closes");
             }
         });
-        rx
+        (rx, producer)
     }
 
-    async fn ship_items(api: Api, items: Vec<Vec<u8>>, secrets: &[&str], chunk_timeout: Duration) -> ShipReport {
+    fn config(dir: &tempfile::TempDir, bound: u64, drain: Duration) -> ShipConfig {
+        ShipConfig { spool_dir: dir.path().to_path_buf(), bound, drain }
+    }
+
+    async fn ship_items(api: Api, items: Vec<Vec<u8>>, secrets: &[&str], config: ShipConfig) -> ShipReport {
         let redactor = Redactor::new(secrets.iter().copied());
-        ship(api, Secret::new(TOKEN), EXECUTION.into(), produce(items), redactor, chunk_timeout).await
+        ship(api, Secret::new(TOKEN), EXECUTION.into(), produce(items).0, redactor, config).await
     }
 
-    /// The accepted chunks' data, checking each starts where the previous
-    /// one ended.
-    fn reassemble(chunks: &[LogChunk]) -> Vec<u8> {
-        let mut log = Vec::new();
-        for chunk in chunks {
-            assert_eq!(chunk.offset, log.len() as u64, "offsets are contiguous");
-            let data = chunk.bytes().expect("base64 data");
-            assert!(!data.is_empty() && data.len() <= MAX_BATCH, "chunk of {} bytes", data.len());
-            log.extend(data);
-        }
-        log
+    fn tempdir() -> tempfile::TempDir {
+        tempfile::tempdir().expect("a temporary directory")
     }
 
     fn received(server: &Server) -> std::sync::MutexGuard<'_, Received> {
@@ -370,7 +466,7 @@ mod tests {
 
     #[tokio::test]
     async fn ships_the_redacted_output_in_order() {
-        let (api, server) = serve(|_, _| StatusCode::OK).await;
+        let (api, server) = serve(|_, _| None).await;
         let big: Vec<u8> =
             (0..150_000u32).map(|i| if i % 5000 == 7 { b'\xff' } else { b'a' + (i % 26) as u8 }).collect();
         let items = vec![
@@ -381,128 +477,235 @@ mod tests {
             b"{\"pw\":\"hunter2\"} end hun".to_vec(),
         ];
         let input = items.concat();
-        let output = produce(items);
-        let shipper = LogShipper::spawn(
-            api,
-            Secret::new(TOKEN),
-            EXECUTION.into(),
-            output,
-            Redactor::new(["hunter2"]),
-            Duration::from_secs(10),
-        );
-        let report = shipper.finish().await;
+        let dir = tempdir();
+        let report = ship_items(api, items, &["hunter2"], config(&dir, SPOOL_BOUND, DRAIN_BOUND)).await;
 
         let received = received(&server);
         assert_eq!(received.malformed, 0, "every request has the bearer credential and protocol header");
-        let log = reassemble(&received.accepted);
+        assert!(received.gaps.is_empty());
+        let log = &received.log;
         let mut redactor = Redactor::new(["hunter2"]);
         let mut expected = redactor.push(&input);
         expected.extend(redactor.finish());
-        assert_eq!(log, expected);
+        assert_eq!(log, &expected);
         assert!(log.starts_with(b"login with [REDACTED] now\r\n"), "the secret split across two items is redacted");
         assert!(!log.windows(7).any(|w| w == b"hunter2"));
         assert!(log.ends_with(b"end hun"), "the held-back tail is sent at the end");
         assert!(received.accepted.len() >= 3, "150 KB need three chunks of 64 KiB");
+        assert!(received.accepted.iter().all(|c| c.bytes().expect("base64").len() <= MAX_BATCH));
         assert_eq!(
             report,
-            ShipReport { bytes: log.len() as u64, chunks: received.accepted.len() as u64, lost_bytes: 0 }
+            ShipReport { bytes: log.len() as u64, chunks: received.accepted.len() as u64, lost_bytes: 0, resyncs: 0 }
         );
     }
 
     #[tokio::test]
     async fn a_retried_chunk_keeps_its_offset() {
-        let (api, server) = serve(|n, _| if n < 2 { StatusCode::SERVICE_UNAVAILABLE } else { StatusCode::OK }).await;
+        let (api, server) = serve(|n, _| (n < 2).then_some(StatusCode::SERVICE_UNAVAILABLE)).await;
         let items = vec![vec![b'x'; MAX_BATCH], b"tail".to_vec()];
-        let report = ship_items(api, items.clone(), &[], Duration::from_secs(30)).await;
+        let dir = tempdir();
+        let report = ship_items(api, items.clone(), &[], config(&dir, SPOOL_BOUND, DRAIN_BOUND)).await;
 
         let received = received(&server);
-        assert_eq!(reassemble(&received.accepted), items.concat());
+        assert_eq!(received.log, items.concat());
         let first = &received.requests[..3];
         assert!(first.iter().all(|c| c == &first[0]), "two retries of the first chunk, with its offset and data");
         assert_eq!(first[0].offset, 0);
-        assert_eq!(report, ShipReport { bytes: MAX_BATCH as u64 + 4, chunks: 2, lost_bytes: 0 });
+        assert_eq!(report.bytes, MAX_BATCH as u64 + 4);
+        assert_eq!(report.lost_bytes, 0);
+    }
+
+    /// The run's output is taken at once while the server fails, and
+    /// everything arrives once it recovers: the terminal never waits for
+    /// the log.
+    #[tokio::test]
+    async fn an_outage_never_holds_the_output_back_and_loses_nothing() {
+        let outage = Arc::new(AtomicBool::new(true));
+        let (api, server) = serve({
+            let outage = Arc::clone(&outage);
+            move |_, _| outage.load(Ordering::SeqCst).then_some(StatusCode::SERVICE_UNAVAILABLE)
+        })
+        .await;
+        let items: Vec<Vec<u8>> = (0..64u8).map(|i| vec![b'a' + i % 26; MAX_BATCH]).collect();
+        let expected = items.concat();
+        let (output, producer) = produce(items);
+        let dir = tempdir();
+        let shipping = tokio::spawn(ship(
+            api,
+            Secret::new(TOKEN),
+            EXECUTION.into(),
+            output,
+            Redactor::new(std::iter::empty()),
+            config(&dir, SPOOL_BOUND, DRAIN_BOUND),
+        ));
+        producer.await.expect("the producer does not panic");
+        assert!(received(&server).accepted.is_empty(), "4 MiB were taken while the server accepted nothing");
+        outage.store(false, Ordering::SeqCst);
+        let report = shipping.await.expect("shipping does not panic");
+        let received = received(&server);
+        assert!(received.log == expected, "the log is complete and in order ({} bytes)", received.log.len());
+        assert_eq!(report.lost_bytes, 0);
     }
 
     #[tokio::test]
-    async fn a_chunk_that_keeps_failing_is_dropped_and_the_offset_advances() {
-        let (api, server) =
-            serve(|_, chunk| if chunk.offset == 0 { StatusCode::SERVICE_UNAVAILABLE } else { StatusCode::OK }).await;
+    async fn a_dead_endpoint_is_given_up_after_the_drain_bound() {
+        let (api, server) = serve(|_, _| Some(StatusCode::SERVICE_UNAVAILABLE)).await;
+        let dir = tempdir();
         let items = vec![vec![b'x'; MAX_BATCH + 100]];
-        let report = ship_items(api, items, &[], Duration::from_millis(400)).await;
+        let report = ship_items(api, items, &[], config(&dir, SPOOL_BOUND, Duration::from_millis(300))).await;
+        assert!(received(&server).requests.len() >= 2, "the chunk was retried");
+        assert_eq!(report, ShipReport { bytes: 0, chunks: 0, lost_bytes: MAX_BATCH as u64 + 100, resyncs: 0 });
+    }
+
+    #[tokio::test]
+    async fn an_overflowing_spool_drops_the_newest_bytes_and_reports_the_gap() {
+        let outage = Arc::new(AtomicBool::new(true));
+        let (api, server) = serve({
+            let outage = Arc::clone(&outage);
+            move |_, _| outage.load(Ordering::SeqCst).then_some(StatusCode::SERVICE_UNAVAILABLE)
+        })
+        .await;
+        let bound = 100_000u64;
+        let items: Vec<Vec<u8>> = (0..30u8).map(|i| vec![b'a' + i % 26; 10_000]).collect();
+        let expected = items.concat();
+        let (output_tx, output) = mpsc::channel(1);
+        let dir = tempdir();
+        let shipping = tokio::spawn(ship(
+            api,
+            Secret::new(TOKEN),
+            EXECUTION.into(),
+            output,
+            Redactor::new(std::iter::empty()),
+            config(&dir, bound, DRAIN_BOUND),
+        ));
+        for item in items {
+            output_tx.send(item).await.expect("the shipper reads");
+        }
+        outage.store(false, Ordering::SeqCst);
+        // The spooled bytes are acknowledged, then more output comes.
+        while received(&server).length < bound {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let tail = b"after the outage".to_vec();
+        output_tx.send(tail.clone()).await.expect("the shipper reads");
+        drop(output_tx);
+        let report = shipping.await.expect("shipping does not panic");
 
         let received = received(&server);
-        assert!(received.requests.iter().filter(|c| c.offset == 0).count() >= 2, "the first chunk was retried");
-        assert_eq!(received.accepted.len(), 1);
-        assert_eq!(received.accepted[0].offset, MAX_BATCH as u64, "the next chunk is not taken for a retry");
-        assert_eq!(received.accepted[0].bytes().expect("base64 data"), vec![b'x'; 100]);
-        assert_eq!(report, ShipReport { bytes: 100, chunks: 1, lost_bytes: MAX_BATCH as u64 });
+        let lost = expected.len() as u64 - bound;
+        assert_eq!(received.gaps, [(bound, lost)], "one gap, where the spool was full");
+        let mut log = expected[..bound as usize].to_vec();
+        log.extend(&tail);
+        assert!(received.log == log, "the oldest output and what came after the gap arrived");
+        assert_eq!(received.length, expected.len() as u64 + tail.len() as u64, "offsets are the true ones");
+        assert_eq!(report.lost_bytes, lost);
+    }
+
+    #[tokio::test]
+    async fn a_409_resyncs_from_the_spool() {
+        let (api, server) = serve(|_, _| None).await;
+        let dir = tempdir();
+        let (output_tx, output) = mpsc::channel(1);
+        let shipping = tokio::spawn(ship(
+            api,
+            Secret::new(TOKEN),
+            EXECUTION.into(),
+            output,
+            Redactor::new(std::iter::empty()),
+            config(&dir, SPOOL_BOUND, DRAIN_BOUND),
+        ));
+        let first: Vec<u8> = (0..10_000u32).map(|i| b'a' + (i % 26) as u8).collect();
+        output_tx.send(first.clone()).await.expect("the shipper reads");
+        while received(&server).length < first.len() as u64 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        {
+            // The server loses the last 4000 bytes it acknowledged.
+            let mut received = received(&server);
+            received.log.truncate(6000);
+            received.length = 6000;
+        }
+        output_tx.send(b"second part".to_vec()).await.expect("the shipper reads");
+        drop(output_tx);
+        let report = shipping.await.expect("shipping does not panic");
+
+        let received = received(&server);
+        let mut expected = first;
+        expected.extend(b"second part");
+        assert!(received.log == expected, "the lost bytes were sent again from the spool");
+        assert!(received.gaps.is_empty());
+        assert_eq!(report.resyncs, 1);
+        assert_eq!(report.lost_bytes, 0);
+    }
+
+    #[tokio::test]
+    async fn a_409_past_the_spool_reports_a_gap() {
+        let (api, server) = serve(|_, _| None).await;
+        let dir = tempdir();
+        let (output_tx, output) = mpsc::channel(1);
+        let bound = 1000;
+        let shipping = tokio::spawn(ship(
+            api,
+            Secret::new(TOKEN),
+            EXECUTION.into(),
+            output,
+            Redactor::new(std::iter::empty()),
+            config(&dir, bound, DRAIN_BOUND),
+        ));
+        // Two rounds fill the spool; the third makes room by releasing the
+        // first, which the sender acknowledged before it sent the second.
+        for round in 0..3u8 {
+            output_tx.send(vec![b'a' + round; 500]).await.expect("the shipper reads");
+            while received(&server).length < 500 * (u64::from(round) + 1) {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+        {
+            // The server loses everything but the first 200 bytes, which
+            // the spool no longer holds.
+            let mut received = received(&server);
+            received.log.truncate(200);
+            received.length = 200;
+        }
+        output_tx.send(b"end".to_vec()).await.expect("the shipper reads");
+        drop(output_tx);
+        let report = shipping.await.expect("shipping does not panic");
+
+        let received = received(&server);
+        // Making room for "end" released the 3 oldest spooled bytes too.
+        assert_eq!(received.gaps, [(200, 303)], "the bytes no longer spooled are reported as dropped");
+        let mut expected = vec![b'a'; 200];
+        expected.extend(vec![b'b'; 497]);
+        expected.extend(vec![b'c'; 500]);
+        expected.extend(b"end");
+        assert!(received.log == expected);
+        assert_eq!(received.length, 1503);
+        assert_eq!(report.resyncs, 1);
     }
 
     #[tokio::test]
     async fn a_refused_credential_stops_shipping() {
-        let (api, server) = serve(|_, _| StatusCode::UNAUTHORIZED).await;
+        let (api, server) = serve(|_, _| Some(StatusCode::UNAUTHORIZED)).await;
         // Many items through a channel of one: the shipper must keep reading
         // after the refusal, or the producer would never finish.
         let items = vec![vec![b'y'; 8 * 1024]; 40];
-        let report = ship_items(api, items, &[], Duration::from_secs(30)).await;
+        let dir = tempdir();
+        let report = ship_items(api, items, &[], config(&dir, SPOOL_BOUND, DRAIN_BOUND)).await;
 
         assert_eq!(received(&server).requests.len(), 1, "nothing is sent after the 401");
-        assert_eq!(report, ShipReport { bytes: 0, chunks: 0, lost_bytes: 40 * 8 * 1024 });
+        assert_eq!(report, ShipReport { bytes: 0, chunks: 0, lost_bytes: 40 * 8 * 1024, resyncs: 0 });
     }
 
     #[tokio::test]
     async fn a_gone_execution_stops_shipping_after_what_was_acknowledged() {
-        let (api, server) = serve(|n, _| if n == 0 { StatusCode::OK } else { StatusCode::GONE }).await;
+        let (api, server) = serve(|n, _| (n > 0).then_some(StatusCode::GONE)).await;
         let items = vec![vec![b'z'; MAX_BATCH]; 5];
-        let report = ship_items(api, items, &[], Duration::from_secs(30)).await;
+        let dir = tempdir();
+        let report = ship_items(api, items, &[], config(&dir, SPOOL_BOUND, DRAIN_BOUND)).await;
 
         assert_eq!(received(&server).requests.len(), 2, "one acknowledged, one refused, then nothing");
-        let batch = MAX_BATCH as u64;
-        assert_eq!(report, ShipReport { bytes: batch, chunks: 1, lost_bytes: 4 * batch });
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn a_partial_batch_goes_out_after_the_flush_delay() {
-        let (output, rx) = mpsc::channel(1);
-        let (queue, mut batches) = mpsc::channel(QUEUE);
-        let batching = tokio::spawn(batch(rx, Redactor::new(["secret"]), queue));
-        output.send(b"prompt> sec".to_vec()).await.expect("the batcher is reading");
-        assert_eq!(batches.recv().await, Some(b"prompt> ".to_vec()), "sent while the output is still open");
-        drop(output);
-        assert_eq!(batches.recv().await, Some(b"sec".to_vec()), "the held-back tail, at the end");
-        assert_eq!(batches.recv().await, None);
-        batching.await.expect("the batcher does not panic").expect("the queue stays open");
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn a_slow_sender_holds_back_the_output() {
-        let (output, rx) = mpsc::channel(1);
-        let (queue, mut batches) = mpsc::channel(QUEUE);
-        let batching = tokio::spawn(batch(rx, Redactor::new(std::iter::empty()), queue));
-        let sent = Arc::new(AtomicUsize::new(0));
-        let producer = tokio::spawn({
-            let sent = Arc::clone(&sent);
-            async move {
-                for _ in 0..64 {
-                    output.send(vec![b'x'; MAX_BATCH]).await.expect("the batcher is reading");
-                    sent.fetch_add(1, Ordering::SeqCst);
-                }
-            }
-        });
-        // Nothing signals "every task is blocked"; with the clock paused this
-        // sleep ends only once the runtime is idle, i.e. once the batcher and
-        // the producer both wait.
-        tokio::time::sleep(Duration::from_secs(60)).await;
-        let in_flight = sent.load(Ordering::SeqCst);
-        // The queue, the batch the batcher holds, the item in the channel.
-        assert!(in_flight <= QUEUE + 2, "{in_flight} items taken while nobody sent anything");
-
-        let mut total = 0;
-        while let Some(batch) = batches.recv().await {
-            total += batch.len();
-        }
-        assert_eq!(total, 64 * MAX_BATCH);
-        producer.await.expect("the producer does not panic");
-        batching.await.expect("the batcher does not panic").expect("the queue stays open");
+        let acknowledged = received(&server).length;
+        assert_eq!(report.bytes, acknowledged);
+        assert_eq!(report.lost_bytes, 5 * MAX_BATCH as u64 - acknowledged);
     }
 }

@@ -100,9 +100,16 @@ impl ServerProc {
         self.call(reqwest::Method::GET, &format!("/v1/runs/{id}"), None).await
     }
 
+    /// Every sandbox, following the pages of `GET /v1/sandboxes`.
     pub async fn sandboxes(&self) -> Result<Vec<Value>> {
-        let answer = self.call(reqwest::Method::GET, "/v1/sandboxes", None).await?;
-        Ok(answer.get("sandboxes").and_then(Value::as_array).cloned().unwrap_or_default())
+        let mut sandboxes = Vec::new();
+        let mut path = "/v1/sandboxes?limit=1000".to_owned();
+        loop {
+            let answer = self.call(reqwest::Method::GET, &path, None).await?;
+            sandboxes.extend(answer.get("sandboxes").and_then(Value::as_array).cloned().unwrap_or_default());
+            let Some(cursor) = answer.get("next_cursor").and_then(Value::as_str) else { return Ok(sandboxes) };
+            path = format!("/v1/sandboxes?limit=1000&cursor={cursor}");
+        }
     }
 
     /// One sample of `/metrics` without labels, e.g. `standby_connected_standbys`.

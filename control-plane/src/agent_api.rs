@@ -3,6 +3,7 @@
 
 use axum::Json;
 use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
 use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade, rejection::WebSocketUpgradeRejection};
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode, header};
@@ -10,13 +11,14 @@ use axum::response::{IntoResponse, Response};
 use base64::Engine as _;
 use standby_protocol::{
     AgentMessage, Attachment, AttachmentsResponse, CloudCredentialsResponse, Event, GitCredentialsResponse, LogChunk,
-    Secret, SecretsResponse, Spec,
+    LogReceived, Secret, SecretsResponse, Spec,
 };
 use tokio::sync::mpsc;
 
 use crate::api::parse_json;
+use crate::bounds::bound_event;
 use crate::dispatch::{Admission, Call, ConnId, LogError, Refusal};
-use crate::engine::{EngineHandle, Outbound};
+use crate::engine::{EngineHandle, LogInput, Outbound};
 use crate::model::RunRequest;
 use crate::server::{ApiError, AppState, bearer, from_store};
 
@@ -345,16 +347,32 @@ fn event_field(value: &serde_json::Value) -> Option<&'static str> {
     }
 }
 
+/// A body over the route's limit is `413`, naming the limit.
+fn body(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
+    body.map_err(|rejection| {
+        let status = rejection.status();
+        let message = if status == StatusCode::PAYLOAD_TOO_LARGE {
+            "the request body is over this call's limit (see docs/operations.md, \"Per-run bounds\")".to_owned()
+        } else {
+            rejection.body_text()
+        };
+        ApiError::new(status, message).with_field("body")
+    })
+}
+
 /// `POST /v1/executions/{id}/events`: acknowledged once stored; a repeat of
 /// an `event_id` is acknowledged and ignored; a type this server does not
-/// know is acknowledged (`202`) and dropped.
+/// know is acknowledged (`202`) and dropped. An `event_id` or `stage` over
+/// its bound is refused (`400`, naming it); a long `install_failed`
+/// message is cut.
 pub(crate) async fn events(
     State(state): State<AppState>,
     headers: HeaderMap,
     Path(id): Path<String>,
-    body: Bytes,
+    raw: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let (run_id, attempt) = admit_run(&state, &headers, &id, Call::Report).await?;
+    let body = body(raw)?;
     let event: Event = match parse_json(&body) {
         Ok(event) => event,
         Err(error) => {
@@ -373,28 +391,34 @@ pub(crate) async fn events(
             return Err(error);
         }
     };
+    let event = bound_event(event)?;
     tracing::info!(run_id, attempt, event_id = %event.event_id, kind = ?event.kind, "event");
     state.engine.event(&run_id, attempt, event).await?;
     Ok(Json(serde_json::json!({})).into_response())
 }
 
-/// `POST /v1/executions/{id}/log`: `200 {"received": n}`; `409` when the
-/// chunk would leave a gap.
+/// `POST /v1/executions/{id}/log`: `200 {"received": n}`; `409
+/// {"received": n}` when the chunk does not follow what the server holds
+/// (amendment 6: a chunk after exactly the gap it declares in `dropped`
+/// is accepted and the gap recorded). The rule is
+/// [`standby_protocol::log_ledger::accept`].
 pub(crate) async fn log(
     State(state): State<AppState>,
     headers: HeaderMap,
     Path(id): Path<String>,
-    body: Bytes,
+    raw: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let (run_id, _) = admit_run(&state, &headers, &id, Call::Report).await?;
-    let chunk: LogChunk = parse_json(&body)?;
+    let chunk: LogChunk = parse_json(&body(raw)?)?;
     let data = chunk
         .bytes()
         .map_err(|_| ApiError::new(StatusCode::BAD_REQUEST, "data: not valid base64").with_field("data"))?;
-    match state.engine.log(&run_id, chunk.offset, data).await? {
-        Ok(received) => Ok(Json(serde_json::json!({ "received": received })).into_response()),
-        Err(error @ LogError::Gap { .. }) => {
-            Err(ApiError::new(StatusCode::CONFLICT, error.to_string()).with_field("offset"))
+    let input = LogInput { run_id, offset: chunk.offset, dropped: chunk.dropped, data };
+    match state.engine.log(input).await? {
+        Ok(received) => Ok(Json(LogReceived { received }).into_response()),
+        Err(error @ LogError::Conflict { received, .. }) => {
+            let body = serde_json::json!({ "received": received, "error": error.to_string(), "field": "offset" });
+            Ok((StatusCode::CONFLICT, Json(body)).into_response())
         }
     }
 }

@@ -126,7 +126,7 @@ fn check_names<'a>(field: &str, names: impl Iterator<Item = &'a String>) -> Resu
 
 /// A thread id is shown in logs and URLs: short, plain characters, and
 /// not a path segment of its own (`.`, `..`).
-fn check_thread_id(thread_id: &str) -> Result<(), ApiError> {
+pub(crate) fn check_thread_id(thread_id: &str) -> Result<(), ApiError> {
     let plain = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-' | ':');
     if thread_id.is_empty() || thread_id.len() > 128 || !thread_id.chars().all(plain) {
         return Err(bad("thread_id", "must be 1 to 128 letters, digits, `.`, `_`, `-` or `:`"));
@@ -339,7 +339,7 @@ impl From<&Resume> for ResumeView {
 }
 
 #[derive(Debug, Serialize)]
-struct RunView {
+pub(crate) struct RunView {
     id: String,
     state: RunState,
     path: Option<&'static str>,
@@ -359,7 +359,7 @@ fn span(from: Option<Millis>, to: Option<Millis>) -> Option<u64> {
     Some(to?.since(from?))
 }
 
-fn view(run: &RunRecord) -> RunView {
+pub(crate) fn view(run: &RunRecord) -> RunView {
     let current = run.current();
     let at = |f: fn(&Attempt) -> Option<Millis>| current.and_then(f);
     let committed = current.map(|a| a.committed_at);
@@ -403,7 +403,7 @@ fn view(run: &RunRecord) -> RunView {
 
 // ---- handlers ---------------------------------------------------------------------
 
-fn authorize(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
+pub(crate) fn authorize(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
     match bearer(headers) {
         Some(key) if state.api_key.matches(key) => Ok(()),
         Some(_) => Err(ApiError::new(StatusCode::UNAUTHORIZED, "the API key is not valid")),
@@ -424,16 +424,15 @@ pub(crate) async fn submit(
     Ok((StatusCode::CREATED, Json(view(&record))).into_response())
 }
 
-pub(crate) async fn list(State(state): State<AppState>, headers: HeaderMap) -> Result<Response, ApiError> {
-    authorize(&state, &headers)?;
-    let mut runs = state.engine.runs().await?;
-    runs.sort_by_key(|run| (run.submitted_at, run.id.clone()));
-    let views: Vec<RunView> = runs.iter().map(view).collect();
-    Ok(Json(serde_json::json!({ "runs": views })).into_response())
-}
-
-async fn find(state: &AppState, run_id: &str) -> Result<RunRecord, ApiError> {
-    state.engine.run(run_id).await?.ok_or_else(|| ApiError::new(StatusCode::NOT_FOUND, format!("no run `{run_id}`")))
+/// The run, from memory or (finished and evicted) from the store.
+pub(crate) async fn find(state: &AppState, run_id: &str) -> Result<RunRecord, ApiError> {
+    if let Some(run) = state.engine.run(run_id).await? {
+        return Ok(run);
+    }
+    let id = run_id.to_owned();
+    from_store(state, move |store| store.run(&id))
+        .await?
+        .ok_or_else(|| ApiError::new(StatusCode::NOT_FOUND, format!("no run `{run_id}`")))
 }
 
 pub(crate) async fn get(
@@ -445,38 +444,6 @@ pub(crate) async fn get(
     Ok(Json(view(&find(&state, &run_id).await?)).into_response())
 }
 
-pub(crate) async fn log(
-    State(state): State<AppState>,
-    headers: HeaderMap,
-    Path(run_id): Path<String>,
-) -> Result<Response, ApiError> {
-    authorize(&state, &headers)?;
-    find(&state, &run_id).await?;
-    let bytes = from_store(&state, move |store| store.log(&run_id)).await?;
-    Ok(([(header::CONTENT_TYPE, "text/plain; charset=utf-8")], bytes).into_response())
-}
-
-pub(crate) async fn events(
-    State(state): State<AppState>,
-    headers: HeaderMap,
-    Path(run_id): Path<String>,
-) -> Result<Response, ApiError> {
-    authorize(&state, &headers)?;
-    find(&state, &run_id).await?;
-    let events = from_store(&state, move |store| store.events(&run_id)).await?;
-    let views: Vec<serde_json::Value> = events
-        .into_iter()
-        .map(|stored| {
-            serde_json::json!({
-                "attempt": stored.attempt,
-                "received_at": stored.received_at.rfc3339(),
-                "event": stored.event,
-            })
-        })
-        .collect();
-    Ok(Json(serde_json::json!({ "events": views })).into_response())
-}
-
 pub(crate) async fn cancel(
     State(state): State<AppState>,
     headers: HeaderMap,
@@ -485,51 +452,14 @@ pub(crate) async fn cancel(
     authorize(&state, &headers)?;
     match state.engine.cancel(&run_id).await? {
         Ok(_) => Ok(Json(view(&find(&state, &run_id).await?)).into_response()),
-        Err(error @ CancelError::NotFound(_)) => Err(ApiError::new(StatusCode::NOT_FOUND, error.to_string())),
+        // Not in memory: finished and evicted, or unknown.
+        Err(CancelError::NotFound(_)) => {
+            let run = find(&state, &run_id).await?;
+            let error = CancelError::Finished { run_id, state: run.state };
+            Err(ApiError::new(StatusCode::CONFLICT, error.to_string()))
+        }
         Err(error @ CancelError::Finished { .. }) => Err(ApiError::new(StatusCode::CONFLICT, error.to_string())),
     }
-}
-
-pub(crate) async fn sandboxes(State(state): State<AppState>, headers: HeaderMap) -> Result<Response, ApiError> {
-    authorize(&state, &headers)?;
-    let mut sandboxes = state.engine.sandboxes().await?;
-    sandboxes.sort_by_key(|(view, _)| (view.record.created_at, view.record.id.clone()));
-    let views: Vec<serde_json::Value> = sandboxes
-        .into_iter()
-        .map(|(view, details)| {
-            let record = view.record;
-            serde_json::json!({
-                "id": record.id,
-                "kind": record.kind,
-                "state": record.state.as_str(),
-                "run_id": record.run_id,
-                "created_at": record.created_at.rfc3339(),
-                "connected": view.connected,
-                "candidate": view.candidate,
-                "running": view.running,
-                "thread_id": record.thread_id,
-                "park": record.park.as_ref().map(|park| serde_json::json!({
-                    "mode": park.mode.as_str(),
-                    "since": park.since.rfc3339(),
-                    "until": park.until.map(Millis::rfc3339),
-                })),
-                "expires_at": record.expires_at.map(Millis::rfc3339),
-                "deadline": record.deadline.map(Millis::rfc3339),
-                "auto_stop_minutes": record.auto_stop_minutes,
-                "last_heartbeat_at": view.last_heartbeat_at.map(Millis::rfc3339),
-                "last_state": view.last_state,
-                "connections": record.connections,
-                "run_connections": record.run_connections,
-                "fingerprint": record.fingerprint,
-                "retired_at": record.retired_at.map(Millis::rfc3339),
-                "retire_reason": record.retire_reason,
-                "exit_code": record.exit_code,
-                "pid": details.pid,
-                "dir": details.dir,
-            })
-        })
-        .collect();
-    Ok(Json(serde_json::json!({ "sandboxes": views })).into_response())
 }
 
 /// `GET /v1/threads/{id}`: the thread's pointer.

@@ -51,6 +51,7 @@
 //!   a pointer written compare-and-set.
 
 mod admission;
+mod bounds;
 mod pool;
 mod threads;
 
@@ -69,6 +70,7 @@ use crate::model::{
 use crate::policy::AutoStop;
 
 pub use admission::Call;
+pub use bounds::{Evicted, LogLedger, MAX_EVENTS_PER_RUN, RunBounds};
 pub use threads::StalePointer;
 
 /// Identifies one control connection, allocated by the driver.
@@ -96,6 +98,8 @@ pub struct DispatchConfig {
     /// Fingerprint of the pool spec's workspace.
     pub pool_fingerprint: Fingerprint,
     pub lifecycle: Lifecycle,
+    /// What one run may cost: its log cap, its time in memory once finished.
+    pub bounds: RunBounds,
 }
 
 /// The pool policy and the thread tiers.
@@ -144,10 +148,13 @@ pub enum Write {
     Sandbox(Box<SandboxRecord>),
     Credential(Box<CredentialRecord>),
     Event(Box<StoredEvent>),
+    /// Bytes of a run's log at stream `offset` (possibly none: a gap or
+    /// bytes over the cap), and its ledger after them.
     Log {
         run_id: String,
         offset: u64,
         data: Vec<u8>,
+        ledger: LogLedger,
     },
     /// The thread pointer, written only if the stored one still has
     /// generation `expected` (`0`: none stored yet).
@@ -247,9 +254,12 @@ pub enum CancelError {
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum LogError {
-    /// The chunk starts past the end of what was received.
-    #[error("log chunk at offset {offset} leaves a gap: {received} bytes received so far")]
-    Gap { offset: u64, received: u64 },
+    /// The chunk starts past the end of what was received, other than
+    /// after exactly the gap it declares (`409` with `received`).
+    #[error(
+        "log chunk at offset {offset} (after {dropped} dropped bytes) does not follow the {received} bytes received"
+    )]
+    Conflict { offset: u64, dropped: u64, received: u64 },
 }
 
 /// What a provider says about a sandbox after a restart.
@@ -270,10 +280,12 @@ pub struct Snapshot {
     pub runs: Vec<RunRecord>,
     pub sandboxes: Vec<SandboxRecord>,
     pub credentials: Vec<CredentialRecord>,
-    /// `(run_id, event_id)` of every event received.
+    /// `(run_id, event_id)` of every event received by the runs loaded.
     pub event_ids: Vec<(String, String)>,
-    /// Bytes of log received per run.
-    pub log_lengths: Vec<(String, u64)>,
+    /// The log ledger of each run loaded that has one.
+    pub logs: Vec<(String, LogLedger)>,
+    /// Finished runs, which are not loaded: how many, by state and path.
+    pub finished: Vec<((RunState, Option<RunPath>), u64)>,
     pub threads: Vec<ThreadRecord>,
 }
 
@@ -378,6 +390,14 @@ pub struct SandboxView {
     pub running: bool,
 }
 
+/// Which sandboxes a page of [`Dispatch::sandbox_views`] holds.
+#[derive(Debug, Clone, Default)]
+pub struct SandboxPage {
+    /// The last sandbox of the previous page (`created_at`, id).
+    pub after: Option<(Millis, String)>,
+    pub limit: usize,
+}
+
 /// Numbers for `/metrics`.
 #[derive(Debug, Clone, Default)]
 pub struct MetricsSnapshot {
@@ -399,6 +419,10 @@ pub struct MetricsSnapshot {
     /// Control socket upgrades refused because their credential had a
     /// live socket (since this process started).
     pub duplicate_connections_refused: u64,
+    /// Assignment sent → started of the finished runs no longer in memory.
+    pub assignment_to_start_past: crate::metrics::Histogram,
+    /// Runs held in memory (the rest are only in the store).
+    pub runs_in_memory: u64,
 }
 
 pub struct Dispatch {
@@ -409,8 +433,11 @@ pub struct Dispatch {
     sandboxes: BTreeMap<String, Live>,
     credentials: HashMap<String, CredentialRecord>,
     conns: HashMap<ConnId, Conn>,
-    events_seen: HashSet<(String, String)>,
-    log_lengths: HashMap<String, u64>,
+    /// Event ids recorded, per run in memory.
+    events_seen: HashMap<String, HashSet<String>>,
+    logs: HashMap<String, LogLedger>,
+    /// Finished runs no longer in memory, for `/metrics`.
+    evicted: Evicted,
     draining: bool,
     /// Pool standbys in a row that ended without ever being ready.
     pool_failures: u32,
@@ -458,8 +485,9 @@ impl Dispatch {
             sandboxes: BTreeMap::new(),
             credentials: HashMap::new(),
             conns: HashMap::new(),
-            events_seen: HashSet::new(),
-            log_lengths: HashMap::new(),
+            events_seen: HashMap::new(),
+            logs: HashMap::new(),
+            evicted: Evicted::default(),
             draining: false,
             pool_failures: 0,
             pool_backoff_until: Millis(0),
@@ -483,8 +511,11 @@ impl Dispatch {
         machine.queue = queued.iter().map(|run| run.id.clone()).collect();
         machine.runs = snapshot.runs.into_iter().map(|run| (run.id.clone(), run)).collect();
         machine.credentials = snapshot.credentials.into_iter().map(|c| (c.id.clone(), c)).collect();
-        machine.events_seen = snapshot.event_ids.into_iter().collect();
-        machine.log_lengths = snapshot.log_lengths.into_iter().collect();
+        for (run_id, event_id) in snapshot.event_ids {
+            machine.events_seen.entry(run_id).or_default().insert(event_id);
+        }
+        machine.logs = snapshot.logs.into_iter().collect();
+        machine.evicted.runs = snapshot.finished.into_iter().collect();
         machine.threads = snapshot.threads.into_iter().map(|t| (t.id.clone(), t)).collect();
         let resuming: Vec<String> =
             machine.runs.values().filter(|run| run.state == RunState::Resuming).map(|run| run.id.clone()).collect();
@@ -528,13 +559,24 @@ impl Dispatch {
         self.sandboxes.get(sandbox_id).map(|live| &live.record)
     }
 
-    pub fn log_length(&self, run_id: &str) -> u64 {
-        self.log_lengths.get(run_id).copied().unwrap_or(0)
+    /// Every sandbox.
+    pub fn sandbox_views(&self, now: Millis) -> Vec<SandboxView> {
+        self.sandbox_page(now, &SandboxPage { after: None, limit: usize::MAX })
     }
 
-    pub fn sandbox_views(&self, now: Millis) -> Vec<SandboxView> {
-        self.sandboxes
+    /// A page of sandboxes in creation order (`created_at`, then id).
+    pub fn sandbox_page(&self, now: Millis, page: &SandboxPage) -> Vec<SandboxView> {
+        let mut lives: Vec<&Live> = self
+            .sandboxes
             .values()
+            .filter(|live| {
+                page.after.as_ref().is_none_or(|(at, id)| (live.record.created_at, &live.record.id) > (*at, id))
+            })
+            .collect();
+        lives.sort_by(|a, b| (a.record.created_at, &a.record.id).cmp(&(b.record.created_at, &b.record.id)));
+        lives.truncate(page.limit);
+        lives
+            .into_iter()
             .map(|live| SandboxView {
                 record: live.record.clone(),
                 last_heartbeat_at: live.heartbeat.as_ref().map(|h| h.at),
@@ -587,6 +629,13 @@ impl Dispatch {
         }
         snapshot.resume_fallbacks =
             self.runs.values().filter(|run| run.resume.as_ref().is_some_and(|r| r.fallback.is_some())).count() as u64;
+        for (key, count) in &self.evicted.runs {
+            *snapshot.runs.entry(*key).or_default() += count;
+        }
+        snapshot.assignment_to_start_past = self.evicted.assignment_to_start.clone();
+        snapshot.requeues += self.evicted.requeues;
+        snapshot.resume_fallbacks += self.evicted.resume_fallbacks;
+        snapshot.runs_in_memory = self.runs.len() as u64;
         snapshot.running_cap = self.config.lifecycle.running_cap as u64;
         snapshot.duplicate_connections_refused = self.admissions.duplicates_refused;
         snapshot
@@ -931,17 +980,23 @@ impl Dispatch {
     /// `attempt`. Duplicates (same `event_id`) are acknowledged and ignored.
     fn record_event(&mut self, now: Millis, run_id: &str, attempt: u32, event: Event) -> Step {
         let mut step = Step::default();
-        let key = (run_id.to_owned(), event.event_id.clone());
-        if self.events_seen.contains(&key) {
+        if !self.runs.contains_key(run_id) {
+            tracing::debug!(run_id, "event for a run not in memory acknowledged and dropped");
             return step;
         }
-        self.events_seen.insert(key);
-        step.writes.push(Write::Event(Box::new(StoredEvent {
-            run_id: run_id.to_owned(),
-            attempt,
-            received_at: now,
-            event: event.clone(),
-        })));
+        if self.event_seen(run_id, &event.event_id) {
+            return step;
+        }
+        if self.remember_event(run_id, &event.event_id) {
+            step.writes.push(Write::Event(Box::new(StoredEvent {
+                run_id: run_id.to_owned(),
+                attempt,
+                received_at: now,
+                event: event.clone(),
+            })));
+        } else {
+            tracing::warn!(run_id, "a run's event past its event bound acts but is not recorded");
+        }
         let Some(run) = self.runs.get(run_id) else {
             return step;
         };
@@ -989,26 +1044,6 @@ impl Dispatch {
         self.dispatch_queued(now, &mut step);
         self.top_up(now, &mut step);
         step
-    }
-
-    /// A chunk of the run's log. A chunk that repeats bytes already received
-    /// adds only what is new (a retried chunk is stored once); one that
-    /// starts past the end is a gap.
-    pub fn log(&mut self, run_id: &str, offset: u64, data: &[u8]) -> Result<(Step, u64), LogError> {
-        let mut step = Step::default();
-        let received = self.log_length(run_id);
-        if offset > received {
-            return Err(LogError::Gap { offset, received });
-        }
-        let end = offset + data.len() as u64;
-        if end > received {
-            let skip = usize::try_from(received - offset).unwrap_or(usize::MAX);
-            let fresh = data.get(skip..).unwrap_or_default().to_vec();
-            step.writes.push(Write::Log { run_id: run_id.to_owned(), offset: received, data: fresh });
-            self.log_lengths.insert(run_id.to_owned(), end);
-            return Ok((step, end));
-        }
-        Ok((step, received))
     }
 
     // ---- provider reports and time -----------------------------------------
@@ -1269,6 +1304,7 @@ impl Dispatch {
         self.tick_threads(now, &mut step);
         self.expire_graces(now, &mut step);
         self.expire_standbys(now, &mut step);
+        self.evict_finished(now);
         self.dispatch_queued(now, &mut step);
         self.top_up(now, &mut step);
         step

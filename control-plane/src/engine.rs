@@ -20,8 +20,8 @@ use standby_protocol::{AgentState, Event, Run, Secret, ServerMessage};
 use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::dispatch::{
-    Admission, Call, CancelError, ConnId, Dispatch, Effect, Found, LogError, MetricsSnapshot, Refusal, SandboxView,
-    Step,
+    Admission, Call, CancelError, ConnId, Dispatch, Effect, Found, LogError, MetricsSnapshot, Refusal, SandboxPage,
+    SandboxView, Step,
 };
 use crate::model::{Millis, RunRecord, RunRequest, RunState, SandboxRecord, ThreadRecord};
 use crate::policy::raised_auto_stop;
@@ -61,11 +61,10 @@ enum Command {
     GetThread { thread_id: String, reply: oneshot::Sender<Option<ThreadRecord>> },
     Cancel { run_id: String, reply: oneshot::Sender<Result<RunState, CancelError>> },
     GetRun { run_id: String, reply: oneshot::Sender<Option<RunRecord>> },
-    ListRuns { reply: oneshot::Sender<Vec<RunRecord>> },
     GetSandbox { sandbox_id: String, reply: oneshot::Sender<Option<SandboxRecord>> },
-    Sandboxes { reply: oneshot::Sender<Vec<(SandboxView, Details)>> },
+    Sandboxes { page: SandboxPage, reply: oneshot::Sender<Vec<(SandboxView, Details)>> },
     Event { run_id: String, attempt: u32, event: Event, reply: oneshot::Sender<()> },
-    Log { run_id: String, offset: u64, data: Vec<u8>, reply: oneshot::Sender<Result<u64, LogError>> },
+    Log { chunk: LogInput, reply: oneshot::Sender<Result<u64, LogError>> },
     Metrics { reply: oneshot::Sender<MetricsSnapshot> },
     Exited { sandbox_id: String, code: Option<i32> },
     LaunchFailed { sandbox_id: String, error: String },
@@ -74,6 +73,15 @@ enum Command {
     Probed { sandbox_id: String, found: Found },
     Drain { reply: oneshot::Sender<()> },
     Stop,
+}
+
+/// A log chunk as the agent sent it, decoded.
+#[derive(Debug)]
+pub struct LogInput {
+    pub run_id: String,
+    pub offset: u64,
+    pub dropped: u64,
+    pub data: Vec<u8>,
 }
 
 /// How the engine launches and stops agents.
@@ -186,17 +194,14 @@ impl EngineHandle {
         self.ask(|reply| Command::GetRun { run_id, reply }).await
     }
 
-    pub async fn runs(&self) -> Result<Vec<RunRecord>, EngineGone> {
-        self.ask(|reply| Command::ListRuns { reply }).await
-    }
-
     pub async fn sandbox(&self, sandbox_id: &str) -> Result<Option<SandboxRecord>, EngineGone> {
         let sandbox_id = sandbox_id.to_owned();
         self.ask(|reply| Command::GetSandbox { sandbox_id, reply }).await
     }
 
-    pub async fn sandboxes(&self) -> Result<Vec<(SandboxView, Details)>, EngineGone> {
-        self.ask(|reply| Command::Sandboxes { reply }).await
+    /// A page of sandboxes, in creation order.
+    pub async fn sandboxes(&self, page: SandboxPage) -> Result<Vec<(SandboxView, Details)>, EngineGone> {
+        self.ask(|reply| Command::Sandboxes { page, reply }).await
     }
 
     pub async fn event(&self, run_id: &str, attempt: u32, event: Event) -> Result<(), EngineGone> {
@@ -204,9 +209,8 @@ impl EngineHandle {
         self.ask(|reply| Command::Event { run_id, attempt, event, reply }).await
     }
 
-    pub async fn log(&self, run_id: &str, offset: u64, data: Vec<u8>) -> Result<Result<u64, LogError>, EngineGone> {
-        let run_id = run_id.to_owned();
-        self.ask(|reply| Command::Log { run_id, offset, data, reply }).await
+    pub async fn log(&self, chunk: LogInput) -> Result<Result<u64, LogError>, EngineGone> {
+        self.ask(|reply| Command::Log { chunk, reply }).await
     }
 
     pub async fn metrics(&self) -> Result<MetricsSnapshot, EngineGone> {
@@ -364,17 +368,14 @@ impl<P: SandboxProvider> Engine<P> {
             Command::GetRun { run_id, reply } => {
                 let _ = reply.send(self.machine.run(&run_id).cloned());
             }
-            Command::ListRuns { reply } => {
-                let _ = reply.send(self.machine.runs().cloned().collect());
-            }
             Command::GetThread { thread_id, reply } => {
                 let _ = reply.send(self.machine.thread(&thread_id).cloned());
             }
             Command::GetSandbox { sandbox_id, reply } => {
                 let _ = reply.send(self.machine.sandbox(&sandbox_id).cloned());
             }
-            Command::Sandboxes { reply } => {
-                let views = self.machine.sandbox_views(now);
+            Command::Sandboxes { page, reply } => {
+                let views = self.machine.sandbox_page(now, &page);
                 let with_details = views
                     .into_iter()
                     .map(|view| {
@@ -389,15 +390,17 @@ impl<P: SandboxProvider> Engine<P> {
                 self.apply(step).await?;
                 let _ = reply.send(());
             }
-            Command::Log { run_id, offset, data, reply } => match self.machine.log(&run_id, offset, &data) {
-                Ok((step, received)) => {
-                    self.apply(step).await?;
-                    let _ = reply.send(Ok(received));
+            Command::Log { chunk, reply } => {
+                match self.machine.log(&chunk.run_id, chunk.offset, chunk.dropped, &chunk.data) {
+                    Ok((step, received)) => {
+                        self.apply(step).await?;
+                        let _ = reply.send(Ok(received));
+                    }
+                    Err(error) => {
+                        let _ = reply.send(Err(error));
+                    }
                 }
-                Err(error) => {
-                    let _ = reply.send(Err(error));
-                }
-            },
+            }
             Command::Metrics { reply } => {
                 let _ = reply.send(self.machine.metrics());
             }

@@ -9,11 +9,14 @@
 //! - [`provider`]: where sandboxes come from; the `local` provider.
 //! - [`policy`]: the pool's numeric rules (auto-stop floor, TTL schedule).
 //! - [`spool`]: the `spool` provider, standby credentials as files (load generation).
+//! - [`bounds`]: what one request may carry and one answer hold (pure).
 //! - [`metrics`]: the Prometheus text of `/metrics`.
 //! - [`demo`]: `standby-server demo`.
 
 pub mod agent_api;
 pub mod api;
+pub mod api_reads;
+pub mod bounds;
 pub mod credential;
 pub mod demo;
 pub mod dispatch;

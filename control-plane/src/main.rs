@@ -12,7 +12,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
 use standby_control_plane::demo::{self, DemoOptions};
-use standby_control_plane::dispatch::Lifecycle;
+use standby_control_plane::dispatch::{Lifecycle, RunBounds};
 use standby_control_plane::policy::AutoStop;
 use standby_control_plane::provider::{LocalOptions, LocalProvider, SandboxProvider};
 use standby_control_plane::seal::SealKey;
@@ -116,6 +116,22 @@ struct Serve {
     inject_latency: Duration,
     #[command(flatten)]
     lifecycle: LifecycleArgs,
+    #[command(flatten)]
+    bounds: BoundsArgs,
+}
+
+/// What one run may cost (`docs/operations.md`, "Per-run bounds").
+#[derive(Debug, clap::Args)]
+struct BoundsArgs {
+    /// Bytes of a run's log stored (`64MiB`, `512KiB`, `1000`); past it the
+    /// run goes on, its output is acknowledged and counted, and the log
+    /// ends with a line saying how many bytes were dropped.
+    #[arg(long, env = "STANDBY_SERVER_LOG_CAP", default_value = "64MiB", value_parser = parse_bytes, value_name = "BYTES")]
+    log_cap: u64,
+    /// How long a finished run stays in memory; it stays in the store, and
+    /// the API reads it from there after.
+    #[arg(long, env = "STANDBY_SERVER_RUN_RETENTION", default_value = "10m", value_parser = parse_duration, value_name = "DURATION")]
+    run_retention: Duration,
 }
 
 /// The pool policy and the thread tiers (`docs/operations.md`).
@@ -206,6 +222,24 @@ struct DemoArgs {
     /// Rounds of follow-up turns with `--threads`.
     #[arg(long, default_value_t = 5, value_name = "N", requires = "threads")]
     rounds: usize,
+}
+
+/// A byte count: a whole number, optionally followed by `KiB`, `MiB` or `GiB`.
+fn parse_bytes(text: &str) -> Result<u64, String> {
+    let text = text.trim();
+    let (digits, unit) = text.split_at(text.find(|c: char| !c.is_ascii_digit()).unwrap_or(text.len()));
+    let scale: u64 = match unit.trim() {
+        "" | "B" => 1,
+        "KiB" => 1 << 10,
+        "MiB" => 1 << 20,
+        "GiB" => 1 << 30,
+        _ => return Err(format!("`{text}` is not a byte count such as 1000, 512KiB or 64MiB")),
+    };
+    digits
+        .parse::<u64>()
+        .ok()
+        .and_then(|n| n.checked_mul(scale))
+        .ok_or_else(|| format!("`{text}` is not a byte count such as 1000, 512KiB or 64MiB"))
 }
 
 fn parse_duration(text: &str) -> Result<Duration, String> {
@@ -338,6 +372,7 @@ async fn serve(args: Serve) -> anyhow::Result<()> {
         anyhow::bail!("--provider-minute must be longer than zero");
     }
     config.lifecycle = args.lifecycle.lifecycle();
+    config.bounds = RunBounds { log_cap: args.bounds.log_cap, retention: args.bounds.run_retention };
     let local_options = args.lifecycle.local_options(args.stop_grace);
     match agent {
         Some(agent) => {

@@ -13,6 +13,32 @@ use crate::model::{RunPath, RunState};
 /// warm start (tens of milliseconds) to a slow cold one (minutes).
 const BUCKETS: [f64; 14] = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0];
 
+/// Assignment-to-start samples folded into [`BUCKETS`]: what finished runs
+/// that left memory still count, in constant space.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Histogram {
+    /// Samples at or under each bound (not cumulative).
+    counts: [u64; BUCKETS.len()],
+    count: u64,
+    sum_ms: u64,
+}
+
+impl Histogram {
+    pub fn observe(&mut self, ms: u64) {
+        let seconds = ms as f64 / 1000.0;
+        if let Some(slot) = BUCKETS.iter().position(|bound| seconds <= *bound) {
+            self.counts[slot] += 1;
+        }
+        self.count += 1;
+        self.sum_ms = self.sum_ms.saturating_add(ms);
+    }
+
+    /// Samples at or under `BUCKETS[index]`.
+    fn cumulative(&self, index: usize) -> u64 {
+        self.counts[..=index].iter().sum()
+    }
+}
+
 pub fn render(snapshot: &MetricsSnapshot) -> String {
     let mut out = String::new();
     // Writing to a String cannot fail.
@@ -33,13 +59,16 @@ fn render_into(out: &mut String, snapshot: &MetricsSnapshot) -> std::fmt::Result
     writeln!(out, "# HELP standby_assignment_to_start_seconds From the assignment frame written to the run started.")?;
     writeln!(out, "# TYPE standby_assignment_to_start_seconds histogram")?;
     let seconds: Vec<f64> = snapshot.assignment_to_start_ms.iter().map(|ms| *ms as f64 / 1000.0).collect();
-    for bound in BUCKETS {
-        let count = seconds.iter().filter(|s| **s <= bound).count();
+    let past = &snapshot.assignment_to_start_past;
+    for (index, bound) in BUCKETS.into_iter().enumerate() {
+        let count = seconds.iter().filter(|s| **s <= bound).count() as u64 + past.cumulative(index);
         writeln!(out, "standby_assignment_to_start_seconds_bucket{{le=\"{bound}\"}} {count}")?;
     }
-    writeln!(out, "standby_assignment_to_start_seconds_bucket{{le=\"+Inf\"}} {}", seconds.len())?;
-    writeln!(out, "standby_assignment_to_start_seconds_sum {}", seconds.iter().sum::<f64>())?;
-    writeln!(out, "standby_assignment_to_start_seconds_count {}", seconds.len())?;
+    let count = seconds.len() as u64 + past.count;
+    let sum = seconds.iter().sum::<f64>() + past.sum_ms as f64 / 1000.0;
+    writeln!(out, "standby_assignment_to_start_seconds_bucket{{le=\"+Inf\"}} {count}")?;
+    writeln!(out, "standby_assignment_to_start_seconds_sum {sum}")?;
+    writeln!(out, "standby_assignment_to_start_seconds_count {count}")?;
     let scalars = [
         (
             "standby_connected_standbys",
@@ -55,6 +84,12 @@ fn render_into(out: &mut String, snapshot: &MetricsSnapshot) -> std::fmt::Result
             snapshot.sandboxes_running,
         ),
         ("standby_running_cap", "gauge", "The running cap (0: none).", snapshot.running_cap),
+        (
+            "standby_runs_in_memory",
+            "gauge",
+            "Runs held in memory: unfinished ones and those finished within the retention window.",
+            snapshot.runs_in_memory,
+        ),
         ("standby_parked_running", "gauge", "Sandboxes kept running for a thread (Tier 2).", snapshot.parked_running),
         ("standby_parked_stopped", "gauge", "Sandboxes kept stopped for a thread (Tier 1).", snapshot.parked_stopped),
         (
@@ -117,5 +152,19 @@ mod tests {
         let text = render(&snapshot);
         assert!(text.contains("# TYPE standby_duplicate_connections_refused_total counter"));
         assert!(text.contains("standby_duplicate_connections_refused_total 4"));
+    }
+
+    #[test]
+    fn evicted_samples_add_to_the_buckets() {
+        let mut past = Histogram::default();
+        past.observe(20);
+        past.observe(400_000);
+        let snapshot =
+            MetricsSnapshot { assignment_to_start_ms: vec![700], assignment_to_start_past: past, ..Default::default() };
+        let text = render(&snapshot);
+        assert!(text.contains("standby_assignment_to_start_seconds_bucket{le=\"0.025\"} 1"));
+        assert!(text.contains("standby_assignment_to_start_seconds_bucket{le=\"1\"} 2"));
+        assert!(text.contains("standby_assignment_to_start_seconds_bucket{le=\"+Inf\"} 3"));
+        assert!(text.contains("standby_assignment_to_start_seconds_sum 400.7"));
     }
 }

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use axum::Json;
 use axum::Router;
-use axum::extract::State;
+use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -20,12 +20,13 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
+use crate::bounds::{EVENT_BODY_MAX, LOG_BODY_MAX};
 use crate::credential::{RandomMint, TokenHash};
-use crate::dispatch::{Dispatch, DispatchConfig, Lifecycle};
+use crate::dispatch::{Dispatch, DispatchConfig, Lifecycle, RunBounds};
 use crate::engine::{Engine, EngineConfig, EngineGone, EngineHandle};
 use crate::provider::SandboxProvider;
 use crate::store::{Store, StoreError};
-use crate::{agent_api, api};
+use crate::{agent_api, api, api_reads};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
@@ -65,6 +66,8 @@ pub struct ServerConfig {
     pub inject_latency: Duration,
     /// The pool policy and the thread tiers.
     pub lifecycle: Lifecycle,
+    /// What one run may cost: its log cap, its time in memory once finished.
+    pub bounds: RunBounds,
 }
 
 impl ServerConfig {
@@ -84,6 +87,7 @@ impl ServerConfig {
             agent_log: "info".into(),
             inject_latency: Duration::ZERO,
             lifecycle: Lifecycle::default(),
+            bounds: RunBounds::default(),
         }
     }
 }
@@ -185,14 +189,14 @@ fn router(state: AppState) -> Router {
         .route("/v1/executions/{id}/git-credentials", post(agent_api::git_credentials))
         .route("/v1/executions/{id}/metadata", get(agent_api::metadata))
         .route("/v1/executions/{id}/cloud-credentials", post(agent_api::cloud_credentials))
-        .route("/v1/executions/{id}/events", post(agent_api::events))
-        .route("/v1/executions/{id}/log", post(agent_api::log))
-        .route("/v1/runs", post(api::submit).get(api::list))
+        .route("/v1/executions/{id}/events", post(agent_api::events).layer(DefaultBodyLimit::max(EVENT_BODY_MAX)))
+        .route("/v1/executions/{id}/log", post(agent_api::log).layer(DefaultBodyLimit::max(LOG_BODY_MAX)))
+        .route("/v1/runs", post(api::submit).get(api_reads::list))
         .route("/v1/runs/{id}", get(api::get))
-        .route("/v1/runs/{id}/log", get(api::log))
-        .route("/v1/runs/{id}/events", get(api::events))
+        .route("/v1/runs/{id}/log", get(api_reads::log))
+        .route("/v1/runs/{id}/events", get(api_reads::events))
         .route("/v1/runs/{id}/cancel", post(api::cancel))
-        .route("/v1/sandboxes", get(api::sandboxes))
+        .route("/v1/sandboxes", get(api_reads::sandboxes))
         .route("/v1/threads/{id}", get(api::thread))
         .route("/metrics", get(api::metrics))
         .with_state(state)
@@ -252,6 +256,7 @@ pub async fn start<P: SandboxProvider>(
         pool_workspace: config.spec.workspace.clone(),
         pool_fingerprint: fingerprint(&config.spec.workspace),
         lifecycle: config.lifecycle.clone(),
+        bounds: config.bounds,
     };
     let now = crate::model::Millis::now();
     let (machine, initial) = Dispatch::restore(dispatch_config, Box::new(RandomMint), snapshot, now);

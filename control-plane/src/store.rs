@@ -28,8 +28,10 @@ use rusqlite::{Connection, OptionalExtension, params};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use crate::dispatch::{Snapshot, Write};
-use crate::model::{CredentialRecord, RunRecord, RunRequest, RunState, SandboxRecord, StoredEvent, ThreadRecord};
+use crate::dispatch::{LogLedger, Snapshot, Write};
+use crate::model::{
+    CredentialRecord, Millis, RunPath, RunRecord, RunRequest, RunState, SandboxRecord, StoredEvent, ThreadRecord,
+};
 use crate::seal::{SealKey, Sealer};
 
 #[derive(Debug, thiserror::Error)]
@@ -73,11 +75,45 @@ pub trait Store: Send + Sync + 'static {
     /// run is terminal: a write of a terminal run deletes it in the same
     /// transaction.
     fn request(&self, run_id: &str) -> Result<Option<RunRequest>, StoreError>;
-    /// The run's events, in arrival order.
-    fn events(&self, run_id: &str) -> Result<Vec<StoredEvent>, StoreError>;
-    /// The run's log as received (redacted by the agent).
-    fn log(&self, run_id: &str) -> Result<Vec<u8>, StoreError>;
+    /// One run, finished or not.
+    fn run(&self, run_id: &str) -> Result<Option<RunRecord>, StoreError>;
+    /// A page of runs in submission order (`submitted_at`, then id).
+    fn runs(&self, query: &RunQuery) -> Result<Vec<RunRecord>, StoreError>;
+    /// Up to `limit` of the run's events received after sequence number
+    /// `after` (`0`: from the first), in arrival order, with their numbers.
+    fn events(&self, run_id: &str, after: u64, limit: usize) -> Result<Vec<(u64, StoredEvent)>, StoreError>;
+    /// Where the run's log stands; `None` before its first chunk.
+    fn log_ledger(&self, run_id: &str) -> Result<Option<LogLedger>, StoreError>;
+    /// Up to `limit` stored pieces of the run's log (as received, redacted
+    /// by the agent) that end after stream offset `from`, in order, each
+    /// with its stream offset. Bytes between pieces are gaps.
+    fn log_pieces(&self, run_id: &str, from: u64, limit: usize) -> Result<Vec<(u64, Vec<u8>)>, StoreError>;
 }
+
+/// Which runs a page of [`Store::runs`] holds.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RunQuery {
+    /// The last run of the previous page (`submitted_at`, id).
+    pub after: Option<(Millis, String)>,
+    pub limit: usize,
+    pub state: Option<RunState>,
+    pub thread_id: Option<String>,
+}
+
+/// `'exited', 'failed', 'cancelled'`: the finished states, for SQL.
+fn terminal_states() -> String {
+    let states: Vec<String> =
+        RunState::ALL.into_iter().filter(|state| state.is_terminal()).map(|state| format!("'{state}'")).collect();
+    states.join(", ")
+}
+
+/// Columns of `runs` read from its document, indexed for paging and for
+/// loading only unfinished runs: added to stores created before them.
+const RUN_COLUMNS: [(&str, &str); 3] = [
+    ("submitted_at", "json_extract(doc, '$.submitted_at')"),
+    ("state", "json_extract(doc, '$.state')"),
+    ("thread_id", "json_extract(doc, '$.thread_id')"),
+];
 
 const SCHEMA: &str = "
 CREATE TABLE IF NOT EXISTS runs (id TEXT PRIMARY KEY, doc TEXT NOT NULL);
@@ -97,6 +133,12 @@ CREATE TABLE IF NOT EXISTS log_chunks (
     start INTEGER NOT NULL,
     data BLOB NOT NULL,
     PRIMARY KEY (run_id, start)
+);
+CREATE TABLE IF NOT EXISTS log_ledgers (
+    run_id TEXT PRIMARY KEY,
+    received INTEGER NOT NULL,
+    held INTEGER NOT NULL,
+    over_cap INTEGER NOT NULL
 );
 ";
 
@@ -164,6 +206,7 @@ impl SqliteStore {
             )
             .map_err(|source| sqlite(&path, "configure", source))?;
         connection.execute_batch(SCHEMA).map_err(|source| sqlite(&path, "create the schema", source))?;
+        add_run_columns(&connection).map_err(|source| sqlite(&path, "add the run columns", source))?;
         let store = Self { path, connection: Mutex::new(connection), sealer: Sealer::new(key) };
         store.seal_legacy_requests()?;
         Ok(store)
@@ -236,6 +279,23 @@ impl SqliteStore {
         Ok(docs)
     }
 
+    fn query_docs<T: DeserializeOwned>(
+        &self,
+        connection: &Connection,
+        table: &'static str,
+        sql: &str,
+        params: impl rusqlite::Params,
+    ) -> Result<Vec<T>, StoreError> {
+        let read = |source| sqlite(&self.path, "read", source);
+        let mut statement = connection.prepare(sql).map_err(read)?;
+        let rows = statement
+            .query_map(params, |row| Ok((row.get::<_, String>(0)?, row.get::<_, String>(1)?)))
+            .map_err(read)?
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(read)?;
+        rows.iter().map(|(id, doc)| self.decode(table, id, doc)).collect()
+    }
+
     fn decode<T: DeserializeOwned>(&self, table: &'static str, id: &str, doc: &str) -> Result<T, StoreError> {
         serde_json::from_str(doc).map_err(|error| StoreError::Corrupt {
             path: self.path.clone(),
@@ -244,6 +304,30 @@ impl SqliteStore {
             problem: standby_protocol::describe_json_error(&error),
         })
     }
+}
+
+fn add_run_columns(connection: &Connection) -> rusqlite::Result<()> {
+    let mut statement = connection.prepare("SELECT name FROM pragma_table_xinfo('runs')")?;
+    let present = statement.query_map([], |row| row.get::<_, String>(0))?.collect::<Result<Vec<_>, _>>()?;
+    for (name, expression) in RUN_COLUMNS {
+        if !present.iter().any(|column| column == name) {
+            connection.execute_batch(&format!(
+                "ALTER TABLE runs ADD COLUMN {name} GENERATED ALWAYS AS ({expression}) VIRTUAL"
+            ))?;
+        }
+    }
+    connection.execute_batch(
+        "CREATE INDEX IF NOT EXISTS runs_by_submission ON runs (submitted_at, id);
+         CREATE INDEX IF NOT EXISTS runs_by_state ON runs (state);",
+    )
+}
+
+fn to_i64(value: u64) -> i64 {
+    i64::try_from(value).unwrap_or(i64::MAX)
+}
+
+fn to_u64(value: i64) -> u64 {
+    u64::try_from(value).unwrap_or(0)
 }
 
 fn sqlite(path: &str, operation: &'static str, source: rusqlite::Error) -> StoreError {
@@ -256,28 +340,76 @@ fn encode(value: &impl Serialize) -> String {
 }
 
 impl Store for SqliteStore {
+    /// Loads everything but finished runs (and their events and logs):
+    /// those are only counted, and read from the store when asked for.
     fn load(&self) -> Result<Snapshot, StoreError> {
         let connection = self.connection();
-        let runs: Vec<RunRecord> = self.docs(&connection, "runs")?;
+        let terminal = terminal_states();
+        let read = |source| sqlite(&self.path, "read", source);
+        let runs: Vec<RunRecord> = self.query_docs(
+            &connection,
+            "runs",
+            &format!("SELECT id, doc FROM runs WHERE state NOT IN ({terminal}) ORDER BY id"),
+            [],
+        )?;
         let sandboxes: Vec<SandboxRecord> = self.docs(&connection, "sandboxes")?;
         let credentials: Vec<CredentialRecord> = self.docs(&connection, "credentials")?;
         let threads: Vec<ThreadRecord> = self.docs(&connection, "threads")?;
-        let read = |source| sqlite(&self.path, "read", source);
-        let mut statement = connection.prepare("SELECT run_id, event_id FROM events ORDER BY seq").map_err(read)?;
+        let mut statement = connection
+            .prepare(&format!(
+                "SELECT e.run_id, e.event_id FROM events e JOIN runs r ON r.id = e.run_id
+                 WHERE r.state NOT IN ({terminal}) ORDER BY e.seq"
+            ))
+            .map_err(read)?;
         let event_ids = statement
             .query_map([], |row| Ok((row.get::<_, String>(0)?, row.get::<_, String>(1)?)))
             .map_err(read)?
             .collect::<Result<Vec<_>, _>>()
             .map_err(read)?;
-        let mut statement =
-            connection.prepare("SELECT run_id, SUM(LENGTH(data)) FROM log_chunks GROUP BY run_id").map_err(read)?;
-        let log_lengths = statement
-            .query_map([], |row| Ok((row.get::<_, String>(0)?, row.get::<_, i64>(1)?)))
+        // Ledgers, and for runs stored before ledgers were, one made from
+        // their chunks.
+        let mut statement = connection
+            .prepare(&format!(
+                "SELECT l.run_id, l.received, l.held, l.over_cap FROM log_ledgers l JOIN runs r ON r.id = l.run_id
+                 WHERE r.state NOT IN ({terminal})
+                 UNION ALL
+                 SELECT c.run_id, MAX(c.start + LENGTH(c.data)), SUM(LENGTH(c.data)), 0 FROM log_chunks c
+                 JOIN runs r ON r.id = c.run_id
+                 WHERE r.state NOT IN ({terminal}) AND c.run_id NOT IN (SELECT run_id FROM log_ledgers)
+                 GROUP BY c.run_id"
+            ))
+            .map_err(read)?;
+        let logs = statement
+            .query_map([], |row| {
+                let ledger = LogLedger {
+                    received: to_u64(row.get(1)?),
+                    held: to_u64(row.get(2)?),
+                    over_cap: to_u64(row.get(3)?),
+                };
+                Ok((row.get::<_, String>(0)?, ledger))
+            })
             .map_err(read)?
-            .map(|row| row.map(|(run, len)| (run, u64::try_from(len).unwrap_or(0))))
             .collect::<Result<Vec<_>, _>>()
             .map_err(read)?;
-        Ok(Snapshot { runs, sandboxes, credentials, event_ids, log_lengths, threads })
+        let mut statement = connection
+            .prepare(&format!(
+                "SELECT state, json_extract(doc, '$.attempts[#-1].path'), COUNT(*) FROM runs
+                 WHERE state IN ({terminal}) GROUP BY 1, 2"
+            ))
+            .map_err(read)?;
+        let finished = statement
+            .query_map([], |row| Ok((row.get::<_, String>(0)?, row.get::<_, Option<String>>(1)?, to_u64(row.get(2)?))))
+            .map_err(read)?
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(read)?
+            .into_iter()
+            .filter_map(|(state, path, count)| {
+                let state: RunState = serde_json::from_value(serde_json::Value::String(state)).ok()?;
+                let path: Option<RunPath> = path.and_then(|path| serde_json::from_value(path.into()).ok());
+                Some(((state, path), count))
+            })
+            .collect();
+        Ok(Snapshot { runs, sandboxes, credentials, event_ids, logs, finished, threads })
     }
 
     fn apply(&self, writes: &[Write]) -> Result<(), StoreError> {
@@ -316,12 +448,21 @@ impl Store for SqliteStore {
                         )
                         .map_err(write)?;
                 }
-                Write::Log { run_id, offset, data } => {
-                    let start = i64::try_from(*offset).unwrap_or(i64::MAX);
+                Write::Log { run_id, offset, data, ledger } => {
+                    if !data.is_empty() {
+                        transaction
+                            .execute(
+                                "INSERT INTO log_chunks (run_id, start, data) VALUES (?1, ?2, ?3)",
+                                params![run_id, to_i64(*offset), data],
+                            )
+                            .map_err(write)?;
+                    }
                     transaction
                         .execute(
-                            "INSERT INTO log_chunks (run_id, start, data) VALUES (?1, ?2, ?3)",
-                            params![run_id, start, data],
+                            "INSERT INTO log_ledgers (run_id, received, held, over_cap) VALUES (?1, ?2, ?3, ?4)
+                             ON CONFLICT (run_id) DO UPDATE SET
+                                 received = excluded.received, held = excluded.held, over_cap = excluded.over_cap",
+                            params![run_id, to_i64(ledger.received), to_i64(ledger.held), to_i64(ledger.over_cap)],
                         )
                         .map_err(write)?;
                 }
@@ -358,30 +499,100 @@ impl Store for SqliteStore {
         self.decode("run_requests", run_id, &text).map(Some)
     }
 
-    fn events(&self, run_id: &str) -> Result<Vec<StoredEvent>, StoreError> {
+    fn run(&self, run_id: &str) -> Result<Option<RunRecord>, StoreError> {
         let connection = self.connection();
-        let read = |source| sqlite(&self.path, "read", source);
-        let mut statement =
-            connection.prepare("SELECT event_id, doc FROM events WHERE run_id = ?1 ORDER BY seq").map_err(read)?;
-        let rows = statement
-            .query_map([run_id], |row| Ok((row.get::<_, String>(0)?, row.get::<_, String>(1)?)))
-            .map_err(read)?
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(read)?;
-        rows.iter().map(|(id, doc)| self.decode("events", id, doc)).collect()
+        let docs = self.query_docs(&connection, "runs", "SELECT id, doc FROM runs WHERE id = ?1", [run_id])?;
+        Ok(docs.into_iter().next())
     }
 
-    fn log(&self, run_id: &str) -> Result<Vec<u8>, StoreError> {
+    fn runs(&self, query: &RunQuery) -> Result<Vec<RunRecord>, StoreError> {
+        let mut clauses = Vec::new();
+        let mut values: Vec<rusqlite::types::Value> = Vec::new();
+        if let Some((submitted_at, id)) = &query.after {
+            values.push(submitted_at.0.into());
+            values.push(id.clone().into());
+            clauses.push(format!("(submitted_at, id) > (?{}, ?{})", values.len() - 1, values.len()));
+        }
+        if let Some(state) = query.state {
+            values.push(state.as_str().to_owned().into());
+            clauses.push(format!("state = ?{}", values.len()));
+        }
+        if let Some(thread_id) = &query.thread_id {
+            values.push(thread_id.clone().into());
+            clauses.push(format!("thread_id = ?{}", values.len()));
+        }
+        let filter = if clauses.is_empty() { String::new() } else { format!("WHERE {}", clauses.join(" AND ")) };
+        let sql = format!("SELECT id, doc FROM runs {filter} ORDER BY submitted_at, id LIMIT {}", query.limit);
+        let connection = self.connection();
+        self.query_docs(&connection, "runs", &sql, rusqlite::params_from_iter(values))
+    }
+
+    fn events(&self, run_id: &str, after: u64, limit: usize) -> Result<Vec<(u64, StoredEvent)>, StoreError> {
         let connection = self.connection();
         let read = |source| sqlite(&self.path, "read", source);
-        let mut statement =
-            connection.prepare("SELECT data FROM log_chunks WHERE run_id = ?1 ORDER BY start").map_err(read)?;
-        let chunks = statement
-            .query_map([run_id], |row| row.get::<_, Vec<u8>>(0))
+        let mut statement = connection
+            .prepare("SELECT seq, event_id, doc FROM events WHERE run_id = ?1 AND seq > ?2 ORDER BY seq LIMIT ?3")
+            .map_err(read)?;
+        let rows = statement
+            .query_map(params![run_id, to_i64(after), to_i64(limit as u64)], |row| {
+                Ok((to_u64(row.get(0)?), row.get::<_, String>(1)?, row.get::<_, String>(2)?))
+            })
             .map_err(read)?
             .collect::<Result<Vec<_>, _>>()
             .map_err(read)?;
-        Ok(chunks.concat())
+        rows.iter().map(|(seq, id, doc)| Ok((*seq, self.decode("events", id, doc)?))).collect()
+    }
+
+    fn log_ledger(&self, run_id: &str) -> Result<Option<LogLedger>, StoreError> {
+        let connection = self.connection();
+        let read = |source| sqlite(&self.path, "read", source);
+        let ledger = connection
+            .query_row("SELECT received, held, over_cap FROM log_ledgers WHERE run_id = ?1", [run_id], |row| {
+                Ok(LogLedger {
+                    received: to_u64(row.get(0)?),
+                    held: to_u64(row.get(1)?),
+                    over_cap: to_u64(row.get(2)?),
+                })
+            })
+            .optional()
+            .map_err(read)?;
+        if ledger.is_some() {
+            return Ok(ledger);
+        }
+        // A run stored before ledgers were: its chunks say how far it got.
+        connection
+            .query_row(
+                "SELECT MAX(start + LENGTH(data)), SUM(LENGTH(data)) FROM log_chunks WHERE run_id = ?1",
+                [run_id],
+                |row| Ok((row.get::<_, Option<i64>>(0)?, row.get::<_, Option<i64>>(1)?)),
+            )
+            .map(|row| match row {
+                (Some(end), Some(held)) => Some(LogLedger { received: to_u64(end), held: to_u64(held), over_cap: 0 }),
+                _ => None,
+            })
+            .map_err(read)
+    }
+
+    fn log_pieces(&self, run_id: &str, from: u64, limit: usize) -> Result<Vec<(u64, Vec<u8>)>, StoreError> {
+        let connection = self.connection();
+        let read = |source| sqlite(&self.path, "read", source);
+        // The piece holding `from` starts at or before it, every later one
+        // after it: both found on the primary key.
+        let mut statement = connection
+            .prepare(
+                "SELECT start, data FROM log_chunks WHERE run_id = ?1 AND start >= COALESCE(
+                     (SELECT MAX(start) FROM log_chunks WHERE run_id = ?1 AND start <= ?2), 0)
+                 ORDER BY start LIMIT ?3",
+            )
+            .map_err(read)?;
+        let pieces = statement
+            .query_map(params![run_id, to_i64(from), to_i64(limit as u64)], |row| {
+                Ok((to_u64(row.get(0)?), row.get::<_, Vec<u8>>(1)?))
+            })
+            .map_err(read)?
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(read)?;
+        Ok(pieces.into_iter().filter(|(start, data)| start + data.len() as u64 > from).collect())
     }
 }
 
@@ -512,6 +723,8 @@ mod tests {
             let store = SqliteStore::open(&path, &key()).expect("open");
             let mut updated = run("exe_1");
             updated.state = RunState::Running;
+            let mut finished = run("exe_2");
+            finished.state = RunState::Exited;
             let event = StoredEvent {
                 run_id: "exe_1".into(),
                 attempt: 1,
@@ -525,22 +738,86 @@ mod tests {
                     Write::Run(Box::new(updated)),
                     Write::Event(Box::new(event.clone())),
                     Write::Event(Box::new(event)),
-                    Write::Log { run_id: "exe_1".into(), offset: 0, data: b"hel".to_vec() },
-                    Write::Log { run_id: "exe_1".into(), offset: 3, data: b"lo".to_vec() },
+                    Write::Log {
+                        run_id: "exe_1".into(),
+                        offset: 0,
+                        data: b"hel".to_vec(),
+                        ledger: LogLedger { received: 3, held: 3, over_cap: 0 },
+                    },
+                    Write::Log {
+                        run_id: "exe_1".into(),
+                        offset: 3,
+                        data: b"lo".to_vec(),
+                        ledger: LogLedger { received: 5, held: 5, over_cap: 0 },
+                    },
+                    Write::NewRun(Box::new(finished), Box::new(request())),
                 ])
                 .expect("apply");
         }
         let store = SqliteStore::open(&path, &key()).expect("reopen");
         let snapshot = store.load().expect("load");
-        assert_eq!(snapshot.runs.len(), 1);
+        assert_eq!(snapshot.runs.len(), 1, "the finished run is not loaded");
         assert_eq!(snapshot.runs[0].state, RunState::Running);
+        assert_eq!(snapshot.finished, [((RunState::Exited, None), 1)], "only counted");
+        assert_eq!(store.run("exe_2").expect("run").map(|run| run.state), Some(RunState::Exited));
         assert_eq!(snapshot.credentials, [credential]);
         assert_eq!(snapshot.event_ids, [("exe_1".to_owned(), "e1".to_owned())]);
-        assert_eq!(snapshot.log_lengths, [("exe_1".to_owned(), 5)]);
-        assert_eq!(store.log("exe_1").expect("log"), b"hello");
+        assert_eq!(snapshot.logs, [("exe_1".to_owned(), LogLedger { received: 5, held: 5, over_cap: 0 })]);
+        assert_eq!(store.log_pieces("exe_1", 0, 10).expect("log"), [(0, b"hel".to_vec()), (3, b"lo".to_vec())]);
+        assert_eq!(store.log_pieces("exe_1", 4, 10).expect("log"), [(3, b"lo".to_vec())]);
+        assert_eq!(store.log_pieces("exe_1", 5, 10).expect("log"), []);
         assert_eq!(store.request("exe_1").expect("request"), Some(request()));
-        assert_eq!(store.events("exe_1").expect("events").len(), 1);
-        assert_eq!(store.request("exe_2").expect("request"), None);
+        assert_eq!(store.events("exe_1", 0, 10).expect("events").len(), 1);
+        assert_eq!(store.request("exe_3").expect("request"), None);
+    }
+
+    #[test]
+    fn runs_page_in_submission_order_with_filters() {
+        let store = SqliteStore::in_memory().expect("open");
+        let writes: Vec<Write> = (0..25)
+            .map(|n| {
+                let mut record = run(&format!("exe_{n:02}"));
+                record.submitted_at = Millis(1000 - n % 5);
+                record.state = if n % 2 == 0 { RunState::Exited } else { RunState::Queued };
+                record.thread_id = (n % 3 == 0).then(|| "t".to_owned());
+                Write::NewRun(Box::new(record), Box::new(request()))
+            })
+            .collect();
+        store.apply(&writes).expect("apply");
+        let mut seen = Vec::new();
+        let mut query = RunQuery { limit: 7, ..RunQuery::default() };
+        loop {
+            let page = store.runs(&query).expect("page");
+            seen.extend(page.iter().map(|run| (run.submitted_at, run.id.clone())));
+            let Some(last) = page.last().filter(|_| page.len() == query.limit) else { break };
+            query.after = Some((last.submitted_at, last.id.clone()));
+        }
+        let mut sorted = seen.clone();
+        sorted.sort();
+        sorted.dedup();
+        assert_eq!(seen, sorted, "every run once, in order");
+        assert_eq!(seen.len(), 25);
+        let exited = store.runs(&RunQuery { limit: 100, state: Some(RunState::Exited), ..RunQuery::default() });
+        assert_eq!(exited.expect("page").len(), 13);
+        let thread = RunQuery { limit: 100, thread_id: Some("t".into()), ..RunQuery::default() };
+        assert_eq!(store.runs(&thread).expect("page").len(), 9);
+    }
+
+    #[test]
+    fn a_store_made_before_the_run_columns_gets_them() {
+        let dir = tempfile::tempdir().expect("a temp dir");
+        let path = dir.path().join("old.db");
+        {
+            let connection = Connection::open(&path).expect("open");
+            connection.execute_batch("CREATE TABLE runs (id TEXT PRIMARY KEY, doc TEXT NOT NULL);").expect("old");
+            connection
+                .execute("INSERT INTO runs (id, doc) VALUES ('exe_1', ?1)", [encode(&run("exe_1"))])
+                .expect("row");
+        }
+        let store = SqliteStore::open(&path, &key()).expect("migrated");
+        let page = store.runs(&RunQuery { limit: 10, state: Some(RunState::Queued), ..RunQuery::default() });
+        assert_eq!(page.expect("page").len(), 1);
+        assert_eq!(store.load().expect("load").runs.len(), 1);
     }
 
     #[test]
@@ -689,7 +966,7 @@ mod tests {
         assert_eq!(store.request("exe_1").expect("read"), None, "purged with the terminal state");
         drop(store);
         let store = SqliteStore::open(&path, &key()).expect("reopen");
-        assert_eq!(store.load().expect("load").runs[0].state, RunState::Exited);
+        assert_eq!(store.run("exe_1").expect("read").map(|run| run.state), Some(RunState::Exited));
         assert_eq!(store.request("exe_1").expect("read"), None);
         let bytes = raw_bytes(&path);
         for needle in &needles {

@@ -9,12 +9,13 @@ use std::time::Duration;
 
 use futures::{SinkExt, StreamExt};
 use serde_json::{Value, json};
-use standby_control_plane::dispatch::Found;
+use standby_control_plane::bounds;
+use standby_control_plane::dispatch::{Found, RunBounds};
 use standby_control_plane::provider::{AgentLaunch, Details, Launched, ProviderError, SandboxProvider};
 use standby_control_plane::seal::SealKey;
 use standby_control_plane::server::{RunningServer, ServerConfig, start};
 use standby_control_plane::store::{SqliteStore, Store};
-use standby_protocol::{Secret, ServerMessage, Spec, Workspace};
+use standby_protocol::{LogChunk, LogReceived, Secret, ServerMessage, Spec, Workspace};
 use tokio::sync::{mpsc, oneshot};
 use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 use tokio_tungstenite::tungstenite::{self, Message};
@@ -487,5 +488,213 @@ async fn a_silent_control_connection_is_closed() {
     while let Some(message) = next_message(&mut socket).await {
         assert!(matches!(message, ServerMessage::Retired(_)), "{message:?}");
     }
+    harness.server.shutdown().await.expect("a clean shutdown");
+}
+
+// ---- per-run bounds ------------------------------------------------------------------
+
+/// A server with `bounds`, no pool: runs go cold, and the test plays the
+/// agent of each with the run credential the assignment carries.
+async fn bounded(store: Arc<dyn Store>, bounds: RunBounds) -> Harness {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let (tx, launches) = mpsc::unbounded_channel();
+    let provider = Arc::new(FakeProvider { launches: tx, running: Mutex::new(HashMap::new()), found: Found::Stopped });
+    let spec = Spec { workspace: Workspace::default(), mcp_servers: Vec::new(), shell: None, deadline: None };
+    let mut config = ServerConfig::new(Secret::new(KEY), spec);
+    config.pool_size = 0;
+    config.linger = Duration::from_millis(100);
+    config.bounds = bounds;
+    let server = start(config, store, Arc::clone(&provider)).await.expect("the server starts");
+    Harness { server, provider, launches, http: reqwest::Client::new() }
+}
+
+const BOUNDS: RunBounds = RunBounds { log_cap: 64 * 1024 * 1024, retention: Duration::from_secs(600) };
+
+/// Submits a run and takes its assignment on its cold sandbox's standby
+/// connection: the run's id and credential.
+async fn assigned(harness: &mut Harness) -> (String, Secret) {
+    let (_, created) = harness.api(reqwest::Method::POST, "/v1/runs", Some(json!({"command": ["true"]}))).await;
+    let run_id = created["id"].as_str().expect("an id").to_owned();
+    let (_, token) = harness.next_launch().await;
+    let mut socket = harness.connect(token.expose()).await.expect("the cold sandbox connects");
+    heartbeat(&mut socket, "ready").await;
+    let Some(ServerMessage::Assignment(assignment)) = next_message(&mut socket).await else {
+        panic!("no assignment");
+    };
+    (run_id, assignment.run_credential)
+}
+
+async fn post_log(harness: &Harness, run_id: &str, token: &Secret, chunk: &LogChunk) -> (u16, Value) {
+    let body = serde_json::to_value(chunk).expect("a chunk");
+    harness.agent(reqwest::Method::POST, &format!("/v1/executions/{run_id}/log"), token, Some(body)).await
+}
+
+/// `GET /v1/runs/{id}/log` with a query: the bytes and the received header.
+async fn read_log(harness: &Harness, run_id: &str, query: &str) -> (Vec<u8>, u64) {
+    let url = harness.url(&format!("/v1/runs/{run_id}/log{query}"));
+    let response = harness.http.get(url).bearer_auth(KEY).send().await.expect("answered");
+    assert_eq!(response.status(), 200);
+    let received = response.headers()["standby-log-received"].to_str().expect("text").parse().expect("a number");
+    (response.bytes().await.expect("the body").to_vec(), received)
+}
+
+async fn metric(harness: &Harness, name: &str) -> u64 {
+    let (_, text) = harness.api(reqwest::Method::GET, "/metrics", None).await;
+    let text = text.as_str().expect("text").to_owned();
+    let line = text.lines().find(|line| line.starts_with(&format!("{name} "))).expect("the metric");
+    line.rsplit(' ').next().and_then(|n| n.parse().ok()).expect("a number")
+}
+
+#[tokio::test]
+async fn oversized_events_are_refused_naming_the_field_and_store_nothing() {
+    let mut harness = bounded(Arc::new(SqliteStore::in_memory().expect("a store")), BOUNDS).await;
+    let (run_id, token) = assigned(&mut harness).await;
+    let path = format!("/v1/executions/{run_id}/events");
+    for n in 0..60 {
+        let event = json!({"event_id": format!("{n}{}", "x".repeat(1024)), "type": "started"});
+        let (status, answer) = harness.agent(reqwest::Method::POST, &path, &token, Some(event)).await;
+        assert_eq!((status, answer["field"].as_str()), (400, Some("event_id")), "{answer}");
+    }
+    let huge = json!({"event_id": "x".repeat(1 << 20), "type": "started"});
+    let (status, answer) = harness.agent(reqwest::Method::POST, &path, &token, Some(huge)).await;
+    assert_eq!((status, answer["field"].as_str()), (413, Some("body")), "{answer}");
+    let long = json!({"event_id": "f1", "type": "install_failed", "requeueable": false, "stage": "secrets",
+                      "message": "m".repeat(20_000)});
+    assert_eq!(harness.agent(reqwest::Method::POST, &path, &token, Some(long)).await.0, 200);
+    let (_, events) = harness.api(reqwest::Method::GET, &format!("/v1/runs/{run_id}/events"), None).await;
+    let events = events["events"].as_array().expect("events").clone();
+    assert_eq!(events.len(), 1, "only the bounded event was stored");
+    assert!(events[0]["event"]["message"].as_str().expect("a message").len() <= 4096);
+    harness.server.shutdown().await.expect("a clean shutdown");
+}
+
+#[tokio::test]
+async fn a_declared_gap_is_recorded_and_a_mismatched_offset_is_answered_409_with_the_count() {
+    let mut harness = bounded(Arc::new(SqliteStore::in_memory().expect("a store")), BOUNDS).await;
+    let (run_id, token) = assigned(&mut harness).await;
+    assert_eq!(
+        post_log(&harness, &run_id, &token, &LogChunk::new(0, b"before\n")).await,
+        (200, json!({"received": 7}))
+    );
+    let (status, answer) = post_log(&harness, &run_id, &token, &LogChunk::new(20, b"after\n")).await;
+    assert_eq!((status, serde_json::from_value::<LogReceived>(answer).ok()), (409, Some(LogReceived { received: 7 })));
+    let (status, answer) = post_log(&harness, &run_id, &token, &LogChunk::after_gap(20, 13, b"after\n")).await;
+    assert_eq!((status, answer), (200, json!({"received": 26})));
+    let (log, received) = read_log(&harness, &run_id, "").await;
+    assert_eq!(received, 26);
+    let expected = format!("before\n{}after\n", bounds::gap_marker(13));
+    assert_eq!(String::from_utf8(log).expect("text"), expected);
+    harness.server.shutdown().await.expect("a clean shutdown");
+}
+
+#[tokio::test]
+async fn past_the_log_cap_chunks_are_acknowledged_and_the_log_ends_with_the_marker() {
+    let bounds = RunBounds { log_cap: 1000, ..BOUNDS };
+    let mut harness = bounded(Arc::new(SqliteStore::in_memory().expect("a store")), bounds).await;
+    let (run_id, token) = assigned(&mut harness).await;
+    let chunk = [b'x'; 700];
+    for n in 0..4u64 {
+        let (status, answer) = post_log(&harness, &run_id, &token, &LogChunk::new(n * 700, &chunk)).await;
+        assert_eq!((status, answer), (200, json!({"received": (n + 1) * 700})), "acknowledged past the cap");
+    }
+    let (log, received) = read_log(&harness, &run_id, "").await;
+    assert_eq!(received, 2800);
+    let expected = format!("{}{}", "x".repeat(1000), bounds::cap_marker(1800));
+    assert_eq!(String::from_utf8(log).expect("text"), expected);
+    harness.server.shutdown().await.expect("a clean shutdown");
+}
+
+#[tokio::test]
+async fn log_ranges_of_a_large_log_are_its_bytes() {
+    let mut harness = bounded(Arc::new(SqliteStore::in_memory().expect("a store")), BOUNDS).await;
+    let (run_id, token) = assigned(&mut harness).await;
+    // 40 chunks of 64 KiB: more than a page of stored pieces.
+    let stream: Vec<u8> = (0..40 * 65_536u32).map(|n| b'a' + (n % 26) as u8).collect();
+    for (n, chunk) in stream.chunks(65_536).enumerate() {
+        assert_eq!(post_log(&harness, &run_id, &token, &LogChunk::new(n as u64 * 65_536, chunk)).await.0, 200);
+    }
+    let (whole, received) = read_log(&harness, &run_id, "").await;
+    assert_eq!(received, stream.len() as u64);
+    assert!(whole == stream, "the whole log, streamed");
+    for (offset, limit) in [(0, 1), (65_535, 2), (100_000, 1_000_000), (2_621_000, 1_000), (3_000_000, 10)] {
+        let (part, _) = read_log(&harness, &run_id, &format!("?offset={offset}&limit={limit}")).await;
+        let end = (offset + limit).min(stream.len());
+        assert!(part == stream[offset.min(end)..end], "offset {offset} limit {limit}");
+    }
+    let (status, answer) = harness.api(reqwest::Method::GET, &format!("/v1/runs/{run_id}/log?offset=x"), None).await;
+    assert_eq!((status, answer["field"].as_str()), (400, Some("offset")));
+    harness.server.shutdown().await.expect("a clean shutdown");
+}
+
+#[tokio::test]
+async fn paging_returns_every_run_exactly_once() {
+    let harness = bounded(Arc::new(SqliteStore::in_memory().expect("a store")), BOUNDS).await;
+    harness.server.engine().drain().await.expect("draining: runs stay queued");
+    let mut submitted = Vec::new();
+    for _ in 0..25 {
+        let (_, created) = harness.api(reqwest::Method::POST, "/v1/runs", Some(json!({"command": ["true"]}))).await;
+        submitted.push(created["id"].as_str().expect("an id").to_owned());
+    }
+    let mut seen = Vec::new();
+    let mut path = "/v1/runs?limit=7".to_owned();
+    loop {
+        let (status, page) = harness.api(reqwest::Method::GET, &path, None).await;
+        assert_eq!(status, 200, "{page}");
+        let runs = page["runs"].as_array().expect("runs");
+        assert!(runs.len() <= 7);
+        seen.extend(runs.iter().map(|run| run["id"].as_str().expect("an id").to_owned()));
+        match page["next_cursor"].as_str() {
+            Some(cursor) => path = format!("/v1/runs?limit=7&cursor={cursor}"),
+            None => break,
+        }
+    }
+    // Runs submitted in one millisecond are ordered by id: compare as sets.
+    let unique: std::collections::BTreeSet<&String> = seen.iter().collect();
+    assert_eq!(unique.len(), seen.len(), "no run twice: {seen:?}");
+    assert_eq!(unique, submitted.iter().collect(), "every run");
+    let (_, queued) = harness.api(reqwest::Method::GET, "/v1/runs?state=queued&limit=1000", None).await;
+    assert_eq!(queued["runs"].as_array().map(Vec::len), Some(25));
+    for (query, field) in
+        [("limit=0", "limit"), ("limit=1001", "limit"), ("cursor=%21", "cursor"), ("state=x", "state")]
+    {
+        let (status, answer) = harness.api(reqwest::Method::GET, &format!("/v1/runs?{query}"), None).await;
+        assert_eq!((status, answer["field"].as_str()), (400, Some(field)), "{query}");
+    }
+    harness.server.shutdown().await.expect("a clean shutdown");
+}
+
+#[tokio::test]
+async fn a_finished_run_leaves_memory_after_the_window_and_a_restart_does_not_load_it() {
+    let dir = tempfile::tempdir().expect("a temp dir");
+    let path = dir.path().join("standby.db");
+    let key = SealKey::random();
+    let open = |path: &Path| -> Arc<dyn Store> { Arc::new(SqliteStore::open(path, &key).expect("the store opens")) };
+    let bounds = RunBounds { retention: Duration::from_millis(200), ..BOUNDS };
+    let mut harness = bounded(open(&path), bounds).await;
+    let (run_id, token) = assigned(&mut harness).await;
+    let events = format!("/v1/executions/{run_id}/events");
+    let event = json!({"event_id": "s", "type": "started"});
+    assert_eq!(harness.agent(reqwest::Method::POST, &events, &token, Some(event)).await.0, 200);
+    // The agent's last chunk comes before its terminal event, which retires the credential.
+    assert_eq!(post_log(&harness, &run_id, &token, &LogChunk::new(0, b"done\n")).await.0, 200);
+    let event = json!({"event_id": "x", "type": "exited", "code": 0});
+    assert_eq!(harness.agent(reqwest::Method::POST, &events, &token, Some(event)).await.0, 200);
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while metric(&harness, "standby_runs_in_memory").await > 0 {
+        assert!(tokio::time::Instant::now() < deadline, "the finished run was never evicted");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let run = harness.run(&run_id).await;
+    assert_eq!((run["state"].as_str(), run["exit_code"].as_i64()), (Some("exited"), Some(0)), "served from the store");
+    assert_eq!(read_log(&harness, &run_id, "").await.0, b"done\n");
+    let (status, _) = harness.api(reqwest::Method::POST, &format!("/v1/runs/{run_id}/cancel"), None).await;
+    assert_eq!(status, 409, "a finished run cannot be cancelled, in memory or not");
+    harness.server.shutdown().await.expect("a clean shutdown");
+
+    let harness = bounded(open(&path), RunBounds { retention: Duration::from_secs(600), ..BOUNDS }).await;
+    assert_eq!(metric(&harness, "standby_runs_in_memory").await, 0, "a restart loads no finished run");
+    assert_eq!(harness.run(&run_id).await["state"], "exited");
+    let (_, listing) = harness.api(reqwest::Method::GET, "/v1/runs", None).await;
+    assert_eq!(listing["runs"][0]["id"], run_id.as_str());
     harness.server.shutdown().await.expect("a clean shutdown");
 }

@@ -6,6 +6,7 @@
 
 mod fingerprint;
 mod http;
+pub mod log_ledger;
 mod message;
 mod secret;
 mod spec;

@@ -118,3 +118,34 @@ fn string_values(value: &Value) -> Vec<String> {
         _ => Vec::new(),
     }
 }
+
+proptest! {
+    /// The log ledger: `received` only grows, by exactly what an `Append`
+    /// accounts for; a duplicate or conflict changes nothing; replaying any
+    /// prefix of a stream of chunks (retries) never appends twice.
+    #[test]
+    fn the_log_ledger_never_double_counts(
+        chunks in prop::collection::vec((0u64..64, 0u64..16, 0u64..32), 0..24),
+    ) {
+        use standby_protocol::log_ledger::{Verdict, accept};
+        let (mut received, mut held, mut gaps) = (0u64, 0u64, 0u64);
+        for (len, dropped, back) in chunks {
+            // A chunk at the ledger's end, after a gap, or a retry from `back` bytes earlier.
+            for (offset, dropped) in [(received + dropped, dropped), (received.saturating_sub(back), 0)] {
+                match accept(received, offset, dropped, len) {
+                    Verdict::Append { gap, skip, end } => {
+                        prop_assert!(end > received || (gap > 0 && end >= received));
+                        prop_assert_eq!(end, offset + len);
+                        prop_assert!(skip <= len);
+                        held += len - skip;
+                        gaps += gap;
+                        received = end;
+                    }
+                    Verdict::Duplicate => prop_assert!(offset + len <= received),
+                    Verdict::Conflict => prop_assert!(offset > received),
+                }
+                prop_assert_eq!(held + gaps, received);
+            }
+        }
+    }
+}

@@ -315,16 +315,29 @@ impl ServerProcess {
         created["id"].as_str().expect("a run id").to_owned()
     }
 
+    /// Every run, following the pages of `GET /v1/runs`.
     pub async fn runs(&self) -> Vec<Value> {
-        self.get("/v1/runs").await["runs"].as_array().cloned().unwrap_or_default()
+        self.every("/v1/runs", "runs").await
+    }
+
+    /// Every item of a paged list (`next_cursor`), `key` naming the items.
+    async fn every(&self, path: &str, key: &str) -> Vec<Value> {
+        let mut items = Vec::new();
+        let mut page = self.get(&format!("{path}?limit=1000")).await;
+        loop {
+            items.extend(page[key].as_array().cloned().unwrap_or_default());
+            let Some(cursor) = page["next_cursor"].as_str() else { return items };
+            page = self.get(&format!("{path}?limit=1000&cursor={cursor}")).await;
+        }
     }
 
     pub async fn run(&self, id: &str) -> Value {
         self.get(&format!("/v1/runs/{id}")).await
     }
 
+    /// Every sandbox, following the pages of `GET /v1/sandboxes`.
     pub async fn sandboxes(&self) -> Vec<Value> {
-        self.get("/v1/sandboxes").await["sandboxes"].as_array().cloned().unwrap_or_default()
+        self.every("/v1/sandboxes", "sandboxes").await
     }
 
     pub async fn sandbox(&self, id: &str) -> Value {

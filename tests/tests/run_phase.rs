@@ -468,6 +468,28 @@ async fn a_strict_mcp_server_that_fails_to_restart_fails_requeueable() {
     .await;
 }
 
+/// The contract lists a refused shell among the requeueable failures: a
+/// cold sandbox's idle shell would be idle.
+#[tokio::test]
+async fn a_busy_idle_shell_is_refused_requeueable() {
+    let dir = scratch();
+    // An interactive shell with job control puts its job in the foreground.
+    let shell = json!(["/bin/bash", "--norc", "--noprofile", "-i", "-c", "sleep 1000; true"]);
+    assert_install_fails(
+        &dir,
+        FailingInstall {
+            spec: json!({"workspace": {}, "shell": shell}),
+            configure: &|agent| agent,
+            execution: &setup,
+            arrange: &|_| {},
+            stages: &["terminal"],
+            requeueable: true,
+            names: Some("foreground job"),
+        },
+    )
+    .await;
+}
+
 #[tokio::test]
 async fn a_path_traversing_attachment_name_fails_not_requeueable() {
     let dir = scratch();

@@ -357,10 +357,14 @@ async fn start_killer(
 /// any later change is a violation.
 async fn watcher(server: Current, journal: Arc<Mutex<Journal>>, stop: Arc<AtomicBool>) {
     while !stop.load(Ordering::Relaxed) {
-        if let Some(server) = current(&server)
-            && let Some((200, body)) = server.try_call(reqwest::Method::GET, "/v1/runs", Some(API_KEY), None).await
+        // Every page of the list (a server may be restarted between two).
+        let mut path = "/v1/runs?limit=1000".to_owned();
+        while let Some(server) = current(&server)
+            && let Some((200, body)) = server.try_call(reqwest::Method::GET, &path, Some(API_KEY), None).await
         {
             observe(&journal, &body);
+            let Some(cursor) = body["next_cursor"].as_str() else { break };
+            path = format!("/v1/runs?limit=1000&cursor={cursor}");
         }
         tokio::time::sleep(Duration::from_millis(250)).await;
     }

@@ -241,14 +241,24 @@ impl Dispatch {
         let last = !matches!(event.kind, EventKind::Started);
         let mut step = self.record_event(now, run_id, attempt, event);
         if last {
-            let credential_id = self
-                .runs
-                .get(run_id)
-                .and_then(|run| run.attempts.iter().find(|a| a.number == attempt))
-                .map(|a| a.credential_id.clone());
+            // A run not in memory has finished (evicted, or not loaded
+            // after a restart): its grace is found among the graces.
+            let credential_id = match self.runs.get(run_id) {
+                Some(run) => run.attempts.iter().find(|a| a.number == attempt).map(|a| a.credential_id.clone()),
+                None => self
+                    .admissions
+                    .graces
+                    .keys()
+                    .find(|id| {
+                        self.credentials
+                            .get(*id)
+                            .is_some_and(|c| c.run_id.as_deref() == Some(run_id) && c.attempt == Some(attempt))
+                    })
+                    .cloned(),
+            };
             if let Some(credential_id) = credential_id
                 && self.admissions.graces.contains_key(&credential_id)
-                && self.runs.get(run_id).is_some_and(|run| run.state.is_terminal())
+                && self.runs.get(run_id).is_none_or(|run| run.state.is_terminal())
             {
                 self.withdraw(&mut step, &credential_id, CredentialState::Retired);
             }
@@ -270,8 +280,7 @@ impl Dispatch {
                 .credentials
                 .get(&credential_id)
                 .and_then(|c| c.run_id.as_ref())
-                .and_then(|run_id| self.runs.get(run_id))
-                .is_some_and(|run| run.state.is_terminal());
+                .is_none_or(|run_id| self.runs.get(run_id).is_none_or(|run| run.state.is_terminal()));
             if over {
                 self.withdraw(step, &credential_id, CredentialState::Retired);
             }
@@ -304,14 +313,24 @@ impl Dispatch {
             if !matches!(record.state, CredentialState::Active | CredentialState::Finishing) {
                 continue;
             }
-            let run = record.run_id.as_ref().and_then(|run_id| self.runs.get(run_id));
-            let current = run.and_then(|run| run.current()).is_some_and(|a| a.credential_id == record.id);
-            match run.map(|run| run.state) {
+            let Some(run) = record.run_id.as_ref().and_then(|run_id| self.runs.get(run_id)) else {
+                // Finished runs are not loaded at start: the run is over.
+                match record.state {
+                    CredentialState::Finishing => {
+                        let grace = Grace { sandbox_id: record.sandbox_id.clone(), until: Some(until) };
+                        self.admissions.graces.insert(record.id.clone(), grace);
+                    }
+                    _ => retire.push(record.id.clone()),
+                }
+                continue;
+            };
+            let current = run.current().is_some_and(|a| a.credential_id == record.id);
+            match run.state {
                 _ if !current => revoke.push(record.id.clone()),
-                Some(state) if state.is_terminal() && record.state == CredentialState::Active => {
+                state if state.is_terminal() && record.state == CredentialState::Active => {
                     retire.push(record.id.clone());
                 }
-                Some(state) if record.state == CredentialState::Finishing => {
+                state if record.state == CredentialState::Finishing => {
                     let until = state.is_terminal().then_some(until);
                     let grace = Grace { sandbox_id: record.sandbox_id.clone(), until };
                     self.admissions.graces.insert(record.id.clone(), grace);

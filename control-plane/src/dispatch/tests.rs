@@ -17,6 +17,7 @@ fn config(pool_size: usize) -> DispatchConfig {
         pool_workspace: Workspace::default(),
         pool_fingerprint: fingerprint(&Workspace::default()),
         lifecycle: Lifecycle::default(),
+        bounds: RunBounds::default(),
     }
 }
 
@@ -193,7 +194,7 @@ impl World {
         let mut sandboxes = BTreeMap::new();
         let mut credentials = BTreeMap::new();
         let mut event_ids = Vec::new();
-        let mut logs: BTreeMap<String, u64> = BTreeMap::new();
+        let mut logs: BTreeMap<String, LogLedger> = BTreeMap::new();
         let mut threads = BTreeMap::new();
         for write in &self.writes {
             match write {
@@ -207,7 +208,9 @@ impl World {
                     credentials.insert(credential.id.clone(), (**credential).clone());
                 }
                 Write::Event(event) => event_ids.push((event.run_id.clone(), event.event.event_id.clone())),
-                Write::Log { run_id, data, .. } => *logs.entry(run_id.clone()).or_default() += data.len() as u64,
+                Write::Log { run_id, ledger, .. } => {
+                    logs.insert(run_id.clone(), *ledger);
+                }
                 Write::Thread { record, expected } => {
                     assert_eq!(
                         threads.get(&record.id).map_or(0, |t: &ThreadRecord| t.generation),
@@ -218,12 +221,21 @@ impl World {
                 }
             }
         }
+        // As the store loads it: finished runs only counted.
+        let mut finished: BTreeMap<(RunState, Option<RunPath>), u64> = BTreeMap::new();
+        for run in runs.values().filter(|run| run.state.is_terminal()) {
+            *finished.entry((run.state, run.path())).or_default() += 1;
+        }
+        runs.retain(|_, run| !run.state.is_terminal());
+        event_ids.retain(|(run_id, _)| runs.contains_key(run_id));
+        logs.retain(|run_id, _| runs.contains_key(run_id));
         Snapshot {
             runs: runs.into_values().collect(),
             sandboxes: sandboxes.into_values().collect(),
             credentials: credentials.into_values().collect(),
             event_ids,
-            log_lengths: logs.into_iter().collect(),
+            logs: logs.into_iter().collect(),
+            finished: finished.into_iter().collect(),
             threads: threads.into_values().collect(),
         }
     }
@@ -768,16 +780,21 @@ fn events_are_deduplicated_by_event_id() {
 #[test]
 fn log_offsets_store_each_byte_once_and_refuse_gaps() {
     let mut world = World::new(0);
-    let (step, len) = world.machine.log("exe", 0, b"hello ").expect("appended");
+    let (exe, _) = world.submit(run("a"));
+    let exe = exe.as_str();
+    let (step, len) = world.machine.log(exe, 0, 0, b"hello ").expect("appended");
     assert_eq!(len, 6);
     assert!(matches!(step.writes.as_slice(), [Write::Log { offset: 0, data, .. }] if data == b"hello "));
-    let (step, len) = world.machine.log("exe", 0, b"hello ").expect("a retried chunk is acknowledged");
+    let (step, len) = world.machine.log(exe, 0, 0, b"hello ").expect("a retried chunk is acknowledged");
     assert_eq!(len, 6);
     assert!(step.writes.is_empty(), "and stored once");
-    let (step, len) = world.machine.log("exe", 3, b"lo world").expect("overlapping");
+    let (step, len) = world.machine.log(exe, 3, 0, b"lo world").expect("overlapping");
     assert_eq!(len, 11);
     assert!(matches!(step.writes.as_slice(), [Write::Log { offset: 6, data, .. }] if data == b"world"));
-    assert_eq!(world.machine.log("exe", 12, b"!").map(|(_, n)| n), Err(LogError::Gap { offset: 12, received: 11 }));
+    assert_eq!(
+        world.machine.log(exe, 12, 0, b"!").map(|(_, n)| n),
+        Err(LogError::Conflict { offset: 12, dropped: 0, received: 11 })
+    );
 }
 
 // ---- credentials ---------------------------------------------------------------------
@@ -816,7 +833,8 @@ fn a_restart_probes_sandboxes_and_resumes_stopped_standbys_with_a_new_credential
     let snapshot = world.snapshot();
     let (mut machine, step) =
         Dispatch::restore(config(1), Box::new(CountingMint::starting_at(1000)), snapshot, world.now);
-    assert_eq!(machine.run(&done).map(|r| (r.state, r.exit_code)), Some((RunState::Exited, Some(0))));
+    assert!(machine.run(&done).is_none(), "a finished run is not loaded");
+    assert_eq!(machine.metrics().runs.get(&(RunState::Exited, Some(RunPath::Warm))), Some(&1), "but counted");
     let probes: Vec<&Effect> = step.effects.iter().filter(|e| matches!(e, Effect::Probe { .. })).collect();
     assert_eq!(probes.len(), 1, "only the live standby is probed: {probes:?}");
     assert!(launches(&step).is_empty(), "the live standby still counts for the pool");
@@ -895,4 +913,5 @@ fn metrics_count_runs_by_state_and_path() {
 }
 
 mod admission;
+mod bounds;
 mod lifecycle;

@@ -190,6 +190,13 @@ impl TestServer {
         self.shared.update(|inner| inner.clear_failures());
     }
 
+    /// Forgets all but the first `keep` bytes of an execution's log (as a
+    /// server restored from a snapshot would): the agent's next chunk is
+    /// answered `409` with `{"received": keep}`.
+    pub fn forget_log(&self, execution_id: &str, keep: u64) -> Result<(), ServerError> {
+        self.shared.update(|inner| inner.forget_log(execution_id, keep))
+    }
+
     /// Pings every connection opened from now on every `every`.
     pub fn set_ping_interval(&self, every: Option<Duration>) {
         self.shared.update(|inner| inner.ping_interval = every);

@@ -158,6 +158,14 @@ pub struct ExecutionRecord {
     pub log_posts: usize,
     /// `(offset, length)` of every accepted log chunk, in order of receipt.
     pub log_chunks: Vec<(u64, usize)>,
+    /// The log's length in bytes of the run's output, recorded gaps
+    /// included: what a `409` reports as `received`.
+    pub log_received: u64,
+    /// `(offset, dropped)` of every gap the agent reported (amendment 6).
+    pub log_gaps: Vec<(u64, u64)>,
+    /// The test made the server forget part of the log: the agent's next
+    /// chunk may be a mismatch (answered `409`) without breaching anything.
+    pub log_forgotten: bool,
     /// When the run credential first connected (delivery confirmed).
     pub confirmed_at: Option<Instant>,
     pub revoked: Option<Revocation>,

@@ -11,7 +11,7 @@ use axum::http::HeaderMap;
 use sha2::{Digest, Sha256};
 use standby_protocol::{
     AgentMessage, Assignment, Attachment, AttachmentsResponse, Cancel, CloudCredentialsResponse, Event, EventKind,
-    GitCredentialsResponse, LogChunk, PROTOCOL_HEADER, PROTOCOL_VERSION, Retired, Secret, SecretsResponse,
+    GitCredentialsResponse, LogChunk, LogReceived, PROTOCOL_HEADER, PROTOCOL_VERSION, Retired, Secret, SecretsResponse,
     ServerMessage,
 };
 use tokio::sync::{mpsc, watch};
@@ -330,6 +330,9 @@ impl Inner {
                 log: Vec::new(),
                 log_posts: 0,
                 log_chunks: Vec::new(),
+                log_received: 0,
+                log_gaps: Vec::new(),
+                log_forgotten: false,
                 confirmed_at: None,
                 revoked: None,
             },
@@ -778,14 +781,17 @@ impl Inner {
         HttpAnswer::json(202, &serde_json::json!({}))
     }
 
-    /// Appends a chunk at its offset: a retried chunk (its bytes already
-    /// received) is acknowledged without being appended twice, a gap is
-    /// refused with `409`.
+    /// Appends a chunk at its offset (amendment 6): a chunk at the stored
+    /// length plus its `dropped` is appended and the gap recorded; a
+    /// retried chunk (its bytes already received) is acknowledged without
+    /// being appended twice; anything else is answered `409` with
+    /// `{"received": n}`, and is a violation unless the test made the
+    /// server forget part of the log.
     fn log_chunk(&mut self, execution_id: &str, body: &[u8]) -> HttpAnswer {
-        let bytes = serde_json::from_slice::<LogChunk>(body)
+        let chunk = serde_json::from_slice::<LogChunk>(body)
             .map_err(|error| error.to_string())
-            .and_then(|chunk| chunk.bytes().map(|bytes| (chunk.offset, bytes)).map_err(|error| error.to_string()));
-        let (offset, bytes) = match bytes {
+            .and_then(|chunk| chunk.bytes().map(|bytes| (chunk, bytes)).map_err(|error| error.to_string()));
+        let (chunk, bytes) = match chunk {
             Ok(chunk) => chunk,
             Err(error) => {
                 self.violation(format!("malformed log chunk for {execution_id}: {error}"));
@@ -795,26 +801,60 @@ impl Inner {
         let Some(record) = self.records.executions.get_mut(execution_id) else {
             return HttpAnswer::error(404, "no such execution");
         };
-        let have = record.log.len();
-        let wire_offset = offset;
-        let Ok(offset) = usize::try_from(offset) else {
-            return HttpAnswer::error(409, "offset out of range");
+        let (offset, dropped, received) = (chunk.offset, chunk.dropped, record.log_received);
+        let len = bytes.len() as u64;
+        // Stored bytes since the last gap map one to one onto offsets.
+        let gap_end = record.log_gaps.last().map_or(0, |(at, dropped)| at + dropped);
+        let conflict = |record: &ExecutionRecord| HttpAnswer::json(409, &LogReceived { received: record.log_received });
+        let problem = if Some(offset) == received.checked_add(dropped) {
+            if dropped > 0 {
+                record.log_gaps.push((received, dropped));
+            }
+            record.log.extend_from_slice(&bytes);
+            record.log_received = offset + len;
+            None
+        } else if dropped == 0 && offset < received && offset >= gap_end {
+            let start = record.log.len() - usize::try_from(received - offset).unwrap_or(usize::MAX);
+            let overlap = usize::try_from((received - offset).min(len)).unwrap_or(usize::MAX);
+            if record.log[start..start + overlap] == bytes[..overlap] {
+                record.log.extend_from_slice(&bytes[overlap..]);
+                record.log_received = record.log_received.max(offset + len);
+                None
+            } else {
+                Some(format!("log chunk of {execution_id} at offset {offset} rewrites bytes already received"))
+            }
+        } else {
+            Some(format!(
+                "log chunk of {execution_id} at offset {offset} (dropped {dropped}) does not follow the {received} bytes received"
+            ))
         };
-        if offset > have {
-            let message = format!("log chunk of {execution_id} at offset {offset} leaves a gap after {have} bytes");
-            self.violation(message);
-            return HttpAnswer::error(409, "gap in the log");
+        if let Some(problem) = problem {
+            let answer = conflict(record);
+            if !record.log_forgotten {
+                self.violation(problem);
+            }
+            return answer;
         }
-        let overlap = (have - offset).min(bytes.len());
-        if record.log[offset..offset + overlap] != bytes[..overlap] {
-            let message = format!("log chunk of {execution_id} at offset {offset} rewrites bytes already received");
-            self.violation(message);
-            return HttpAnswer::error(409, "chunk differs from what was received");
-        }
-        record.log.extend_from_slice(&bytes[overlap..]);
         record.log_posts += 1;
-        record.log_chunks.push((wire_offset, bytes.len()));
-        HttpAnswer::json(200, &serde_json::json!({ "offset": record.log.len() }))
+        record.log_chunks.push((offset, bytes.len()));
+        HttpAnswer::json(200, &serde_json::json!({ "offset": record.log_received }))
+    }
+
+    /// Forgets all but the first `keep` bytes of an execution's log, as a
+    /// server restored from an older snapshot would.
+    pub(crate) fn forget_log(&mut self, execution_id: &str, keep: u64) -> Result<(), ServerError> {
+        let record = self
+            .records
+            .executions
+            .get_mut(execution_id)
+            .ok_or_else(|| ServerError::UnknownExecution(execution_id.to_owned()))?;
+        let keep = keep.min(record.log_received);
+        record.log_gaps.retain(|(at, _)| *at < keep);
+        let in_gaps: u64 = record.log_gaps.iter().map(|(at, dropped)| (*dropped).min(keep - at)).sum();
+        record.log.truncate(usize::try_from(keep - in_gaps).unwrap_or(usize::MAX));
+        record.log_received = keep;
+        record.log_forgotten = true;
+        Ok(())
     }
 }
 
