@@ -28,7 +28,7 @@ use crate::logship::{self, ShipReport};
 use crate::mcp::McpSupervisor;
 use crate::redact::Redactor;
 use crate::shell::{IdleShell, ShellError};
-use crate::{prepare, reaper};
+use crate::{prepare, process, reaper, time};
 
 /// How long the agent waits for the log shipper once the run has exited: a
 /// backstop behind the shipper's own drain bound, which starts when the
@@ -124,10 +124,11 @@ impl Driver {
         let api = Api::with_tls(&config.server_url, Arc::clone(&tls), config.insecure)
             .map_err(|e| format!("HTTP client: {e}"))?;
         let start = Instant::now();
-        let standby_deadline = config.deadline.map(|d| deadline_instant(d, start));
+        let standby_deadline =
+            config.deadline.map(|d| time::deadline_instant(d, start, start, std::time::SystemTime::now()));
         let timeouts = Timeouts {
             standby_deadline,
-            prepare_deadline: Some(start + config.prepare_timeout),
+            prepare_deadline: Some(time::after(start, config.prepare_timeout)),
             prepare: config.prepare_timeout,
             confirm: config.confirm_timeout,
             install: config.install_timeout,
@@ -243,7 +244,7 @@ impl Driver {
                 for action in self.machine.handle(Instant::now(), input) {
                     match action {
                         Action::Finish { report, exit } => finish = Some((report, exit)),
-                        other => inputs.extend(self.act(other, &login_tx)),
+                        other => inputs.extend(self.act(other, &login_tx).await),
                     }
                 }
             }
@@ -266,7 +267,11 @@ impl Driver {
     fn spec_loaded(&mut self, spec: Spec) {
         if let Some(at) = spec.deadline.as_deref() {
             match crate::config::parse_time(at) {
-                Ok(at) => self.machine.tighten_standby_deadline(deadline_instant(Deadline::At(at), Instant::now())),
+                Ok(at) => {
+                    let now = Instant::now();
+                    let deadline = time::deadline_instant(Deadline::At(at), now, now, std::time::SystemTime::now());
+                    self.machine.tighten_standby_deadline(deadline);
+                }
                 Err(e) => tracing::warn!(error = e, "the spec's deadline is ignored"),
             }
         }
@@ -274,7 +279,7 @@ impl Driver {
     }
 
     /// Carries out one action; returns what it led to, if anything.
-    fn act(&mut self, action: Action, login: &watch::Sender<Login>) -> Option<Input> {
+    async fn act(&mut self, action: Action, login: &watch::Sender<Login>) -> Option<Input> {
         match action {
             Action::Accepted { execution_id, credential } => {
                 self.assigned_at = Some(Instant::now());
@@ -301,7 +306,7 @@ impl Driver {
                         deadline: None,
                     }),
                     plan: self.config.install_plan,
-                    deadline: Instant::now() + self.config.install_timeout,
+                    deadline: time::after(Instant::now(), self.config.install_timeout),
                 };
                 let (abort_tx, abort_rx) = oneshot::channel();
                 let task = tokio::spawn(async move {
@@ -319,7 +324,7 @@ impl Driver {
                 }
             }
             Action::StartRun => {
-                if let Err(failure) = self.start_run() {
+                if let Err(failure) = self.start_run().await {
                     return Some(Input::RunFailedToStart(failure));
                 }
             }
@@ -340,7 +345,7 @@ impl Driver {
 
     /// Spawns the run on the prepared terminal, then (off the critical
     /// path) reports `started` and ships its output.
-    fn start_run(&mut self) -> Result<(), InstallFailure> {
+    async fn start_run(&mut self) -> Result<(), InstallFailure> {
         let missing = |what: &str| InstallFailure::new("start", what, Cause::Sandbox);
         let installed = self.installed.take().ok_or_else(|| missing("nothing installed"))?;
         let prepared = self.prepared.as_mut().ok_or_else(|| missing("no prepared terminal"))?;
@@ -349,9 +354,15 @@ impl Driver {
             .shell
             .take()
             .ok_or_else(|| InstallFailure::new("terminal", "the idle shell is gone", Cause::RefusedShell))?;
-        let mut run = shell
-            .replace(&installed.argv, &installed.cwd, &installed.env)
-            .map_err(|e| start_failure(&installed.argv[0], &e))?;
+        // Killing and reaping the shell and forking the run block: off the
+        // runtime, which keeps the heartbeats going meanwhile.
+        let (installed, replaced) = process::off_runtime(move || {
+            let replaced = shell.replace(&installed.argv, &installed.cwd, &installed.env);
+            (installed, replaced)
+        })
+        .await
+        .ok_or_else(|| missing("the task starting the run failed"))?;
+        let mut run = replaced.map_err(|e| start_failure(&installed.argv[0], &e))?;
         let started_at = Instant::now();
         let pgid = i32::try_from(run.pid()).unwrap_or(i32::MAX);
         self.log_timing(&execution_id, &installed, started_at);
@@ -492,8 +503,8 @@ pub async fn report(
     let event =
         Event { event_id: format!("{execution_id}-{}-{:016x}", event_name(&kind), rand::random::<u64>()), kind };
     let path = paths::events(execution_id);
-    retry(&format!("POST {path}"), Instant::now() + timeout, call_backoff(), || api.post(credential, &path, &event))
-        .await
+    let deadline = time::after(Instant::now(), timeout);
+    retry(&format!("POST {path}"), deadline, call_backoff(), || api.post(credential, &path, &event)).await
 }
 
 /// Loads the spec, prepares the workspace, starts the MCP servers and opens
@@ -515,8 +526,16 @@ async fn prepare_all(
         .await
         .map_err(|e| PrepFailure::Failed(e.to_string()))?;
     let shell_argv = spec.shell.clone().filter(|argv| !argv.is_empty()).unwrap_or_else(default_shell);
-    let shell = IdleShell::open(&shell_argv, root, &crate::process::child_env())
-        .map_err(|e| PrepFailure::Failed(format!("idle shell `{}`: {e}", shell_argv.join(" "))))?;
+    let shell = {
+        let (argv, root) = (shell_argv.clone(), root.clone());
+        // Opening a terminal and forking the shell block: off the runtime.
+        process::off_runtime(move || IdleShell::open(&argv, &root, &process::child_env()))
+            .await
+            .unwrap_or_else(|| {
+                Err(ShellError::Spawn { program: shell_argv[0].clone(), source: "the task failed".into() })
+            })
+            .map_err(|e| PrepFailure::Failed(format!("idle shell `{}`: {e}", shell_argv.join(" "))))?
+    };
     tracing::info!(fingerprint = %workspace.fingerprint, skipped = workspace.skipped, "ready");
     Ok(Prepared { shell: Some(shell), mcp, fingerprint: workspace.fingerprint })
 }
@@ -533,7 +552,7 @@ fn default_shell() -> Vec<String> {
 /// credential.
 async fn fetch_spec(api: &Api, token: &Secret) -> Result<Spec, PrepFailure> {
     let path = standby_protocol::SPEC_PATH;
-    let forever = Instant::now() + Duration::from_secs(100 * 365 * 24 * 3600);
+    let forever = time::after(Instant::now(), time::FOREVER);
     tracing::info!("fetching the spec");
     let backoff = call_backoff().with_max_delay(control::BACKOFF_CAP);
     retry(&format!("GET {path}"), forever, backoff, || api.get_json(token, path)).await.map_err(|e| {
@@ -542,16 +561,6 @@ async fn fetch_spec(api: &Api, token: &Secret) -> Result<Spec, PrepFailure> {
             _ => PrepFailure::Failed(format!("fetching the spec: {e}")),
         }
     })
-}
-
-fn deadline_instant(deadline: Deadline, start: Instant) -> Instant {
-    match deadline {
-        Deadline::After(after) => start + after,
-        Deadline::At(at) => {
-            let from_now = at.duration_since(std::time::SystemTime::now()).unwrap_or_default();
-            Instant::now() + from_now
-        }
-    }
 }
 
 /// Waits for an optional task; never resolves when there is none.

@@ -407,7 +407,7 @@ where
             Err(error) => error,
         };
         let delay = delays.next().unwrap_or(Duration::from_secs(5)).max(error.retry_after().unwrap_or_default());
-        if Instant::now() + delay >= deadline {
+        if crate::time::after(Instant::now(), delay) >= deadline {
             return Err(ApiError::Exhausted { call: call.to_owned(), attempts, last: Box::new(error) });
         }
         tracing::debug!(call, attempt = attempts, delay_ms = delay.as_millis() as u64, error = %error, "retrying");

@@ -30,9 +30,16 @@ pub struct Args {
     pub server_url: String,
 
     /// The standby credential identifying this sandbox. Never logged.
+    /// Exactly one of this and --token-file.
     #[arg(long, env = "STANDBY_TOKEN", value_name = "TOKEN", hide_env_values = true,
           value_parser = parse_secret)]
-    pub token: Secret,
+    pub token: Option<Secret>,
+
+    /// A file holding the standby credential (a mounted secret), read once
+    /// at start; a trailing line break is trimmed. Exactly one of this and
+    /// --token.
+    #[arg(long, env = "STANDBY_TOKEN_FILE", value_name = "FILE")]
+    pub token_file: Option<PathBuf>,
 
     /// Directory the workspace is prepared in.
     #[arg(long, env = "STANDBY_WORKSPACE", value_name = "DIR", default_value = "/workspace")]
@@ -196,6 +203,14 @@ pub struct ConfigError {
 impl Args {
     pub fn validate(self) -> Result<Config, ConfigError> {
         let server_url = parse_server_url(&self.server_url, self.insecure)?;
+        let token = match (self.token, &self.token_file) {
+            (Some(token), None) => token,
+            (None, Some(path)) => read_token_file(path)?,
+            (token, _) => {
+                let problem = if token.is_some() { "both are set" } else { "neither is set" };
+                return Err(ConfigError { setting: TOKEN_SETTINGS, problem: format!("{problem}; set exactly one") });
+            }
+        };
         let socket_url = socket_url(&server_url);
         if self.heartbeat_interval.is_zero() {
             return Err(ConfigError {
@@ -206,7 +221,7 @@ impl Args {
         Ok(Config {
             server_url,
             socket_url,
-            token: self.token,
+            token,
             workspace: self.workspace,
             spec: self.spec,
             heartbeat_interval: self.heartbeat_interval,
@@ -226,6 +241,20 @@ impl Args {
 }
 
 const URL_SETTING: &str = "STANDBY_SERVER_URL (--server-url)";
+const TOKEN_SETTINGS: &str = "STANDBY_TOKEN (--token) / STANDBY_TOKEN_FILE (--token-file)";
+const TOKEN_FILE_SETTING: &str = "STANDBY_TOKEN_FILE (--token-file)";
+
+/// The credential in `path`, without its trailing line breaks (`echo`
+/// and editors add one; a mounted Kubernetes Secret has none).
+fn read_token_file(path: &std::path::Path) -> Result<Secret, ConfigError> {
+    let bad = |problem: String| ConfigError { setting: TOKEN_FILE_SETTING, problem };
+    let text = std::fs::read_to_string(path).map_err(|e| bad(format!("cannot read {}: {e}", path.display())))?;
+    let token = text.trim_end_matches(['\n', '\r']);
+    if token.trim().is_empty() {
+        return Err(bad(format!("{} is empty", path.display())));
+    }
+    Ok(Secret::new(token))
+}
 
 fn parse_server_url(text: &str, insecure: bool) -> Result<Url, ConfigError> {
     let bad = |problem: String| ConfigError { setting: URL_SETTING, problem };
@@ -314,6 +343,33 @@ mod tests {
         assert!(matches!(parse_deadline("2026-11-30T15:00:00+01:00"), Ok(Deadline::At(_))));
         assert_eq!(parse_deadline("90s"), Ok(Deadline::After(Duration::from_secs(90))));
         assert!(parse_deadline("tomorrow").is_err());
+    }
+
+    #[test]
+    fn exactly_one_of_token_and_token_file() {
+        let dir = tempfile::tempdir().expect("a temp dir");
+        let file = dir.path().join("token");
+        std::fs::write(&file, "from-file\r\n").expect("write");
+        let path = file.to_str().expect("UTF-8");
+        let url = ["--server-url", "http://127.0.0.1:1"];
+        let parse = |extra: &[&str]| {
+            let argv = ["standby"].iter().chain(url.iter()).chain(extra).copied().collect::<Vec<_>>();
+            Args::try_parse_from(argv).expect("parses").validate()
+        };
+        let config = parse(&["--token-file", path]).expect("valid");
+        assert_eq!(config.token.expose(), "from-file", "the line break is trimmed");
+        for (extra, problem) in [(&["--token", "t", "--token-file", path][..], "both"), (&[][..], "neither")] {
+            let error = parse(extra).expect_err("refused").to_string();
+            assert!(
+                error.contains("STANDBY_TOKEN ") && error.contains("STANDBY_TOKEN_FILE") && error.contains(problem)
+            );
+        }
+        std::fs::write(&file, "\n").expect("write");
+        let error = parse(&["--token-file", path]).expect_err("empty").to_string();
+        assert!(error.contains(path) && error.contains("empty"), "{error}");
+        let missing = dir.path().join("missing");
+        let error = parse(&["--token-file", missing.to_str().expect("UTF-8")]).expect_err("missing").to_string();
+        assert!(error.contains("STANDBY_TOKEN_FILE") && error.contains("missing"), "{error}");
     }
 
     #[test]

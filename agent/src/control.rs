@@ -244,7 +244,10 @@ async fn session(
     if let Err(e) = writer.send(heartbeat(status)).await {
         return SessionEnd::Dropped(format!("sending the first heartbeat: {e}"));
     }
-    let mut ticker = tokio::time::interval_at(Instant::now() + config.heartbeat_interval, config.heartbeat_interval);
+    let mut ticker = tokio::time::interval_at(
+        crate::time::after(Instant::now(), config.heartbeat_interval),
+        config.heartbeat_interval,
+    );
     ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
     loop {
         tokio::select! {

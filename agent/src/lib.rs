@@ -25,5 +25,6 @@ pub mod process;
 pub mod reaper;
 pub mod redact;
 pub mod shell;
+pub mod time;
 pub mod tls;
 pub mod urls;

@@ -12,6 +12,7 @@ use standby_protocol::{AgentState, Assignment, EventKind, Secret, ServerMessage}
 use tokio::time::Instant;
 
 use crate::exit::Exit;
+use crate::time;
 
 /// Which credential a control connection was opened with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -336,7 +337,7 @@ impl Lifecycle {
         if let Phase::Installing { held, install_by, .. } = &mut self.phase
             && let Some(assignment) = held.take()
         {
-            *install_by = Some(now + self.timeouts.install);
+            *install_by = Some(time::after(now, self.timeouts.install));
             actions.push(Action::Install(assignment));
         }
         actions
@@ -400,7 +401,7 @@ impl Lifecycle {
                     Action::Accepted { execution_id: incoming.clone(), credential: assignment.run_credential.clone() };
                 let assignment = Box::new(assignment);
                 let (held, install_by, install) = if self.prepared {
-                    (None, Some(now + self.timeouts.install), Some(Action::Install(assignment)))
+                    (None, Some(time::after(now, self.timeouts.install)), Some(Action::Install(assignment)))
                 } else {
                     (Some(assignment), None, None)
                 };
@@ -410,7 +411,7 @@ impl Lifecycle {
                     held,
                     install_by,
                     installed: false,
-                    confirm_by: now + self.timeouts.confirm,
+                    confirm_by: time::after(now, self.timeouts.confirm),
                     confirmed: false,
                 };
                 std::iter::once(accepted).chain(confirm_now).chain(install).collect()
@@ -448,7 +449,7 @@ impl Lifecycle {
             Err(InstallFailure { refused: Some(status), stage, .. }) => {
                 tracing::warn!(stage, status, "the run credential was refused during the install");
                 let execution_id = std::mem::take(execution_id);
-                self.phase = Phase::Withdrawing { execution_id, until: now + WITHDRAW_GRACE };
+                self.phase = Phase::Withdrawing { execution_id, until: time::after(now, WITHDRAW_GRACE) };
                 Vec::new()
             }
             Err(failure) => self.finish(Some(failure.event()), Exit::InstallFailed),
@@ -474,7 +475,7 @@ impl Lifecycle {
         if stop.is_some() {
             return Vec::new();
         }
-        *stop = Some((reason, now + self.timeouts.grace));
+        *stop = Some((reason, time::after(now, self.timeouts.grace)));
         vec![Action::SignalRun(RunSignal::Terminate)]
     }
 
@@ -996,5 +997,40 @@ mod tests {
         let (report, exit) = finish(&m.handle(now, Input::RunFailedToStart(failure)));
         assert_eq!(exit, Exit::InstallFailed);
         assert!(matches!(report, Some(EventKind::InstallFailed { requeueable: false, .. })));
+    }
+
+    proptest::proptest! {
+        /// Timeouts and deadlines of any size, and ticks at any time up to
+        /// a century on, drive every phase without a panic.
+        #[test]
+        fn absurd_timeouts_never_panic(
+            confirm in crate::time::tests::any_duration(),
+            install in crate::time::tests::any_duration(),
+            grace in crate::time::tests::any_duration(),
+            deadline in crate::time::tests::any_duration(),
+            tick in crate::time::tests::any_duration(),
+            prepare in crate::time::tests::any_duration(),
+        ) {
+            let start = Instant::now();
+            let timeouts = Timeouts {
+                standby_deadline: Some(time::after(start, deadline)),
+                prepare_deadline: Some(time::after(start, prepare)),
+                prepare,
+                confirm,
+                install,
+                grace,
+            };
+            let mut m = Lifecycle::new(timeouts);
+            let later = time::after(start, tick);
+            m.handle(start, server(Credential::Standby, assignment("exe_1")));
+            m.handle(start, Input::PrepareFinished(Ok(())));
+            m.handle(later, Input::Tick);
+            m.handle(start, Input::InstallFinished(Ok(())));
+            m.handle(start, server(Credential::Run, assignment("exe_1")));
+            m.handle(start, Input::Terminate);
+            let _ = m.next_deadline();
+            m.handle(later, Input::Tick);
+            m.handle(time::after(later, time::FOREVER), Input::Tick);
+        }
     }
 }

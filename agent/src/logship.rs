@@ -297,7 +297,7 @@ impl Sender {
         let mut spool = self.shared.lock();
         let now = Instant::now();
         if spool.closed && drain_by.is_none() {
-            *drain_by = Some(now + drain);
+            *drain_by = Some(crate::time::after(now, drain));
         }
         if revoked {
             return if spool.closed { Step::Done } else { Step::Wait(None) };

@@ -9,6 +9,9 @@ use standby_agent::exit::Exit;
 use standby_agent::{agent, logging, tls};
 
 fn main() -> ExitCode {
+    // First, before any credential is read: nothing of the same user may
+    // read this process's environment or memory.
+    let undumpable = standby_agent::process::make_undumpable();
     // Usage errors exit 2 (clap's own code), `--help`/`--version` exit 0.
     let args = Args::parse();
     let format = args.log_format;
@@ -27,6 +30,9 @@ fn main() -> ExitCode {
     if let Err(message) = logging::init(filter, format) {
         eprintln!("standby: cannot set up logging: {message}");
         return Exit::Internal.into();
+    }
+    if let Err(error) = undumpable {
+        tracing::warn!(%error, "cannot make the agent non-dumpable; processes of its user can read its memory");
     }
     standby_agent::api::install_tls_provider();
     // Reading the CA file is IO, so it follows validation (and logging, for

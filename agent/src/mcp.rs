@@ -387,8 +387,11 @@ async fn launch(
     } else {
         command.stdin(Stdio::null()).stdout(log);
     }
-    let mut child =
-        command.spawn().map_err(|source| McpError::Spawn { server: name.clone(), program: program.clone(), source })?;
+    let mut child = crate::process::spawn(command).await.map_err(|source| McpError::Spawn {
+        server: name.clone(),
+        program: program.clone(),
+        source,
+    })?;
     let Some(pid) = child.id() else {
         return Err(McpError::Wait {
             server: name.clone(),

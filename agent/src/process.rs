@@ -11,13 +11,44 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 
 /// Variables that configure the agent and must not leak to children: the
 /// standby credential above all (a setup step or MCP server must never be
-/// able to act as the sandbox).
-const AGENT_ONLY: &[&str] = &["STANDBY_TOKEN"];
+/// able to act as the sandbox), and where it came from.
+const AGENT_ONLY: &[&str] = &["STANDBY_TOKEN", "STANDBY_TOKEN_FILE"];
+
+/// Makes the agent not dumpable (`PR_SET_DUMPABLE` 0): its `/proc/<pid>/`
+/// files then belong to root, so a process of the same user (the run, an
+/// MCP server) cannot read its environment (the standby credential) or
+/// memory (every credential), nor attach to it; and it leaves no core
+/// dump. Children are not affected: the kernel makes a process dumpable
+/// again when it executes a program that is not set-uid.
+pub fn make_undumpable() -> Result<(), nix::Error> {
+    nix::sys::prctl::set_dumpable(false)
+}
 
 /// The agent's environment minus its own credentials: the base of every
 /// child's environment.
 pub fn child_env() -> BTreeMap<String, String> {
     std::env::vars().filter(|(name, _)| !AGENT_ONLY.contains(&name.as_str())).collect()
+}
+
+/// Runs blocking `work` (a `/proc` scan, a `waitpid`, a fork) on tokio's
+/// blocking pool, off the runtime's thread, which also carries the control
+/// socket's heartbeats. `None` if it panicked (the panic is logged).
+pub async fn off_runtime<T: Send + 'static>(work: impl FnOnce() -> T + Send + 'static) -> Option<T> {
+    match tokio::task::spawn_blocking(work).await {
+        Ok(value) => Some(value),
+        Err(error) => {
+            tracing::warn!(%error, "a blocking task failed");
+            None
+        }
+    }
+}
+
+/// Spawns `command` off the runtime's thread: `fork` copies the agent's
+/// page tables and `exec` reads the program before `spawn` returns.
+pub async fn spawn(mut command: tokio::process::Command) -> std::io::Result<tokio::process::Child> {
+    off_runtime(move || command.spawn())
+        .await
+        .unwrap_or_else(|| Err(std::io::Error::other("the task spawning the process failed")))
 }
 
 static MANAGED: Mutex<Option<HashSet<i32>>> = Mutex::new(None);

@@ -28,7 +28,7 @@ use tokio::task::JoinHandle;
 use tokio::time::{Instant, sleep};
 use tracing::{debug, warn};
 
-use crate::process::is_managed;
+use crate::process::{is_managed, off_runtime};
 
 /// How often the reaper looks again while an unowned zombie is too young
 /// to take, or when SIGCHLD cannot be watched.
@@ -92,7 +92,14 @@ pub fn spawn_reaper(mut shutdown: watch::Receiver<bool>) -> JoinHandle<()> {
                 }
                 () = sleep(next_scan) => {}
             }
-            orphans.reap(ORPHAN_AGE);
+            // `/proc` reads and `waitpid`s block: off the runtime's thread,
+            // which also keeps the control socket's heartbeats going.
+            orphans = off_runtime(move || {
+                orphans.reap(ORPHAN_AGE);
+                orphans
+            })
+            .await
+            .unwrap_or_default();
         }
         debug!("orphan reaper stopped");
     })
@@ -147,10 +154,10 @@ impl Orphans {
 /// orphans of the ones that went) are treated the same way, so nothing the
 /// agent started outlives it.
 pub async fn kill_remaining_children(grace: Duration) {
-    let deadline = Instant::now() + grace;
+    let deadline = crate::time::after(Instant::now(), grace);
     let mut terminated = HashSet::new();
     loop {
-        let alive = live_children();
+        let alive = off_runtime(live_children).await.unwrap_or_default();
         if alive.is_empty() {
             return;
         }
@@ -167,7 +174,7 @@ pub async fn kill_remaining_children(grace: Duration) {
     }
     let deadline = Instant::now() + KILL_WAIT;
     loop {
-        let alive = live_children();
+        let alive = off_runtime(live_children).await.unwrap_or_default();
         if alive.is_empty() {
             return;
         }
@@ -197,6 +204,8 @@ fn live_children() -> Vec<ProcessInfo> {
 /// which matters for a scan on every SIGCHLD. Without that file (a kernel
 /// built without `CONFIG_PROC_CHILDREN`) every process is read.
 fn own_children() -> Vec<ProcessInfo> {
+    #[cfg(test)]
+    tests::SCAN_THREADS.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(std::thread::current().id());
     let me = own_pid();
     let Some(pids) = children_pids() else {
         return processes().into_iter().filter(|process| process.ppid == me).collect();
@@ -342,6 +351,9 @@ mod tests {
     use super::*;
     use crate::process::{register, unregister};
 
+    /// The threads [`own_children`] ran on, to show it runs off the runtime.
+    pub(super) static SCAN_THREADS: std::sync::Mutex<Vec<std::thread::ThreadId>> = std::sync::Mutex::new(Vec::new());
+
     /// Polls `condition` every 10 ms, for at most 10 s.
     async fn wait_until(what: &str, mut condition: impl FnMut() -> bool) {
         let deadline = Instant::now() + Duration::from_secs(10);
@@ -460,6 +472,38 @@ mod tests {
 
         shutdown.send(true).expect("the reaper listens");
         reaper.await.expect("the reaper stops cleanly");
+    }
+
+    #[test]
+    fn scans_run_off_the_runtime_thread() {
+        run_in_own_process("reaper::tests::scans_run_off_the_runtime_thread_in_own_process", &[]);
+    }
+
+    /// On a current-thread runtime (the agent's) the runtime's only thread
+    /// is this test's: the reaper's and the exit sweep's scans must run on
+    /// others.
+    #[tokio::test(flavor = "current_thread")]
+    #[ignore = "run by `scans_run_off_the_runtime_thread` in a process of its own"]
+    async fn scans_run_off_the_runtime_thread_in_own_process() {
+        if std::env::var_os(OWN_PROCESS).is_none() {
+            return;
+        }
+        let runtime_thread = std::thread::current().id();
+        become_subreaper().expect("prctl(PR_SET_CHILD_SUBREAPER)");
+        let (shutdown, shutdown_rx) = watch::channel(false);
+        let reaper = spawn_reaper(shutdown_rx);
+        let output = Command::new("sh").args(["-c", "sleep 300 >/dev/null 2>&1 & echo $!"]).output().expect("sh runs");
+        let orphan: i32 = String::from_utf8_lossy(&output.stdout).trim().parse().expect("sh prints the orphan's pid");
+        kill(Pid::from_raw(orphan), Signal::SIGKILL).expect("the orphan can be killed");
+        wait_until("the orphan is reaped", || process_info(orphan).is_none()).await;
+        shutdown.send(true).expect("the reaper listens");
+        reaper.await.expect("the reaper stops cleanly");
+        let mut sleeper = Command::new("sleep").arg("300").spawn().expect("sleep starts");
+        kill_remaining_children(Duration::from_millis(300)).await;
+        assert!(sleeper.wait().is_err(), "killed and reaped by the exit sweep");
+        let threads = SCAN_THREADS.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
+        assert!(threads.len() >= 2, "the reaper and the exit sweep scanned: {threads:?}");
+        assert!(!threads.contains(&runtime_thread), "a scan ran on the runtime's thread");
     }
 
     #[test]

@@ -3,8 +3,10 @@
 //! The run's terminal output goes to the server, and the run sees its secrets
 //! in its environment, so anything it prints may contain one. Programs rarely
 //! print a secret only verbatim: it shows up inside URLs (`https://u:tok@…`,
-//! query strings) and inside JSON (API bodies, structured logs). Each secret is
-//! therefore matched in three forms:
+//! query strings) and inside JSON (API bodies, structured logs), and a
+//! multi-line one (a PEM key, a service-account document) goes through the
+//! pseudo-terminal, which writes every `\n` as `\r\n`. Each secret is
+//! therefore matched in these forms:
 //!
 //! - as is;
 //! - URL-encoded: every byte outside the RFC 3986 unreserved set
@@ -16,7 +18,14 @@
 //!   characters alone (`encodeURIComponent` keeps `!'()*`) or write a space as
 //!   `+` produce yet other spellings, which are not matched;
 //! - JSON-string-escaped, exactly as `serde_json` writes a string, without the
-//!   surrounding quotes.
+//!   surrounding quotes;
+//! - as a terminal prints it: every `\n` as `\r\n` (the terminal's `ONLCR`
+//!   output mode, on by default; a `\r\n` in the value so becomes `\r\r\n`);
+//! - each line of a multi-line secret at least [`MIN_LINE_CHARS`] characters
+//!   long, on its own (a trailing `\r` dropped): a program that prints one
+//!   line of a key (`grep`, an error quoting it) must not leak that line.
+//!   Shorter lines (`{`, `}`, blank ones) carry no secret alone and would
+//!   redact ordinary output.
 //!
 //! Matching uses [`aho_corasick`], the well-kept multi-pattern matcher behind
 //! the `regex` crate, with leftmost-longest semantics: where two secrets
@@ -30,6 +39,8 @@ use aho_corasick::{AhoCorasick, MatchKind};
 
 /// What every occurrence of a secret becomes.
 const MARKER: &str = "[REDACTED]";
+/// The shortest line of a multi-line secret that is replaced on its own.
+pub const MIN_LINE_CHARS: usize = 8;
 
 /// Redacts secret values, either from a stream fed chunk by chunk or from one
 /// whole string.
@@ -47,6 +58,10 @@ pub struct Redactor {
     patterns: Vec<Vec<u8>>,
     /// Length of the longest pattern.
     longest: usize,
+    /// Which hashes of a pattern's first [`PREFIX`] bytes occur, among
+    /// patterns longer than that: a cheap test that rules out almost every
+    /// position before the exact one ([`could_grow`]).
+    prefixes: PrefixSet,
     /// Bytes not emitted yet, starting where the next match may start.
     pending: Vec<u8>,
 }
@@ -70,23 +85,18 @@ impl Redactor {
     /// Only if the patterns exceed the matcher's internal limits (about two
     /// billion automaton states, that is gigabytes of secret values).
     pub fn new<'a>(secrets: impl IntoIterator<Item = &'a str>) -> Self {
-        let mut patterns: Vec<Vec<u8>> = Vec::new();
-        for secret in secrets.into_iter().filter(|s| !s.is_empty()) {
-            patterns.push(secret.as_bytes().to_vec());
-            patterns.push(url_encode(secret, b"0123456789ABCDEF").into_bytes());
-            patterns.push(url_encode(secret, b"0123456789abcdef").into_bytes());
-            patterns.push(json_escape(secret).into_bytes());
-        }
+        let mut patterns: Vec<Vec<u8>> = secrets.into_iter().filter(|s| !s.is_empty()).flat_map(forms).collect();
         patterns.sort_unstable();
         patterns.dedup();
         let longest = patterns.iter().map(Vec::len).max().unwrap_or(0);
+        let prefixes = PrefixSet::of(&patterns);
         let matcher = (!patterns.is_empty()).then(|| {
             AhoCorasick::builder()
                 .match_kind(MatchKind::LeftmostLongest)
                 .build(&patterns)
                 .expect("secret values stay far below the matcher's size limits")
         });
-        Self { matcher, patterns, longest, pending: Vec::new() }
+        Self { matcher, patterns, longest, prefixes, pending: Vec::new() }
     }
 
     /// True when there is nothing to redact.
@@ -108,7 +118,9 @@ impl Redactor {
         // one): only the last `longest - 1` can be, as a longer tail holds
         // every pattern starting there.
         let open: Vec<usize> = (end.saturating_sub(self.longest - 1)..end)
-            .filter(|&at| could_grow(&self.patterns, &self.pending[at..]))
+            .filter(|&at| {
+                self.prefixes.may_grow(&self.pending[at..]) && could_grow(&self.patterns, &self.pending[at..])
+            })
             .collect();
         let next_open = |from: usize| open.iter().copied().find(|&at| at >= from).unwrap_or(end);
         let mut out = Vec::with_capacity(end);
@@ -162,6 +174,64 @@ impl Redactor {
             }
             None => text.to_owned(),
         }
+    }
+}
+
+/// Every form of `secret` that is replaced (see the module's documentation).
+fn forms(secret: &str) -> Vec<Vec<u8>> {
+    let mut forms = vec![
+        secret.as_bytes().to_vec(),
+        url_encode(secret, b"0123456789ABCDEF").into_bytes(),
+        url_encode(secret, b"0123456789abcdef").into_bytes(),
+        json_escape(secret).into_bytes(),
+    ];
+    if secret.contains('\n') {
+        forms.push(secret.replace('\n', "\r\n").into_bytes());
+        forms.extend(
+            secret
+                .split('\n')
+                .map(|line| line.strip_suffix('\r').unwrap_or(line))
+                .filter(|line| line.chars().count() >= MIN_LINE_CHARS)
+                .map(|line| line.as_bytes().to_vec()),
+        );
+    }
+    forms
+}
+
+/// How many leading bytes [`PrefixSet`] hashes.
+const PREFIX: usize = 4;
+
+/// A set of hashed [`PREFIX`]-byte pattern prefixes, as a bitmap: 8 KiB.
+/// The positions a chunk's tail could still grow from are looked for among
+/// its last `longest pattern - 1` bytes, thousands for a PEM key in
+/// percent-encoded form; this keeps that to a hash and a bit per position.
+struct PrefixSet(Vec<u64>);
+
+impl PrefixSet {
+    const BITS: usize = 1 << 16;
+
+    fn of(patterns: &[Vec<u8>]) -> Self {
+        let mut bits = vec![0u64; Self::BITS / 64];
+        for pattern in patterns.iter().filter(|p| p.len() > PREFIX) {
+            let at = Self::hash(&pattern[..PREFIX]);
+            bits[at / 64] |= 1 << (at % 64);
+        }
+        Self(bits)
+    }
+
+    fn hash(prefix: &[u8]) -> usize {
+        let word = u32::from_le_bytes([prefix[0], prefix[1], prefix[2], prefix[3]]);
+        usize::try_from(word.wrapping_mul(0x9E37_79B1) >> 16).unwrap_or(0)
+    }
+
+    /// False only if no pattern longer than `tail` starts with it (a tail
+    /// shorter than the prefix is left to the exact test).
+    fn may_grow(&self, tail: &[u8]) -> bool {
+        if tail.len() < PREFIX {
+            return true;
+        }
+        let at = Self::hash(&tail[..PREFIX]);
+        self.0[at / 64] & (1 << (at % 64)) != 0
     }
 }
 
@@ -331,6 +401,45 @@ mod tests {
         assert_eq!(out, b"\xff\xfe [REDACTED] \xc3");
     }
 
+    /// A key as a file holds it, and as the terminal prints it.
+    const PEM: &str = "-----BEGIN KEY-----\nQmFzZTY0IGxpbmUgb25l\nbGluZSB0d28=\nend\n-----END KEY-----\n";
+
+    #[test]
+    fn a_multi_line_secret_as_the_terminal_prints_it() {
+        let printed = PEM.replace('\n', "\r\n");
+        let out = redact_whole(&[PEM], format!("key:\r\n{printed}done\r\n").as_bytes());
+        assert_eq!(out, b"key:\r\n[REDACTED]done\r\n", "{}", String::from_utf8_lossy(&out));
+        // A value that already holds `\r\n`: the terminal writes `\r\r\n`.
+        let crlf = "first-line-1\r\nsecond-line-2";
+        assert_eq!(redact_whole(&[crlf], b"<first-line-1\r\r\nsecond-line-2>"), b"<[REDACTED]>");
+    }
+
+    #[test]
+    fn each_long_line_of_a_multi_line_secret_is_replaced_alone() {
+        let redactor = Redactor::new([PEM]);
+        assert_eq!(redactor.redact_str("line: bGluZSB0d28=\r\n"), "line: [REDACTED]\r\n");
+        assert_eq!(redactor.redact_str("QmFzZTY0IGxpbmUgb25l"), "[REDACTED]");
+        assert_eq!(redactor.redact_str("-----END KEY-----"), "[REDACTED]");
+        assert_eq!(redactor.redact_str("the end"), "the end", "a line under 8 characters is left alone");
+        let lines = Redactor::new(["ab\r\n12345678\r\n1234567"]);
+        assert_eq!(
+            lines.redact_str("12345678 1234567 ab"),
+            "[REDACTED] 1234567 ab",
+            "a trailing \\r is no part of a line"
+        );
+        assert_eq!(Redactor::new(["é234567\nx"]).redact_str("é234567"), "é234567", "characters, not bytes, count");
+        assert_eq!(Redactor::new(["é2345678\nx"]).redact_str("é2345678"), "[REDACTED]");
+    }
+
+    #[test]
+    fn a_printed_multi_line_secret_split_at_every_position_is_caught() {
+        let input = format!("before {} after", PEM.replace('\n', "\r\n")).into_bytes();
+        for split in 0..=input.len() {
+            let out = stream(&mut Redactor::new([PEM]), &[&input[..split], &input[split..]]);
+            assert_eq!(out, b"before [REDACTED] after", "split at {split}");
+        }
+    }
+
     /// Every form the redactor promises, built independently of it.
     fn all_forms(secret: &str) -> Vec<Vec<u8>> {
         let percent = |lower: bool| -> Vec<u8> {
@@ -345,7 +454,21 @@ mod tests {
                 .into_bytes()
         };
         let json = serde_json::to_string(secret).expect("a string serializes");
-        vec![secret.as_bytes().to_vec(), percent(false), percent(true), json.as_bytes()[1..json.len() - 1].to_vec()]
+        let mut forms = vec![
+            secret.as_bytes().to_vec(),
+            percent(false),
+            percent(true),
+            json.as_bytes()[1..json.len() - 1].to_vec(),
+        ];
+        if secret.contains('\n') {
+            forms.push(secret.replace('\n', "\r\n").into_bytes());
+            for line in secret.split('\n').map(|line| line.strip_suffix('\r').unwrap_or(line)) {
+                if line.chars().count() >= 8 {
+                    forms.push(line.as_bytes().to_vec());
+                }
+            }
+        }
+        forms
     }
 
     /// Leftmost-longest replacement done the slow, obvious way.
@@ -369,6 +492,71 @@ mod tests {
         out
     }
 
+    /// `out` with every marker replaced by a 0 byte. A marker next to text
+    /// can spell a secret ("[REDACTED]" + "x" contains "D]x"); such an
+    /// occurrence leaks nothing, so markers become a byte no form contains
+    /// before searching.
+    fn mask_markers(out: &[u8]) -> Vec<u8> {
+        let mut masked = Vec::new();
+        let mut rest = out;
+        while let Some(at) = rest.windows(MARKER.len()).position(|w| w == MARKER.as_bytes()) {
+            masked.extend_from_slice(&rest[..at]);
+            masked.push(0);
+            rest = &rest[at + MARKER.len()..];
+        }
+        masked.extend_from_slice(rest);
+        masked
+    }
+
+    /// Prints `text` with `cat` on a fresh pseudo-terminal (portable-pty,
+    /// as the run's terminal is opened) and returns what its master side
+    /// reads: the bytes as the terminal wrote them.
+    fn printed_on_a_terminal(text: &[u8]) -> Vec<u8> {
+        use portable_pty::{CommandBuilder, PtySize, native_pty_system};
+        use std::io::Read;
+        let file = tempfile::NamedTempFile::new().expect("a temporary file");
+        std::fs::write(file.path(), text).expect("write the text");
+        let size = PtySize { rows: 40, cols: 120, pixel_width: 0, pixel_height: 0 };
+        let pair = native_pty_system().openpty(size).expect("a pseudo-terminal");
+        let mut reader = pair.master.try_clone_reader().expect("a reader on the terminal");
+        let mut command = CommandBuilder::new("cat");
+        command.arg(file.path());
+        let mut child = pair.slave.spawn_command(command).expect("cat starts on the terminal");
+        // Only cat holds the slave side now: its exit ends the output, which
+        // then reads as an error (EIO) after everything it wrote.
+        drop(pair.slave);
+        let mut printed = Vec::new();
+        let _ = reader.read_to_end(&mut printed);
+        assert!(child.wait().expect("cat can be waited for").success());
+        printed
+    }
+
+    /// One to three multi-line secrets (base64-like lines, some shorter than
+    /// 8 characters, sometimes a final line break) and a text printing them
+    /// between lines of ordinary output.
+    fn printed_secrets() -> impl Strategy<Value = (Vec<String>, Vec<u8>)> {
+        let line = proptest::collection::vec(proptest::sample::select(b"ABCDEFabcdef0123456789+/=".to_vec()), 0..20)
+            .prop_map(|b| String::from_utf8(b).expect("ASCII"));
+        let secret = (proptest::collection::vec(line, 2..6), any::<bool>()).prop_map(|(lines, trailing)| {
+            let mut secret = lines.join("\n");
+            if trailing {
+                secret.push('\n');
+            }
+            secret
+        });
+        let prose = proptest::collection::vec(proptest::sample::select(b"ghijk lmnop,.:\n".to_vec()), 0..30);
+        (proptest::collection::vec(secret, 1..4), proptest::collection::vec((prose, any::<Index>()), 1..8)).prop_map(
+            |(secrets, pieces)| {
+                let mut text = Vec::new();
+                for (prose, which) in pieces {
+                    text.extend(prose);
+                    text.extend_from_slice(which.get(&secrets).as_bytes());
+                }
+                (secrets, text)
+            },
+        )
+    }
+
     fn contains(haystack: &[u8], needle: &[u8]) -> bool {
         haystack.windows(needle.len()).any(|w| w == needle)
     }
@@ -387,8 +575,11 @@ mod tests {
         chunks
     }
 
+    /// Printable ASCII with now and then a line break (`\n`, sometimes
+    /// `\r\n`), so that some secrets are multi-line.
     fn secret() -> impl Strategy<Value = String> {
-        proptest::collection::vec(0x20u8..0x7f, 1..24).prop_map(|b| String::from_utf8(b).expect("printable ASCII"))
+        let byte = prop_oneof![12 => 0x20u8..0x7f, 1 => Just(b'\n'), 1 => Just(b'\r')];
+        proptest::collection::vec(byte, 1..24).prop_map(|b| String::from_utf8(b).expect("ASCII"))
     }
 
     /// A stream of random bytes interleaved with secrets in their forms and
@@ -396,7 +587,7 @@ mod tests {
     fn stream_of(secrets: Vec<String>) -> impl Strategy<Value = (Vec<String>, Vec<u8>)> {
         let piece = (
             proptest::collection::vec(any::<u8>(), 0..12),
-            proptest::option::of((any::<Index>(), 0..5usize, any::<Index>())),
+            proptest::option::of((any::<Index>(), 0..8usize, any::<Index>())),
         );
         proptest::collection::vec(piece, 0..12).prop_map(move |pieces| {
             let mut input = Vec::new();
@@ -448,17 +639,7 @@ mod tests {
         ) {
             let mut redactor = Redactor::new(secrets.iter().map(String::as_str));
             let out = stream(&mut redactor, &split(&input, &points));
-            // A marker next to text can spell a secret ("[REDACTED]" + "x"
-            // contains "D]x"); such an occurrence leaks nothing, so markers
-            // become a byte no form contains before searching.
-            let mut masked = Vec::new();
-            let mut rest = out.as_slice();
-            while let Some(at) = rest.windows(MARKER.len()).position(|w| w == MARKER.as_bytes()) {
-                masked.extend_from_slice(&rest[..at]);
-                masked.push(0);
-                rest = &rest[at + MARKER.len()..];
-            }
-            masked.extend_from_slice(rest);
+            let masked = mask_markers(&out);
             for secret in &secrets {
                 for form in all_forms(secret) {
                     prop_assert!(!contains(&masked, &form), "a form of a secret survived");
@@ -489,6 +670,35 @@ mod tests {
         ) {
             let mut redactor = Redactor::new(std::iter::repeat_n("", empties));
             prop_assert_eq!(stream(&mut redactor, &split(&input, &points)), input);
+        }
+    }
+
+    proptest! {
+        // Each case starts a process on a terminal: fewer cases.
+        #![proptest_config(ProptestConfig::with_cases(128))]
+
+        #[test]
+        fn multi_line_secrets_printed_on_a_terminal_are_redacted(
+            (secrets, text) in printed_secrets(),
+            points in proptest::collection::vec(any::<Index>(), 0..10),
+        ) {
+            let printed = printed_on_a_terminal(&text);
+            let mut expected = Vec::new();
+            for &byte in &text {
+                if byte == b'\n' {
+                    expected.push(b'\r');
+                }
+                expected.push(byte);
+            }
+            prop_assert_eq!(&printed, &expected, "the terminal writes every \\n as \\r\\n");
+            let mut redactor = Redactor::new(secrets.iter().map(String::as_str));
+            let masked = mask_markers(&stream(&mut redactor, &split(&printed, &points)));
+            for secret in &secrets {
+                prop_assert!(!contains(&masked, secret.replace('\n', "\r\n").as_bytes()), "a printed secret survived");
+                for line in secret.split('\n').filter(|line| line.len() >= MIN_LINE_CHARS) {
+                    prop_assert!(!contains(&masked, line.as_bytes()), "a line of a secret survived: {:?}", line);
+                }
+            }
         }
     }
 }

@@ -314,7 +314,7 @@ impl ShellProcess {
         if self.reaped {
             return;
         }
-        kill_session(self.pid, Signal::SIGHUP);
+        kill_session_off_runtime(self.pid, Signal::SIGHUP).await;
         let mut killed = false;
         let mut deadline = Instant::now() + HANGUP_GRACE;
         loop {
@@ -334,14 +334,14 @@ impl ShellProcess {
                     warn!(pid = self.pid, "the idle shell survived SIGKILL; leaving it to the reaper");
                     break;
                 }
-                kill_session(self.pid, Signal::SIGKILL);
+                kill_session_off_runtime(self.pid, Signal::SIGKILL).await;
                 killed = true;
                 deadline = Instant::now() + KILL_WAIT;
             }
             tokio::time::sleep(EXIT_POLL).await;
         }
         self.mark_reaped();
-        kill_session(self.pid, Signal::SIGKILL);
+        kill_session_off_runtime(self.pid, Signal::SIGKILL).await;
     }
 
     fn mark_reaped(&mut self) {
@@ -356,6 +356,12 @@ impl Drop for ShellProcess {
     fn drop(&mut self) {
         self.kill();
     }
+}
+
+/// [`kill_session`] on the blocking pool: finding the session's groups
+/// reads every process in `/proc`.
+async fn kill_session_off_runtime(leader: u32, signal: Signal) {
+    crate::process::off_runtime(move || kill_session(leader, signal)).await;
 }
 
 /// Signals every process group of the session `leader` leads.

@@ -69,6 +69,8 @@ pub struct AgentBuilder {
     removed: BTreeSet<String>,
     args: Vec<String>,
     workspace: Option<PathBuf>,
+    /// `(uid, gid)` to run the agent as, when not the test's own.
+    user: Option<(u32, u32)>,
 }
 
 impl AgentBuilder {
@@ -81,7 +83,7 @@ impl AgentBuilder {
 
     /// No configuration at all, for tests of configuration errors.
     pub fn bare() -> Self {
-        Self { env: BTreeMap::new(), removed: BTreeSet::new(), args: Vec::new(), workspace: None }
+        Self { env: BTreeMap::new(), removed: BTreeSet::new(), args: Vec::new(), workspace: None, user: None }
     }
 
     /// The workspace directory; a fresh temporary one when never set.
@@ -136,6 +138,17 @@ impl AgentBuilder {
         self
     }
 
+    /// Runs the agent as `uid`/`gid` (with no supplementary groups). Tests
+    /// run as root, and root passes checks an ordinary user meets (reading
+    /// another process's `/proc` files); an unprivileged agent makes them
+    /// meaningful. The workspace (a fresh one, or the one given) is handed
+    /// to that user; everything else the agent reads (a spec file, a token
+    /// file) must be readable by it.
+    pub fn user(mut self, uid: u32, gid: u32) -> Self {
+        self.user = Some((uid, gid));
+        self
+    }
+
     /// Starts the agent in its own process group, stdout and stderr going
     /// to files in a temporary directory.
     pub fn spawn(self) -> AgentProcess {
@@ -147,6 +160,10 @@ impl AgentBuilder {
                 (dir.path().to_owned(), Some(dir))
             }
         };
+        if let Some((uid, gid)) = self.user {
+            let (uid, gid) = (Some(nix::unistd::Uid::from_raw(uid)), Some(nix::unistd::Gid::from_raw(gid)));
+            nix::unistd::chown(&workspace, uid, gid).expect("hand the workspace to the agent's user");
+        }
         let mark = format!("{:016x}", RandomState::new().hash_one(std::process::id()));
         let stdout = File::create(logs.path().join("stdout")).expect("create the stdout file");
         let stderr = File::create(logs.path().join("stderr")).expect("create the stderr file");
@@ -172,6 +189,9 @@ impl AgentBuilder {
             .process_group(0);
         for name in &self.removed {
             command.env_remove(name);
+        }
+        if let Some((uid, gid)) = self.user {
+            command.uid(uid).gid(gid);
         }
         let child = command.spawn().expect("spawn the standby binary");
         let pid = child.id().and_then(|pid| i32::try_from(pid).ok()).expect("a running child has a pid");
