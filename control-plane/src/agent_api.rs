@@ -4,7 +4,10 @@
 use axum::Json;
 use axum::body::Bytes;
 use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade, rejection::WebSocketUpgradeRejection};
-use axum::extract::{Path, State};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use axum::extract::{Extension, Path, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use base64::Engine as _;
@@ -17,6 +20,7 @@ use tokio::sync::mpsc;
 use crate::api::parse_json;
 use crate::dispatch::{Admission, LogError, Refusal};
 use crate::engine::Outbound;
+use crate::listener::ConnectionSlot;
 use crate::model::RunRequest;
 use crate::server::{ApiError, AppState, bearer, from_store};
 
@@ -84,8 +88,16 @@ async fn request(state: &AppState, run_id: &str) -> Result<RunRequest, ApiError>
 pub(crate) async fn socket(
     State(state): State<AppState>,
     headers: HeaderMap,
+    slot: Option<Extension<ConnectionSlot>>,
     upgrade: Result<WebSocketUpgrade, WebSocketUpgradeRejection>,
 ) -> Response {
+    // Authenticating is a round trip to the engine: a flood of upgrade
+    // requests with made-up credentials may not queue without bound.
+    let Ok(_authenticating) = Arc::clone(&state.listener.upgrades).try_acquire_owned() else {
+        state.listener.upgrades_refused.fetch_add(1, Ordering::Relaxed);
+        let busy = ApiError::new(StatusCode::TOO_MANY_REQUESTS, "too many control-socket upgrades in flight");
+        return (StatusCode::TOO_MANY_REQUESTS, [(header::RETRY_AFTER, "1")], busy).into_response();
+    };
     let (admission, token) = match admit(&state, &headers).await {
         Ok(admitted) => admitted,
         Err(error) => return error.into_response(),
@@ -100,7 +112,11 @@ pub(crate) async fn socket(
         .max_write_buffer_size(MAX_WRITE_BUFFER)
         .max_message_size(MAX_MESSAGE)
         .max_frame_size(MAX_MESSAGE)
-        .on_upgrade(move |socket| connection(state, socket, admission, Secret::new(token)))
+        .on_upgrade(move |socket| async move {
+            // The socket keeps its connection's place under the cap.
+            let _slot = slot;
+            connection(state, socket, admission, Secret::new(token)).await;
+        })
 }
 
 /// One task per socket: it alone writes to it (frames the engine queued)

@@ -23,6 +23,7 @@ use tokio::task::JoinHandle;
 use crate::credential::{RandomMint, TokenHash};
 use crate::dispatch::{Dispatch, DispatchConfig, Lifecycle};
 use crate::engine::{Engine, EngineConfig, EngineGone, EngineHandle};
+use crate::listener::{ListenerLimits, ListenerStats};
 use crate::provider::SandboxProvider;
 use crate::store::{Store, StoreError};
 use crate::{agent_api, api};
@@ -65,6 +66,8 @@ pub struct ServerConfig {
     pub inject_latency: Duration,
     /// The pool policy and the thread tiers.
     pub lifecycle: Lifecycle,
+    /// Header timeout, connection cap, upgrades in flight.
+    pub listener: ListenerLimits,
 }
 
 impl ServerConfig {
@@ -84,6 +87,7 @@ impl ServerConfig {
             agent_log: "info".into(),
             inject_latency: Duration::ZERO,
             lifecycle: Lifecycle::default(),
+            listener: ListenerLimits::for_open_files(crate::listener::open_files_limit()),
         }
     }
 }
@@ -96,6 +100,10 @@ pub(crate) struct AppState {
     pub spec: Arc<Spec>,
     /// A control connection that sends nothing for this long is closed.
     pub idle_timeout: Duration,
+    /// The listener's bounds and counters (`/metrics`, the upgrade bound).
+    pub listener: Arc<ListenerStats>,
+    /// How the provider contains a sandbox's processes (`/metrics`).
+    pub containment: &'static str,
 }
 
 /// An error answer: `{"error": "...", "field": "..."}` (`field` when one
@@ -271,20 +279,25 @@ pub async fn start<P: SandboxProvider>(
         api_key: Arc::new(TokenHash::of(config.api_key.expose())),
         spec: Arc::new(config.spec.clone()),
         idle_timeout: config.heartbeat_interval * (crate::dispatch::HEARTBEAT_WINDOW + 1),
+        listener: Arc::new(ListenerStats::new(config.listener)),
+        containment: provider.containment(),
     };
-    let (stop_serving, mut stopped) = watch::channel(false);
+    let listener_stats = Arc::clone(&state.listener);
+    let (stop_serving, stopped) = watch::channel(false);
     let mut app = router(state);
     if !config.inject_latency.is_zero() {
         app = app.layer(axum::middleware::from_fn_with_state(config.inject_latency, delay_execution_calls));
     }
-    let serve = tokio::spawn(async move {
-        axum::serve(listener, app)
-            .with_graceful_shutdown(async move {
-                let _ = stopped.wait_for(|stop| *stop).await;
-            })
-            .await
-    });
-    tracing::info!(%addr, url, pool_size = config.pool_size, "standby-server listening");
+    let serve = tokio::spawn(crate::listener::serve(listener, app, listener_stats, stopped));
+    tracing::info!(
+        %addr,
+        url,
+        pool_size = config.pool_size,
+        header_timeout = ?config.listener.header_timeout,
+        max_connections = config.listener.max_connections,
+        max_pending_upgrades = config.listener.max_pending_upgrades,
+        "standby-server listening"
+    );
     Ok(RunningServer {
         addr,
         url,
