@@ -25,7 +25,9 @@ use axum::Router;
 use hyper::service::Service as _;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
-use tokio::net::{TcpListener, TcpStream};
+use std::net::SocketAddr;
+
+use tokio::net::{TcpListener, TcpSocket, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
 use tokio::task::JoinSet;
 
@@ -45,7 +47,7 @@ pub struct ListenerLimits {
     /// Connections open at once, control sockets included.
     pub max_connections: usize,
     /// Control-socket upgrade requests being authenticated at once; more
-    /// are answered `429`.
+    /// are answered `429` (`0`: every one is).
     pub max_pending_upgrades: usize,
 }
 
@@ -91,6 +93,21 @@ pub fn raise_open_files_limit() -> u64 {
             1024
         }
     }
+}
+
+/// Connections the kernel completes before they are accepted. Past it, a
+/// client's handshake may complete on its side only (its final ACK
+/// dropped): a connection the server never sees and so can never time out.
+/// The kernel caps it at `net.core.somaxconn` (4096 by default).
+const BACKLOG: u32 = 4096;
+
+/// Binds the listener with a backlog that holds a burst of connections,
+/// and those waiting at the cap.
+pub fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    let socket = if addr.is_ipv4() { TcpSocket::new_v4()? } else { TcpSocket::new_v6()? };
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(BACKLOG)
 }
 
 /// Lets an event through at most once per period (time passed in).
@@ -143,7 +160,7 @@ impl ListenerStats {
             cap_reached: AtomicU64::new(0),
             header_timeouts: AtomicU64::new(0),
             upgrades_refused: AtomicU64::new(0),
-            upgrades: Arc::new(Semaphore::new(limits.max_pending_upgrades.max(1))),
+            upgrades: Arc::new(Semaphore::new(limits.max_pending_upgrades)),
             cap_log: RateLimit::new(Duration::from_secs(10)),
         }
     }
