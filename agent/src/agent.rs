@@ -173,6 +173,7 @@ impl Driver {
                     ControlEvent::Connected(credential) => Input::Connected(credential),
                     ControlEvent::Refused { credential, status } => Input::Refused { credential, status },
                     ControlEvent::Message { credential, message } => {
+                        let message = *message;
                         if credential == Credential::Run
                             && self.confirmed_at.is_none()
                             && matches!(&message, ServerMessage::Assignment(a) if Some(a.execution_id.as_str()) == self.machine.execution_id())

@@ -44,7 +44,8 @@ pub enum ControlEvent {
     Connected(Credential),
     Message {
         credential: Credential,
-        message: ServerMessage,
+        /// Boxed: an assignment is far larger than the other events.
+        message: Box<ServerMessage>,
     },
     /// `401`, `403` or `410`: this credential will not be retried; the task
     /// waits for another credential.
@@ -264,7 +265,7 @@ async fn session(
                         tracing::debug!(type_name, "message of unknown type skipped");
                     }
                     Ok(message) => {
-                        if events.send(ControlEvent::Message { credential: kind, message }).await.is_err() {
+                        if events.send(ControlEvent::Message { credential: kind, message: Box::new(message) }).await.is_err() {
                             return SessionEnd::Shutdown;
                         }
                     }

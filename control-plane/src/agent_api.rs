@@ -18,8 +18,8 @@ use standby_protocol::{
 use tokio::sync::mpsc;
 
 use crate::api::parse_json;
-use crate::dispatch::{Admission, LogError, Refusal};
-use crate::engine::Outbound;
+use crate::dispatch::{Admission, Call, ConnId, LogError, Refusal};
+use crate::engine::{EngineHandle, Outbound};
 use crate::listener::ConnectionSlot;
 use crate::model::RunRequest;
 use crate::server::{ApiError, AppState, bearer, from_store};
@@ -52,27 +52,71 @@ fn refused(refusal: Refusal) -> ApiError {
     match refusal {
         Refusal::Gone => ApiError::new(StatusCode::GONE, "the standby credential is unknown or retired"),
         Refusal::Unauthorized => ApiError::new(StatusCode::UNAUTHORIZED, "the credential is revoked or not valid"),
+        Refusal::Ended => ApiError::new(
+            StatusCode::GONE,
+            "the run is over: its run credential is withdrawn (after a cancel only the run's events and log are \
+             accepted)",
+        ),
+        Refusal::Duplicate { .. } => {
+            ApiError::new(StatusCode::CONFLICT, "a live control connection already uses this credential")
+        }
     }
 }
 
-async fn admit(state: &AppState, headers: &HeaderMap) -> Result<(Admission, String), ApiError> {
+fn presented(headers: &HeaderMap) -> Result<&str, ApiError> {
     check_protocol(headers)?;
-    let token = bearer(headers)
-        .ok_or_else(|| ApiError::new(StatusCode::UNAUTHORIZED, "missing `Authorization: Bearer <credential>`"))?;
-    let admission = state.engine.authenticate(token).await?.map_err(refused)?;
-    Ok((admission, token.to_owned()))
+    bearer(headers)
+        .ok_or_else(|| ApiError::new(StatusCode::UNAUTHORIZED, "missing `Authorization: Bearer <credential>`"))
 }
 
-/// Admits only the run credential of execution `execution_id`.
-async fn admit_run(state: &AppState, headers: &HeaderMap, execution_id: &str) -> Result<(String, u32), ApiError> {
+async fn admit(state: &AppState, headers: &HeaderMap, call: Call) -> Result<Admission, ApiError> {
+    let token = presented(headers)?;
+    state.engine.check(token, call).await?.map_err(refused)
+}
+
+/// Admits only the run credential of execution `execution_id`. A standby
+/// credential, even a retired one, is simply not a run credential here
+/// (`401`, never the standby's `410`).
+async fn admit_run(
+    state: &AppState,
+    headers: &HeaderMap,
+    execution_id: &str,
+    call: Call,
+) -> Result<(String, u32), ApiError> {
     let wrong = || {
         ApiError::new(StatusCode::UNAUTHORIZED, format!("the credential is not a run credential of `{execution_id}`"))
     };
-    match admit(state, headers).await {
-        Ok((Admission::Run { run_id, attempt, .. }, _)) if run_id == execution_id => Ok((run_id, attempt)),
-        Ok(_) => Err(wrong()),
-        Err(error) if error.status() == StatusCode::GONE => Err(wrong()),
-        Err(error) => Err(error),
+    let token = presented(headers)?;
+    match state.engine.check(token, call).await? {
+        Ok(Admission::Run { run_id, attempt, .. }) if run_id == execution_id => Ok((run_id, attempt)),
+        Ok(_) | Err(Refusal::Gone) => Err(wrong()),
+        Err(refusal) => Err(refused(refusal)),
+    }
+}
+
+/// An admitted upgrade's claim on its credential's one socket: freed if
+/// the upgrade never completes (the connection task frees it otherwise).
+struct Claim {
+    engine: EngineHandle,
+    conn: ConnId,
+    armed: bool,
+}
+
+impl Claim {
+    /// The connection task owns the claim from here on.
+    fn disarm(&mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for Claim {
+    fn drop(&mut self) {
+        if self.armed
+            && let Ok(runtime) = tokio::runtime::Handle::try_current()
+        {
+            let (engine, conn) = (self.engine.clone(), self.conn);
+            runtime.spawn(async move { engine.disconnect(conn).await });
+        }
     }
 }
 
@@ -80,7 +124,14 @@ async fn request(state: &AppState, run_id: &str) -> Result<RunRequest, ApiError>
     let id = run_id.to_owned();
     from_store(state, move |store| store.request(&id))
         .await?
-        .ok_or_else(|| ApiError::new(StatusCode::NOT_FOUND, format!("no run `{run_id}`")))
+        // Only a terminal run's request is gone (deleted with its terminal
+        // state), and its credential is revoked by then: a late call.
+        .ok_or_else(|| {
+            ApiError::new(
+                StatusCode::NOT_FOUND,
+                format!("run `{run_id}` has ended: what it was submitted with is deleted"),
+            )
+        })
 }
 
 // ---- the control socket ---------------------------------------------------------
@@ -98,32 +149,47 @@ pub(crate) async fn socket(
         let busy = ApiError::new(StatusCode::TOO_MANY_REQUESTS, "too many control-socket upgrades in flight");
         return (StatusCode::TOO_MANY_REQUESTS, [(header::RETRY_AFTER, "1")], busy).into_response();
     };
-    let (admission, token) = match admit(&state, &headers).await {
-        Ok(admitted) => admitted,
+    let token = match presented(&headers) {
+        Ok(token) => token.to_owned(),
         Err(error) => return error.into_response(),
     };
     let upgrade = match upgrade {
         Ok(upgrade) => upgrade,
         Err(rejection) => return ApiError::new(StatusCode::BAD_REQUEST, rejection.body_text()).into_response(),
     };
+    let conn = state.engine.next_conn_id();
+    let admission = match state.engine.claim_socket(conn, &token).await {
+        Ok(Ok(admission)) => admission,
+        Ok(Err(refusal @ Refusal::Duplicate { retry_after })) => {
+            // When the live socket counts as gone if it stays silent: an
+            // agent whose old connection died unseen comes back then.
+            let seconds = retry_after.as_millis().div_ceil(1000).to_string();
+            return ([(header::RETRY_AFTER, seconds)], refused(refusal)).into_response();
+        }
+        Ok(Err(refusal)) => return refused(refusal).into_response(),
+        Err(gone) => return ApiError::from(gone).into_response(),
+    };
+    let mut claim = Claim { engine: state.engine.clone(), conn, armed: true };
     upgrade
         .read_buffer_size(READ_BUFFER)
         .write_buffer_size(0)
         .max_write_buffer_size(MAX_WRITE_BUFFER)
         .max_message_size(MAX_MESSAGE)
         .max_frame_size(MAX_MESSAGE)
-        .on_upgrade(move |socket| async move {
-            // The socket keeps its connection's place under the cap.
-            let _slot = slot;
-            connection(state, socket, admission, Secret::new(token)).await;
+        .on_upgrade(move |socket| {
+            claim.disarm();
+            async move {
+                // The socket keeps its connection's place under the cap.
+                let _slot = slot;
+                connection(state, socket, conn, admission, Secret::new(token)).await;
+            }
         })
 }
 
 /// One task per socket: it alone writes to it (frames the engine queued)
 /// and reads from it (heartbeats for the engine).
-async fn connection(state: AppState, mut socket: WebSocket, admission: Admission, presented: Secret) {
+async fn connection(state: AppState, mut socket: WebSocket, conn: ConnId, admission: Admission, presented: Secret) {
     let engine = state.engine.clone();
-    let conn = engine.next_conn_id();
     let (sender, mut outbound) = mpsc::unbounded_channel();
     engine.connect(conn, sender, admission.credential_id(), presented).await;
     tracing::debug!(conn, ?admission, "control connection open");
@@ -180,7 +246,7 @@ async fn connection(state: AppState, mut socket: WebSocket, admission: Admission
 /// `GET /v1/standby/spec`: the pool spec, with the workspace of the run a
 /// cold sandbox was created for.
 pub(crate) async fn spec(State(state): State<AppState>, headers: HeaderMap) -> Result<Json<Spec>, ApiError> {
-    let (admission, _) = admit(&state, &headers).await?;
+    let admission = admit(&state, &headers, Call::Fetch).await?;
     let Admission::Standby { sandbox_id, .. } = admission else {
         return Err(ApiError::new(StatusCode::UNAUTHORIZED, "the spec is for standby credentials"));
     };
@@ -203,7 +269,7 @@ pub(crate) async fn secrets(
     headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Result<Json<SecretsResponse>, ApiError> {
-    let (run_id, _) = admit_run(&state, &headers, &id).await?;
+    let (run_id, _) = admit_run(&state, &headers, &id, Call::Fetch).await?;
     Ok(Json(SecretsResponse { secrets: request(&state, &run_id).await?.secrets }))
 }
 
@@ -212,7 +278,7 @@ pub(crate) async fn attachments(
     headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Result<Json<AttachmentsResponse>, ApiError> {
-    let (run_id, _) = admit_run(&state, &headers, &id).await?;
+    let (run_id, _) = admit_run(&state, &headers, &id, Call::Fetch).await?;
     let attachments = request(&state, &run_id)
         .await?
         .attachments
@@ -231,7 +297,7 @@ pub(crate) async fn attachment(
     headers: HeaderMap,
     Path((id, name)): Path<(String, String)>,
 ) -> Result<Response, ApiError> {
-    let (run_id, _) = admit_run(&state, &headers, &id).await?;
+    let (run_id, _) = admit_run(&state, &headers, &id, Call::Fetch).await?;
     let stored = request(&state, &run_id)
         .await?
         .attachments
@@ -249,7 +315,7 @@ pub(crate) async fn git_credentials(
     headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Result<Json<GitCredentialsResponse>, ApiError> {
-    let (run_id, _) = admit_run(&state, &headers, &id).await?;
+    let (run_id, _) = admit_run(&state, &headers, &id, Call::Fetch).await?;
     Ok(Json(GitCredentialsResponse { credentials: request(&state, &run_id).await?.git_credentials }))
 }
 
@@ -258,7 +324,7 @@ pub(crate) async fn metadata(
     headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
-    let (run_id, _) = admit_run(&state, &headers, &id).await?;
+    let (run_id, _) = admit_run(&state, &headers, &id, Call::Fetch).await?;
     Ok(Json(request(&state, &run_id).await?.metadata))
 }
 
@@ -267,7 +333,7 @@ pub(crate) async fn cloud_credentials(
     headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Result<Json<CloudCredentialsResponse>, ApiError> {
-    let (run_id, _) = admit_run(&state, &headers, &id).await?;
+    let (run_id, _) = admit_run(&state, &headers, &id, Call::Fetch).await?;
     Ok(Json(CloudCredentialsResponse { env: request(&state, &run_id).await?.cloud_env }))
 }
 
@@ -304,7 +370,7 @@ pub(crate) async fn events(
     Path(id): Path<String>,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    let (run_id, attempt) = admit_run(&state, &headers, &id).await?;
+    let (run_id, attempt) = admit_run(&state, &headers, &id, Call::Report).await?;
     let event: Event = match parse_json(&body) {
         Ok(event) => event,
         Err(error) => {
@@ -336,7 +402,7 @@ pub(crate) async fn log(
     Path(id): Path<String>,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    let (run_id, _) = admit_run(&state, &headers, &id).await?;
+    let (run_id, _) = admit_run(&state, &headers, &id, Call::Report).await?;
     let chunk: LogChunk = parse_json(&body)?;
     let data = chunk
         .bytes()

@@ -124,14 +124,21 @@ fn check_names<'a>(field: &str, names: impl Iterator<Item = &'a String>) -> Resu
     Ok(())
 }
 
-/// A thread id is shown in logs and URLs: short, plain characters.
+/// A thread id is shown in logs and URLs: short, plain characters, and
+/// not a path segment of its own (`.`, `..`).
 fn check_thread_id(thread_id: &str) -> Result<(), ApiError> {
     let plain = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-' | ':');
     if thread_id.is_empty() || thread_id.len() > 128 || !thread_id.chars().all(plain) {
         return Err(bad("thread_id", "must be 1 to 128 letters, digits, `.`, `_`, `-` or `:`"));
     }
+    if thread_id == "." || thread_id == ".." {
+        return Err(bad("thread_id", "must not be `.` or `..`"));
+    }
     Ok(())
 }
+
+/// Longest attachment name: what a file name may be on the agent's side.
+const MAX_ATTACHMENT_NAME: usize = 255;
 
 fn check_workspace(workspace: &Workspace) -> Result<(), ApiError> {
     for (i, repo) in workspace.repos.iter().enumerate() {
@@ -155,6 +162,21 @@ fn check_workspace(workspace: &Workspace) -> Result<(), ApiError> {
 }
 
 impl Submission {
+    /// Everything `POST /v1/runs` checks: no NUL byte in any string, the
+    /// thread id, then [`Self::validate`]. The run, what is fetched later,
+    /// and the thread id.
+    pub fn accept(mut self) -> Result<(Run, RunRequest, Option<String>), ApiError> {
+        if let Some(field) = crate::submit_checks::first_nul(&self) {
+            return Err(bad(field, "must not contain a NUL byte"));
+        }
+        let thread_id = self.thread_id.take();
+        if let Some(thread_id) = &thread_id {
+            check_thread_id(thread_id)?;
+        }
+        let (run, request) = self.validate()?;
+        Ok((run, request, thread_id))
+    }
+
     /// Checks what the agent would otherwise refuse only after a sandbox
     /// was spent on it, and splits the run (sent in the assignment) from
     /// what is fetched later (secrets and the rest).
@@ -190,6 +212,9 @@ impl Submission {
                     format!("{field}.name"),
                     "must be a plain file name of letters, digits, `.`, `_` and `-`, not starting with `.`",
                 ));
+            }
+            if attachment.name.len() > MAX_ATTACHMENT_NAME {
+                return Err(bad(format!("{field}.name"), format!("must be at most {MAX_ATTACHMENT_NAME} bytes")));
             }
             if !names.insert(attachment.name.clone()) {
                 return Err(bad(format!("{field}.name"), "is used by another attachment"));
@@ -392,12 +417,8 @@ pub(crate) async fn submit(
     body: Bytes,
 ) -> Result<Response, ApiError> {
     authorize(&state, &headers)?;
-    let mut submission: Submission = parse_json(&body)?;
-    let thread_id = submission.thread_id.take();
-    if let Some(thread_id) = &thread_id {
-        check_thread_id(thread_id)?;
-    }
-    let (run, request) = submission.validate()?;
+    let submission: Submission = parse_json(&body)?;
+    let (run, request, thread_id) = submission.accept()?;
     let record = state.engine.submit_turn(run, request, thread_id).await?;
     tracing::info!(run_id = %record.id, state = %record.state, "run submitted");
     Ok((StatusCode::CREATED, Json(view(&record))).into_response())
@@ -548,7 +569,7 @@ mod tests {
     use super::*;
 
     fn submit(body: &str) -> Result<(Run, RunRequest), ApiError> {
-        parse_json::<Submission>(body.as_bytes())?.validate()
+        parse_json::<Submission>(body.as_bytes())?.accept().map(|(run, request, _)| (run, request))
     }
 
     fn field(body: &str) -> String {
@@ -580,12 +601,90 @@ mod tests {
         );
     }
 
+    /// Every gap that used to be accepted and then failed at the agent,
+    /// spending sandboxes and attempts: each is a `400` naming its field.
+    #[test]
+    fn what_the_agent_would_refuse_is_refused_at_submit() {
+        let nul = "a\\u0000b";
+        let long_name = "n".repeat(256);
+        let cases: Vec<(String, &str)> = vec![
+            (format!(r#"{{"command": ["ls", "{nul}"]}}"#), "command[1]"),
+            (format!(r#"{{"command": ["{nul}"]}}"#), "command[0]"),
+            (format!(r#"{{"command": ["ls"], "cwd": "{nul}"}}"#), "cwd"),
+            (format!(r#"{{"command": ["ls"], "env": {{"A": "{nul}"}}}}"#), "env.A"),
+            (format!(r#"{{"command": ["ls"], "env": {{"{nul}": "v"}}}}"#), "env.a\\0b"),
+            (format!(r#"{{"command": ["ls"], "mcp_env": {{"M": "{nul}"}}}}"#), "mcp_env.M"),
+            (format!(r#"{{"command": ["ls"], "secrets": {{"S": "{nul}"}}}}"#), "secrets.S"),
+            (format!(r#"{{"command": ["ls"], "secrets": {{"{nul}": "v"}}}}"#), "secrets.a\\0b"),
+            (format!(r#"{{"command": ["ls"], "cloud_env": {{"C": "{nul}"}}}}"#), "cloud_env.C"),
+            (
+                format!(
+                    r#"{{"command": ["ls"], "git_credentials": [{{"protocol": "https", "host": "h", "username": "u", "password": "{nul}"}}]}}"#
+                ),
+                "git_credentials[0].password",
+            ),
+            (
+                format!(
+                    r#"{{"command": ["ls"], "git_credentials": [{{"protocol": "https", "host": "{nul}", "username": "u", "password": "p"}}]}}"#
+                ),
+                "git_credentials[0].host",
+            ),
+            (
+                format!(
+                    r#"{{"command": ["ls"], "git_credentials": [{{"protocol": "https", "host": "h", "username": "{nul}", "password": "p"}}]}}"#
+                ),
+                "git_credentials[0].username",
+            ),
+            (
+                format!(
+                    r#"{{"command": ["ls"], "git_credentials": [{{"protocol": "{nul}", "host": "h", "username": "u", "password": "p"}}]}}"#
+                ),
+                "git_credentials[0].protocol",
+            ),
+            (
+                format!(r#"{{"command": ["ls"], "attachments": [{{"name": "{nul}", "content": ""}}]}}"#),
+                "attachments[0].name",
+            ),
+            (
+                format!(r#"{{"command": ["ls"], "attachments": [{{"name": "{long_name}", "content": ""}}]}}"#),
+                "attachments[0].name",
+            ),
+            (format!(r#"{{"command": ["ls"], "thread_id": "{nul}"}}"#), "thread_id"),
+            (r#"{"command": ["ls"], "thread_id": "."}"#.to_owned(), "thread_id"),
+            (r#"{"command": ["ls"], "thread_id": ".."}"#.to_owned(), "thread_id"),
+            (
+                format!(
+                    r#"{{"command": ["ls"], "workspace": {{"repos": [{{"url": "u", "path": "p", "ref": "{nul}"}}]}}}}"#
+                ),
+                "workspace.repos[0].ref",
+            ),
+            (
+                format!(
+                    r#"{{"command": ["ls"], "workspace": {{"setup": [{{"name": "s", "command": ["make", "{nul}"]}}]}}}}"#
+                ),
+                "workspace.setup[0].command[1]",
+            ),
+        ];
+        for (body, expected) in &cases {
+            assert_eq!(field(body), *expected, "{body}");
+        }
+        // At the limit, and a NUL in metadata (a JSON file: harmless), pass.
+        let at_limit = "n".repeat(255);
+        let body = format!(
+            r#"{{"command": ["ls"], "metadata": {{"k": "{nul}"}}, "attachments": [{{"name": "{at_limit}", "content": "x"}}]}}"#
+        );
+        assert!(submit(&body).is_ok());
+        let error =
+            submit(&format!(r#"{{"command": ["ls"], "secrets": {{"S": "x-{nul}-sekrit"}}}}"#)).expect_err("refused");
+        assert!(!error.to_string().contains("sekrit"), "a refused value is never quoted: {error}");
+    }
+
     #[test]
     fn thread_ids_are_plain() {
-        for good in ["t1", "chat:42", "user.7_thread-3"] {
+        for good in ["t1", "chat:42", "user.7_thread-3", "..."] {
             assert!(check_thread_id(good).is_ok(), "{good}");
         }
-        for bad in ["", "a b", "../x", &"x".repeat(129)] {
+        for bad in ["", "a b", "../x", ".", "..", &"x".repeat(129)] {
             let error = check_thread_id(bad).expect_err("refused");
             assert_eq!(error.field(), Some("thread_id"));
         }

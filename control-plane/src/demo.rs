@@ -300,7 +300,7 @@ async fn with_server<T>(
     let (spec, mcp) = sample(dir.path(), options.setup_cost)?;
     let sandboxes = dir.path().join("sandboxes");
     let provider = Arc::new(LocalProvider::new(sandboxes.clone(), options.agent_bin.clone()));
-    let store = Arc::new(SqliteStore::open(&dir.path().join("standby.db"))?);
+    let store = Arc::new(SqliteStore::open(&dir.path().join("standby.db"), &crate::seal::SealKey::random())?);
     let key = Secret::new(format!("demo-{}", crate::credential::hex(&rand::random::<[u8; 16]>())));
     let mut config = ServerConfig::new(key.clone(), spec);
     config.pool_size = options.pool_size;

@@ -50,6 +50,7 @@
 //!   recorded. Turns of one thread take the sandbox one at a time, through
 //!   a pointer written compare-and-set.
 
+mod admission;
 mod pool;
 mod threads;
 
@@ -60,13 +61,14 @@ use standby_protocol::{
     AgentState, Assignment, Cancel, Event, EventKind, Fingerprint, Retired, Run, Secret, ServerMessage, fingerprint,
 };
 
-use crate::credential::{self, CredentialKind, Mint, TokenHash};
+use crate::credential::{CredentialKind, Mint, TokenHash};
 use crate::model::{
     Attempt, AttemptOutcome, CredentialRecord, CredentialState, Millis, ParkMode, RunPath, RunRecord, RunRequest,
     RunState, SandboxKind, SandboxRecord, SandboxState, StoredEvent, ThreadRecord,
 };
 use crate::policy::AutoStop;
 
+pub use admission::Call;
 pub use threads::StalePointer;
 
 /// Identifies one control connection, allocated by the driver.
@@ -88,6 +90,9 @@ pub struct DispatchConfig {
     /// How long a sandbox told to stop (finished, cancelled, retired) has to
     /// exit on its own before the provider stops it.
     pub linger: Duration,
+    /// The pool spec's workspace: what an assignment names for a run
+    /// that names none (amendment 1).
+    pub pool_workspace: standby_protocol::Workspace,
     /// Fingerprint of the pool spec's workspace.
     pub pool_fingerprint: Fingerprint,
     pub lifecycle: Lifecycle,
@@ -221,6 +226,15 @@ pub enum Refusal {
     /// `401`: revoked, wrong, or not a credential at all.
     #[error("the credential is revoked or not valid")]
     Unauthorized,
+    /// `410`: a run credential whose run is over (or, after a cancel, used
+    /// for anything but the run's events and log).
+    #[error("the run is over: its run credential is withdrawn")]
+    Ended,
+    /// `409`: a control socket upgrade with a credential whose socket is
+    /// live; that socket counts as gone after `retry_after` unless it is
+    /// heard from again.
+    #[error("a live control connection already uses this credential")]
+    Duplicate { retry_after: Duration },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -382,6 +396,9 @@ pub struct MetricsSnapshot {
     pub parked_stopped: u64,
     /// Resumes of a parked sandbox given up for a fresh sandbox.
     pub resume_fallbacks: u64,
+    /// Control socket upgrades refused because their credential had a
+    /// live socket (since this process started).
+    pub duplicate_connections_refused: u64,
 }
 
 pub struct Dispatch {
@@ -403,6 +420,7 @@ pub struct Dispatch {
     /// last dispatch), and how many of them cannot take a standby.
     blocked: usize,
     blocked_cold: usize,
+    admissions: admission::Admissions,
 }
 
 impl std::fmt::Debug for Dispatch {
@@ -448,6 +466,7 @@ impl Dispatch {
             threads: BTreeMap::new(),
             blocked: 0,
             blocked_cold: 0,
+            admissions: admission::Admissions::default(),
         }
     }
 
@@ -489,6 +508,7 @@ impl Dispatch {
                 });
             }
         }
+        machine.repair_credentials(now, &mut step);
         machine.dispatch_queued(now, &mut step);
         machine.top_up(now, &mut step);
         (machine, step)
@@ -568,40 +588,14 @@ impl Dispatch {
         snapshot.resume_fallbacks =
             self.runs.values().filter(|run| run.resume.as_ref().is_some_and(|r| r.fallback.is_some())).count() as u64;
         snapshot.running_cap = self.config.lifecycle.running_cap as u64;
+        snapshot.duplicate_connections_refused = self.admissions.duplicates_refused;
         snapshot
     }
 
-    /// Who `token` is, or why it is refused. Rules: a token of a shape this
-    /// server never mints, a wrong secret or a revoked credential is `401`;
-    /// an unknown or retired standby credential is `410`.
+    /// Who `token` is, or why it is refused, for anything but a run's
+    /// events and log (see [`Dispatch::check`]).
     pub fn authenticate(&self, token: &str) -> Result<Admission, Refusal> {
-        let parsed = credential::parse(token).ok_or(Refusal::Unauthorized)?;
-        let Some(record) = self.credentials.get(parsed.id) else {
-            return Err(match parsed.kind {
-                CredentialKind::Standby => Refusal::Gone,
-                CredentialKind::Run => Refusal::Unauthorized,
-            });
-        };
-        if record.kind != parsed.kind || !record.hash.matches(token) {
-            return Err(Refusal::Unauthorized);
-        }
-        match record.state {
-            CredentialState::Active => {}
-            CredentialState::Revoked => return Err(Refusal::Unauthorized),
-            CredentialState::Retired => return Err(Refusal::Gone),
-        }
-        Ok(match (record.kind, &record.run_id, record.attempt) {
-            (CredentialKind::Run, Some(run_id), Some(attempt)) => Admission::Run {
-                sandbox_id: record.sandbox_id.clone(),
-                run_id: run_id.clone(),
-                attempt,
-                credential_id: record.id.clone(),
-            },
-            (CredentialKind::Run, _, _) => return Err(Refusal::Unauthorized),
-            (CredentialKind::Standby, _, _) => {
-                Admission::Standby { sandbox_id: record.sandbox_id.clone(), credential_id: record.id.clone() }
-            }
-        })
+        self.check(token, Call::Fetch)
     }
 
     // ---- user inputs -----------------------------------------------------
@@ -661,7 +655,9 @@ impl Dispatch {
                 self.end_run(now, &mut step, run_id, RunState::Cancelled, None, Some("cancelled".into()));
             }
             RunState::Committed | RunState::Confirmed => {
-                let sandbox_id = self.fence(now, &mut step, run_id, AttemptOutcome::Cancelled, "cancelled".into());
+                // The agent may still report the run's end (amendment 8).
+                let sandbox_id =
+                    self.fence(now, &mut step, run_id, AttemptOutcome::Cancelled, "cancelled".into(), true);
                 if let Some(sandbox_id) = sandbox_id {
                     let cancel = ServerMessage::Cancel(Cancel { execution_id: run_id.to_owned() });
                     let conns: Vec<ConnId> = self.all_conns(&sandbox_id).collect();
@@ -678,6 +674,7 @@ impl Dispatch {
             RunState::Running => {
                 let sandbox_id = run.current().map(|attempt| attempt.sandbox_id.clone());
                 self.update_run(&mut step, run_id, |run| run.state = RunState::Cancelling);
+                self.begin_grace(&mut step, run_id);
                 if let Some(sandbox_id) = sandbox_id {
                     let conns: Vec<ConnId> = self.all_conns(&sandbox_id).collect();
                     for conn in conns {
@@ -707,10 +704,11 @@ impl Dispatch {
             step.effects.push(Effect::Close { conn });
             return step;
         };
-        if credential.state != CredentialState::Active {
+        if credential.state != CredentialState::Active || !self.holds_socket(conn, credential_id) {
             step.effects.push(Effect::Close { conn });
             return step;
         }
+        self.socket_heard(now, conn, credential_id);
         let sandbox_id = credential.sandbox_id.clone();
         self.conns.insert(
             conn,
@@ -745,12 +743,7 @@ impl Dispatch {
                 if unconfirmed {
                     self.confirm(now, &mut step, &run_id, &sandbox_id);
                 }
-                if let Some(run) = self.runs.get(&run_id) {
-                    let message = ServerMessage::Assignment(Assignment {
-                        execution_id: run_id.clone(),
-                        run_credential: presented.clone(),
-                        run: run.run.clone(),
-                    });
+                if let Some(message) = self.assignment(&run_id, presented.clone()) {
                     step.effects.push(Effect::Send { conn, message });
                 }
             }
@@ -789,14 +782,25 @@ impl Dispatch {
             Some(token) => token,
             None => self.rotate_run_credential(step, run_id, &sandbox_id),
         };
-        if let Some(run) = self.runs.get(run_id) {
-            let message = ServerMessage::Assignment(Assignment {
-                execution_id: run_id.to_owned(),
-                run_credential: token,
-                run: run.run.clone(),
-            });
+        if let Some(message) = self.assignment(run_id, token) {
             step.effects.push(Effect::Send { conn, message });
         }
+    }
+
+    /// The assignment frame of `run_id`. It always names the workspace the
+    /// run expects (amendment 1): the run's own, else the one its sandbox
+    /// was prepared with, which for a pool standby is the pool spec's.
+    fn assignment(&self, run_id: &str, run_credential: Secret) -> Option<ServerMessage> {
+        let record = self.runs.get(run_id)?;
+        let mut run = record.run.clone();
+        if run.workspace.is_none() {
+            let prepared = record
+                .current()
+                .and_then(|attempt| self.sandboxes.get(&attempt.sandbox_id))
+                .and_then(|live| live.record.workspace.clone());
+            run.workspace = Some(prepared.unwrap_or_else(|| self.config.pool_workspace.clone()));
+        }
+        Some(ServerMessage::Assignment(Assignment { execution_id: run_id.to_owned(), run_credential, run }))
     }
 
     fn rotate_run_credential(&mut self, step: &mut Step, run_id: &str, sandbox_id: &str) -> Secret {
@@ -846,7 +850,11 @@ impl Dispatch {
     }
 
     pub fn disconnected(&mut self, conn: ConnId) {
-        let Some(gone) = self.conns.remove(&conn) else { return };
+        let Some(gone) = self.conns.remove(&conn) else {
+            self.socket_closed(conn, None);
+            return;
+        };
+        self.socket_closed(conn, Some(&gone.credential_id));
         if let Some(live) = self.sandboxes.get_mut(&gone.sandbox_id) {
             live.conns.remove(&conn);
         }
@@ -869,9 +877,16 @@ impl Dispatch {
 
     pub fn heartbeat(&mut self, now: Millis, conn: ConnId, state: AgentState) -> Step {
         let mut step = Step::default();
-        let Some(sandbox_id) = self.conns.get(&conn).map(|c| c.sandbox_id.clone()) else {
+        let Some((sandbox_id, credential_id)) =
+            self.conns.get(&conn).map(|c| (c.sandbox_id.clone(), c.credential_id.clone()))
+        else {
             return step;
         };
+        if !self.credential_usable(&credential_id) {
+            // Withdrawn: its socket is being closed; it speaks for no one.
+            return step;
+        }
+        self.socket_heard(now, conn, &credential_id);
         let Some(live) = self.sandboxes.get(&sandbox_id) else {
             return step;
         };
@@ -914,7 +929,7 @@ impl Dispatch {
 
     /// A lifecycle event from the agent holding the run credential of
     /// `attempt`. Duplicates (same `event_id`) are acknowledged and ignored.
-    pub fn event(&mut self, now: Millis, run_id: &str, attempt: u32, event: Event) -> Step {
+    fn record_event(&mut self, now: Millis, run_id: &str, attempt: u32, event: Event) -> Step {
         let mut step = Step::default();
         let key = (run_id.to_owned(), event.event_id.clone());
         if self.events_seen.contains(&key) {
@@ -1019,6 +1034,7 @@ impl Dispatch {
             self.update_sandbox(&mut step, sandbox_id, |record| record.exit_code = code);
             return step;
         }
+        self.end_graces_of(&mut step, sandbox_id);
         let reason = describe_exit(code);
         match state {
             SandboxState::Parked => self.parked_exited(now, &mut step, sandbox_id, &reason),
@@ -1135,7 +1151,11 @@ impl Dispatch {
         };
         if found != Found::Running {
             live.exited = true;
+            self.end_graces_of(&mut step, sandbox_id);
         }
+        let Some(live) = self.sandboxes.get_mut(sandbox_id) else {
+            return step;
+        };
         let (state, run_id) = (live.record.state, live.record.run_id.clone());
         let expired = live
             .record
@@ -1247,6 +1267,7 @@ impl Dispatch {
             }
         }
         self.tick_threads(now, &mut step);
+        self.expire_graces(now, &mut step);
         self.expire_standbys(now, &mut step);
         self.dispatch_queued(now, &mut step);
         self.top_up(now, &mut step);
@@ -1454,7 +1475,8 @@ impl Dispatch {
     // ---- releasing runs and sandboxes -----------------------------------------
 
     /// Fencing: revokes the current attempt's run credential (first among
-    /// the step's writes that follow) and ends the attempt. Returns the
+    /// the step's writes that follow), or with `grace` (a cancel) leaves it
+    /// only the run's events and log, and ends the attempt. Returns the
     /// attempt's sandbox.
     fn fence(
         &mut self,
@@ -1463,9 +1485,14 @@ impl Dispatch {
         run_id: &str,
         outcome: AttemptOutcome,
         reason: String,
+        grace: bool,
     ) -> Option<String> {
         let attempt = self.runs.get(run_id).and_then(|run| run.current()).cloned()?;
-        self.set_credential(step, &attempt.credential_id, CredentialState::Revoked);
+        if grace {
+            self.begin_grace(step, run_id);
+        } else {
+            self.withdraw(step, &attempt.credential_id, CredentialState::Revoked);
+        }
         if let Some(live) = self.sandboxes.get_mut(&attempt.sandbox_id) {
             live.run_token = None;
         }
@@ -1490,7 +1517,7 @@ impl Dispatch {
         let attempts = self.runs.get(run_id).map_or(0, |run| run.attempts.len() as u32);
         let requeue = requeueable && attempts < self.config.max_attempts;
         let outcome = if requeue { AttemptOutcome::Requeued } else { AttemptOutcome::Failed };
-        let Some(sandbox_id) = self.fence(now, step, run_id, outcome, reason.clone()) else {
+        let Some(sandbox_id) = self.fence(now, step, run_id, outcome, reason.clone(), false) else {
             return;
         };
         // A written-off sandbox may still hold its standby credential: revoke
@@ -1584,6 +1611,7 @@ impl Dispatch {
                 run.error = error;
             }
         });
+        self.withdraw_run(now, step, run_id, state);
         self.turn_over(now, step, run_id);
     }
 

@@ -20,7 +20,8 @@ use standby_protocol::{AgentState, Event, Run, Secret, ServerMessage};
 use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::dispatch::{
-    Admission, CancelError, ConnId, Dispatch, Effect, Found, LogError, MetricsSnapshot, Refusal, SandboxView, Step,
+    Admission, Call, CancelError, ConnId, Dispatch, Effect, Found, LogError, MetricsSnapshot, Refusal, SandboxView,
+    Step,
 };
 use crate::model::{Millis, RunRecord, RunRequest, RunState, SandboxRecord, ThreadRecord};
 use crate::policy::raised_auto_stop;
@@ -50,7 +51,8 @@ pub struct EngineGone;
 
 #[derive(Debug)]
 enum Command {
-    Authenticate { token: String, reply: oneshot::Sender<Result<Admission, Refusal>> },
+    Check { token: String, call: Call, reply: oneshot::Sender<Result<Admission, Refusal>> },
+    ClaimSocket { conn: ConnId, token: String, reply: oneshot::Sender<Result<Admission, Refusal>> },
     Connect { conn: ConnId, sender: mpsc::UnboundedSender<Outbound>, credential_id: String, presented: Secret },
     Disconnect { conn: ConnId },
     Heartbeat { conn: ConnId, state: AgentState },
@@ -114,9 +116,18 @@ impl EngineHandle {
         self.next_conn.fetch_add(1, Ordering::Relaxed)
     }
 
-    pub async fn authenticate(&self, token: &str) -> Result<Result<Admission, Refusal>, EngineGone> {
+    /// Who `token` is for `call`, or why it is refused.
+    pub async fn check(&self, token: &str, call: Call) -> Result<Result<Admission, Refusal>, EngineGone> {
         let token = token.to_owned();
-        self.ask(|reply| Command::Authenticate { token, reply }).await
+        self.ask(|reply| Command::Check { token, call, reply }).await
+    }
+
+    /// Admits the upgrade of control connection `conn` with `token`,
+    /// claiming the credential's one socket for it; [`Self::disconnect`]
+    /// frees the claim (also when the upgrade never completes).
+    pub async fn claim_socket(&self, conn: ConnId, token: &str) -> Result<Result<Admission, Refusal>, EngineGone> {
+        let token = token.to_owned();
+        self.ask(|reply| Command::ClaimSocket { conn, token, reply }).await
     }
 
     pub async fn connect(
@@ -305,9 +316,18 @@ impl<P: SandboxProvider> Engine<P> {
     async fn handle(&mut self, command: Command) -> Result<(), StoreError> {
         let now = Millis::now();
         match command {
-            Command::Authenticate { token, reply } => {
-                let _ = reply.send(self.machine.authenticate(&token));
+            Command::Check { token, call, reply } => {
+                let _ = reply.send(self.machine.check(&token, call));
             }
+            Command::ClaimSocket { conn, token, reply } => match self.machine.claim_socket(now, conn, &token) {
+                Ok((admission, step)) => {
+                    self.apply(step).await?;
+                    let _ = reply.send(Ok(admission));
+                }
+                Err(refusal) => {
+                    let _ = reply.send(Err(refusal));
+                }
+            },
             Command::Connect { conn, sender, credential_id, presented } => {
                 self.conns.insert(conn, sender);
                 let step = self.machine.connected(now, conn, &credential_id, &presented);

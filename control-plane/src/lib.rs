@@ -3,6 +3,7 @@
 //! Modules, one job each:
 //! - [`dispatch`]: the server's rules as a pure state machine.
 //! - [`store`]: durable records behind a trait; SQLite by default.
+//! - [`seal`]: what a run was submitted with, encrypted at rest.
 //! - [`engine`]: drives the state machine: store first, then effects.
 //! - [`server`]: HTTP and the control socket on one listener.
 //! - [`listener`]: the accept loop: header timeout, connection cap.
@@ -25,6 +26,8 @@ pub mod metrics;
 pub mod model;
 pub mod policy;
 pub mod provider;
+pub mod seal;
 pub mod server;
 pub mod spool;
 pub mod store;
+mod submit_checks;

@@ -3,7 +3,8 @@
 
 use std::io::Write as _;
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::os::unix::fs::{DirBuilderExt as _, PermissionsExt as _};
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
@@ -16,6 +17,7 @@ use standby_control_plane::dispatch::Lifecycle;
 use standby_control_plane::listener::{self, ListenerLimits};
 use standby_control_plane::policy::AutoStop;
 use standby_control_plane::provider::{LocalOptions, LocalProvider, SandboxProvider};
+use standby_control_plane::seal::SealKey;
 use standby_control_plane::server::{self, ServerConfig};
 use standby_control_plane::spool::SpoolProvider;
 use standby_control_plane::store::SqliteStore;
@@ -65,9 +67,22 @@ struct Serve {
     /// empty workspace when unset.
     #[arg(long, env = "STANDBY_SERVER_SPEC", value_name = "FILE")]
     spec: Option<PathBuf>,
-    /// The key of the user API (`Authorization: Bearer <key>`). Never logged.
+    /// A file holding the key of the user API (`Authorization: Bearer
+    /// <key>`; surrounding whitespace ignored): the way to pass it, since a
+    /// command line is readable by every local user.
+    #[arg(long, env = "STANDBY_SERVER_API_KEY_FILE", value_name = "FILE", conflicts_with = "api_key")]
+    api_key_file: Option<PathBuf>,
+    /// The key of the user API itself; prefer --api-key-file (or this
+    /// variable): other local users can read a command line. Never logged.
     #[arg(long, env = "STANDBY_SERVER_API_KEY", hide_env_values = true, value_name = "KEY")]
-    api_key: String,
+    api_key: Option<String>,
+    /// The key that seals what runs are submitted with (secrets, cloud
+    /// env, git passwords, attachments) in the store: 64 hex digits.
+    /// Generated (mode 0600) when the file does not exist; `<data
+    /// dir>/secret.key` when unset. Losing it loses only the requests of
+    /// runs not finished yet.
+    #[arg(long, env = "STANDBY_SERVER_SECRET_KEY_FILE", value_name = "FILE")]
+    secret_key_file: Option<PathBuf>,
     /// The `standby` agent binary; `standby` next to this executable when unset.
     #[arg(long, env = "STANDBY_SERVER_AGENT_BIN", value_name = "PATH")]
     agent_bin: Option<PathBuf>,
@@ -254,6 +269,47 @@ fn agent_bin(given: Option<PathBuf>) -> anyhow::Result<PathBuf> {
     Ok(exe.with_file_name("standby"))
 }
 
+/// The user API key, from its file or as given; never empty.
+fn api_key(file: Option<&Path>, given: Option<String>) -> anyhow::Result<Secret> {
+    let key = match (file, given) {
+        (Some(path), _) => std::fs::read_to_string(path)
+            .with_context(|| format!("cannot read the API key file {} (--api-key-file)", path.display()))?
+            .trim()
+            .to_owned(),
+        (None, Some(key)) => key.trim().to_owned(),
+        (None, None) => anyhow::bail!(
+            "the user API needs a key: --api-key-file <FILE> (STANDBY_SERVER_API_KEY_FILE) or STANDBY_SERVER_API_KEY"
+        ),
+    };
+    if key.is_empty() {
+        match file {
+            Some(path) => anyhow::bail!("the API key file {} is empty", path.display()),
+            None => anyhow::bail!("--api-key (STANDBY_SERVER_API_KEY) is empty"),
+        }
+    }
+    Ok(Secret::new(key))
+}
+
+/// Makes the data directory (the store, the secret key, the sandboxes)
+/// reachable by its owner only: created 0700, or tightened to it.
+fn private_dir(dir: &Path) -> anyhow::Result<()> {
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .with_context(|| format!("cannot create the data directory {}", dir.display()))?;
+    let mode = std::fs::metadata(dir)
+        .with_context(|| format!("cannot read the data directory {}", dir.display()))?
+        .permissions()
+        .mode();
+    if mode & 0o077 != 0 {
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+            .with_context(|| format!("cannot make the data directory {} owner-only (0700)", dir.display()))?;
+        tracing::info!(dir = %dir.display(), was = format!("{:o}", mode & 0o777), "the data directory is now 0700");
+    }
+    Ok(())
+}
+
 /// Dependencies that print frames and headers at `debug` and `trace`:
 /// assignment frames carry run credentials, requests carry bearer tokens.
 /// They stay at `info` whatever the filter says.
@@ -286,9 +342,7 @@ async fn serve(args: Serve) -> anyhow::Result<()> {
         }
         None => Spec { workspace: Workspace::default(), mcp_servers: Vec::new(), shell: None, deadline: None },
     };
-    if args.api_key.trim().is_empty() {
-        anyhow::bail!("--api-key (STANDBY_SERVER_API_KEY) is empty");
-    }
+    let api_key = api_key(args.api_key_file.as_deref(), args.api_key)?;
     let agent = match args.provider {
         ProviderKind::Local => {
             let agent = agent_bin(args.agent_bin)?;
@@ -302,9 +356,15 @@ async fn serve(args: Serve) -> anyhow::Result<()> {
         }
         ProviderKind::Spool => None,
     };
+    private_dir(&args.data_dir)?;
+    let key_path = args.secret_key_file.unwrap_or_else(|| args.data_dir.join("secret.key"));
+    let (key, generated) = SealKey::load_or_generate(&key_path)?;
+    if generated {
+        tracing::info!(path = %key_path.display(), "generated the secret key that seals run requests at rest");
+    }
     let store_path = args.store.unwrap_or_else(|| args.data_dir.join("standby.db"));
-    let store = Arc::new(SqliteStore::open(&store_path)?);
-    let mut config = ServerConfig::new(Secret::new(args.api_key), spec);
+    let store = Arc::new(SqliteStore::open(&store_path, &key)?);
+    let mut config = ServerConfig::new(api_key, spec);
     config.listen = args.listen;
     config.public_url = args.public_url;
     config.pool_size = args.pool_size;

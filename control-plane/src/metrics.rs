@@ -1,6 +1,8 @@
 //! `/metrics` in the Prometheus text exposition format, rendered from the
 //! state machine's records at scrape time: nothing to lose in a restart,
-//! since the records are what the store keeps.
+//! since the records are what the store keeps. The one exception is the
+//! count of refused duplicate connections, kept in memory: a counter that
+//! starts over with the process, as Prometheus counters may.
 
 use std::fmt::Write as _;
 use std::sync::atomic::Ordering;
@@ -62,6 +64,13 @@ fn render_into(out: &mut String, snapshot: &MetricsSnapshot) -> std::fmt::Result
             "counter",
             "Follow-up turns whose parked sandbox could not be used and that got a fresh one.",
             snapshot.resume_fallbacks,
+        ),
+        (
+            "standby_duplicate_connections_refused_total",
+            "counter",
+            "Control socket upgrades refused (409) because their credential already had a live connection: a sign \
+             the credential was copied. Counted since the server started.",
+            snapshot.duplicate_connections_refused,
         ),
         (
             "standby_reconnects_total",
@@ -150,5 +159,13 @@ mod tests {
         assert!(text.contains("standby_assignment_to_start_seconds_bucket{le=\"300\"} 2"));
         assert!(text.contains("standby_assignment_to_start_seconds_bucket{le=\"+Inf\"} 3"));
         assert!(text.contains("standby_assignment_to_start_seconds_count 3"));
+    }
+
+    #[test]
+    fn refused_duplicate_connections_are_a_counter() {
+        let snapshot = MetricsSnapshot { duplicate_connections_refused: 4, ..Default::default() };
+        let text = render(&snapshot);
+        assert!(text.contains("# TYPE standby_duplicate_connections_refused_total counter"));
+        assert!(text.contains("standby_duplicate_connections_refused_total 4"));
     }
 }

@@ -369,8 +369,12 @@ pub enum CredentialState {
     Active,
     /// Fenced: answered `401`.
     Revoked,
-    /// Its sandbox is gone: answered `410` (standby credentials only).
+    /// Answered `410`. A standby credential: its sandbox is gone. A run
+    /// credential: its run is over.
     Retired,
+    /// A run credential after a cancel (amendment 8): the run's events and
+    /// log are accepted, anything else is answered `410`.
+    Finishing,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -46,6 +46,7 @@
 use std::collections::{HashMap, HashSet};
 use std::ffi::OsString;
 use std::future::Future;
+use std::os::unix::fs::OpenOptionsExt as _;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::{Arc, Mutex, PoisonError, Weak};
@@ -505,7 +506,13 @@ impl SandboxProvider for LocalProvider {
     async fn create(&self, sandbox_id: &str) -> Result<(), ProviderError> {
         self.ensure_sweeper();
         let workspace = self.dir(sandbox_id).join("workspace");
-        tokio::fs::create_dir_all(&workspace).await.map_err(Self::io(sandbox_id, "create", &workspace))?;
+        // Owner-only: the workspace receives the run's secrets files.
+        tokio::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&workspace)
+            .await
+            .map_err(Self::io(sandbox_id, "create", &workspace))?;
         self.update_meta(sandbox_id, |meta| *meta = Meta::default())
     }
 
@@ -528,6 +535,7 @@ impl SandboxProvider for LocalProvider {
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
+            .mode(0o600)
             .open(&log_path)
             .map_err(Self::io(sandbox_id, "open", &log_path))?;
         let log_err = log.try_clone().map_err(Self::io(sandbox_id, "open", &log_path))?;

@@ -256,6 +256,7 @@ pub async fn start<P: SandboxProvider>(
         max_attempts: config.max_attempts,
         launch_timeout: config.launch_timeout,
         linger: config.linger,
+        pool_workspace: config.spec.workspace.clone(),
         pool_fingerprint: fingerprint(&config.spec.workspace),
         lifecycle: config.lifecycle.clone(),
     };

@@ -6,13 +6,21 @@
 //! or none of it. Thread pointers are written compare-and-set on their
 //! generation: a write that expected another generation (a stale writer,
 //! such as a second server on the same file) fails the whole transaction. Credentials are stored only as hashes (see
-//! [`crate::credential`]). The secrets a run was submitted with are stored
-//! as given, since they must be served to its agent: protect the file.
+//! [`crate::credential`]). What a run was submitted with (secrets, cloud
+//! env, git passwords, attachments, metadata) must be served to its agent,
+//! so it is kept, but only sealed ([`crate::seal`], bound to the run id),
+//! and deleted in the transaction that makes the run terminal: after that
+//! nothing may fetch it. Deleted rows are overwritten (`secure_delete`).
+//!
+//! The file and its `-wal`/`-shm` companions are mode 0600 whatever the
+//! umask (SQLite gives the companions the database file's mode), and a
+//! directory made for it is 0700.
 //!
 //! Calls block; the engine runs them on the blocking pool.
 //!
 //! [`Step`]: crate::dispatch::Step
 
+use std::os::unix::fs::{DirBuilderExt as _, OpenOptionsExt as _, PermissionsExt as _};
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, PoisonError};
 
@@ -21,7 +29,8 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use crate::dispatch::{Snapshot, Write};
-use crate::model::{CredentialRecord, RunRecord, RunRequest, SandboxRecord, StoredEvent, ThreadRecord};
+use crate::model::{CredentialRecord, RunRecord, RunRequest, RunState, SandboxRecord, StoredEvent, ThreadRecord};
+use crate::seal::{SealKey, Sealer};
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -45,6 +54,13 @@ pub enum StoreError {
         #[source]
         source: std::io::Error,
     },
+    #[error("store {path}: cannot make {file} readable by its owner only: {source}")]
+    Permissions {
+        path: String,
+        file: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 /// Where the server keeps runs, sandboxes, credentials, events and logs.
@@ -53,7 +69,9 @@ pub trait Store: Send + Sync + 'static {
     fn load(&self) -> Result<Snapshot, StoreError>;
     /// Applies `writes` in one transaction: all or nothing.
     fn apply(&self, writes: &[Write]) -> Result<(), StoreError>;
-    /// What a run was submitted with (secrets included).
+    /// What a run was submitted with (secrets included); `None` once the
+    /// run is terminal: a write of a terminal run deletes it in the same
+    /// transaction.
     fn request(&self, run_id: &str) -> Result<Option<RunRequest>, StoreError>;
     /// The run's events, in arrival order.
     fn events(&self, run_id: &str) -> Result<Vec<StoredEvent>, StoreError>;
@@ -87,38 +105,115 @@ CREATE TABLE IF NOT EXISTS log_chunks (
 pub struct SqliteStore {
     path: String,
     connection: Mutex<Connection>,
+    sealer: Sealer,
 }
 
 impl SqliteStore {
-    /// Opens (creating if needed) the store file at `path`.
-    pub fn open(path: &Path) -> Result<Self, StoreError> {
+    /// Opens (creating if needed) the store file at `path`; run requests
+    /// are sealed with `key`.
+    pub fn open(path: &Path, key: &SealKey) -> Result<Self, StoreError> {
         let name = path.display().to_string();
         if let Some(dir) = path.parent().filter(|dir| !dir.as_os_str().is_empty()) {
-            std::fs::create_dir_all(dir).map_err(|source| StoreError::Directory {
-                path: name.clone(),
-                dir: dir.to_owned(),
-                source,
-            })?;
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(dir)
+                .map_err(|source| StoreError::Directory { path: name.clone(), dir: dir.to_owned(), source })?;
         }
+        // Created owner-only before SQLite opens it, and tightened if it
+        // already existed.
+        std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .mode(0o600)
+            .open(path)
+            .and_then(|file| file.set_permissions(std::fs::Permissions::from_mode(0o600)))
+            .map_err(|source| StoreError::Permissions { path: name.clone(), file: path.to_owned(), source })?;
         let connection = Connection::open(path).map_err(|source| sqlite(&name, "open", source))?;
-        Self::init(name, connection)
+        let store = Self::init(name, connection, key)?;
+        // Companions left by an earlier run of the server keep their old
+        // mode until SQLite recreates them: tighten them too.
+        for suffix in ["-wal", "-shm"] {
+            let companion = PathBuf::from(format!("{}{suffix}", path.display()));
+            match std::fs::set_permissions(&companion, std::fs::Permissions::from_mode(0o600)) {
+                Err(error) if error.kind() != std::io::ErrorKind::NotFound => {
+                    return Err(StoreError::Permissions { path: store.path.clone(), file: companion, source: error });
+                }
+                _ => {}
+            }
+        }
+        Ok(store)
     }
 
-    /// A store that lives only as long as the process (tests, the demo).
+    /// A store that lives only as long as the process (tests, the demo),
+    /// sealing with a key of its own.
     pub fn in_memory() -> Result<Self, StoreError> {
         let connection = Connection::open_in_memory().map_err(|source| sqlite(":memory:", "open", source))?;
-        Self::init(":memory:".into(), connection)
+        Self::init(":memory:".into(), connection, &SealKey::random())
     }
 
-    fn init(path: String, connection: Connection) -> Result<Self, StoreError> {
+    fn init(path: String, connection: Connection, key: &SealKey) -> Result<Self, StoreError> {
         // WAL: readers do not block the writer and a crash mid-write
         // leaves the last committed state; FULL: a committed transaction
-        // survives a power loss too.
+        // survives a power loss too; secure_delete: a purged request's
+        // bytes are overwritten, not left on a free page.
         connection
-            .execute_batch("PRAGMA journal_mode = WAL; PRAGMA synchronous = FULL; PRAGMA busy_timeout = 5000;")
+            .execute_batch(
+                "PRAGMA journal_mode = WAL; PRAGMA synchronous = FULL; PRAGMA busy_timeout = 5000; \
+                 PRAGMA secure_delete = ON;",
+            )
             .map_err(|source| sqlite(&path, "configure", source))?;
         connection.execute_batch(SCHEMA).map_err(|source| sqlite(&path, "create the schema", source))?;
-        Ok(Self { path, connection: Mutex::new(connection) })
+        let store = Self { path, connection: Mutex::new(connection), sealer: Sealer::new(key) };
+        store.seal_legacy_requests()?;
+        Ok(store)
+    }
+
+    /// Brings a file written by an earlier version up to the rules: the
+    /// requests of terminal runs deleted, the others sealed, and the
+    /// write-ahead log emptied so no plain copy stays in it.
+    fn seal_legacy_requests(&self) -> Result<(), StoreError> {
+        let mut connection = self.connection();
+        let write = |source| sqlite(&self.path, "seal the stored requests", source);
+        let transaction = connection.transaction().map_err(write)?;
+        let terminal: Vec<String> =
+            RunState::ALL.into_iter().filter(|state| state.is_terminal()).map(|state| encode(&state)).collect();
+        let mut purged = 0;
+        for state in &terminal {
+            purged += transaction
+                .execute(
+                    "DELETE FROM run_requests WHERE run_id IN \
+                     (SELECT id FROM runs WHERE json_quote(json_extract(doc, '$.state')) = ?1)",
+                    [state],
+                )
+                .map_err(write)?;
+        }
+        let plain: Vec<(String, String)> = {
+            let mut statement = transaction.prepare("SELECT run_id, doc FROM run_requests").map_err(write)?;
+            let rows = statement
+                .query_map([], |row| Ok((row.get::<_, String>(0)?, row.get::<_, String>(1)?)))
+                .map_err(write)?
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(write)?;
+            rows.into_iter().filter(|(_, doc)| !Sealer::is_sealed(doc)).collect()
+        };
+        for (run_id, doc) in &plain {
+            let sealed = self.sealer.seal(run_id, doc.as_bytes());
+            transaction
+                .execute("UPDATE run_requests SET doc = ?2 WHERE run_id = ?1", params![run_id, sealed])
+                .map_err(write)?;
+        }
+        transaction.commit().map_err(write)?;
+        if purged + plain.len() > 0 {
+            tracing::info!(
+                path = self.path,
+                purged,
+                sealed = plain.len(),
+                "stored run requests of an earlier version: terminal ones deleted, the others sealed"
+            );
+            connection.execute_batch("PRAGMA wal_checkpoint(TRUNCATE);").map_err(write)?;
+        }
+        Ok(())
     }
 
     fn connection(&self) -> std::sync::MutexGuard<'_, Connection> {
@@ -195,15 +290,18 @@ impl Store for SqliteStore {
         for change in writes {
             match change {
                 Write::NewRun(run, request) => {
+                    // A run refused at birth (terminal already) keeps nothing.
+                    if !run.state.is_terminal() {
+                        let sealed = self.sealer.seal(&run.id, encode(request).as_bytes());
+                        transaction
+                            .execute("INSERT INTO run_requests (run_id, doc) VALUES (?1, ?2)", params![run.id, sealed])
+                            .map_err(write)?;
+                    }
                     transaction
-                        .execute(
-                            "INSERT INTO run_requests (run_id, doc) VALUES (?1, ?2)",
-                            params![run.id, encode(request)],
-                        )
+                        .execute("INSERT INTO runs (id, doc) VALUES (?1, ?2)", params![run.id, encode(run)])
                         .map_err(write)?;
-                    upsert(&transaction, "runs", &run.id, &encode(run)).map_err(write)?;
                 }
-                Write::Run(run) => upsert(&transaction, "runs", &run.id, &encode(run)).map_err(write)?,
+                Write::Run(run) => write_run(&transaction, run).map_err(write)?,
                 Write::Sandbox(sandbox) => {
                     upsert(&transaction, "sandboxes", &sandbox.id, &encode(sandbox)).map_err(write)?
                 }
@@ -239,7 +337,25 @@ impl Store for SqliteStore {
             .query_row("SELECT doc FROM run_requests WHERE run_id = ?1", [run_id], |row| row.get(0))
             .optional()
             .map_err(|source| sqlite(&self.path, "read", source))?;
-        doc.map(|doc| self.decode("run_requests", run_id, &doc)).transpose()
+        let Some(doc) = doc else { return Ok(None) };
+        if !Sealer::is_sealed(&doc) {
+            // Only an earlier version's server on the same file writes
+            // plain requests; the next open seals them.
+            return self.decode("run_requests", run_id, &doc).map(Some);
+        }
+        let plain = self.sealer.open(run_id, &doc).map_err(|error| StoreError::Corrupt {
+            path: self.path.clone(),
+            table: "run_requests",
+            id: run_id.to_owned(),
+            problem: error.to_string(),
+        })?;
+        let text = String::from_utf8(plain).map_err(|_| StoreError::Corrupt {
+            path: self.path.clone(),
+            table: "run_requests",
+            id: run_id.to_owned(),
+            problem: "the opened record is not UTF-8".into(),
+        })?;
+        self.decode("run_requests", run_id, &text).map(Some)
     }
 
     fn events(&self, run_id: &str) -> Result<Vec<StoredEvent>, StoreError> {
@@ -311,6 +427,16 @@ impl SqliteStore {
     }
 }
 
+/// Writes a run; a terminal run's request is deleted with it: it was
+/// needed only by the agent, and no agent of a finished run may fetch it.
+fn write_run(transaction: &rusqlite::Transaction<'_>, run: &RunRecord) -> rusqlite::Result<()> {
+    upsert(transaction, "runs", &run.id, &encode(run))?;
+    if run.state.is_terminal() {
+        transaction.execute("DELETE FROM run_requests WHERE run_id = ?1", [&run.id])?;
+    }
+    Ok(())
+}
+
 fn upsert(transaction: &rusqlite::Transaction<'_>, table: &str, id: &str, doc: &str) -> rusqlite::Result<()> {
     let sql =
         format!("INSERT INTO {table} (id, doc) VALUES (?1, ?2) ON CONFLICT (id) DO UPDATE SET doc = excluded.doc");
@@ -353,6 +479,12 @@ mod tests {
         }
     }
 
+    /// One key for the whole test binary, so a reopened file opens.
+    fn key() -> SealKey {
+        static KEY: std::sync::OnceLock<SealKey> = std::sync::OnceLock::new();
+        KEY.get_or_init(SealKey::random).clone()
+    }
+
     fn request() -> RunRequest {
         RunRequest {
             secrets: BTreeMap::from([("TOKEN".into(), Secret::new("s3cret"))]),
@@ -377,9 +509,9 @@ mod tests {
             state: CredentialState::Active,
         };
         {
-            let store = SqliteStore::open(&path).expect("open");
+            let store = SqliteStore::open(&path, &key()).expect("open");
             let mut updated = run("exe_1");
-            updated.state = RunState::Exited;
+            updated.state = RunState::Running;
             let event = StoredEvent {
                 run_id: "exe_1".into(),
                 attempt: 1,
@@ -398,10 +530,10 @@ mod tests {
                 ])
                 .expect("apply");
         }
-        let store = SqliteStore::open(&path).expect("reopen");
+        let store = SqliteStore::open(&path, &key()).expect("reopen");
         let snapshot = store.load().expect("load");
         assert_eq!(snapshot.runs.len(), 1);
-        assert_eq!(snapshot.runs[0].state, RunState::Exited);
+        assert_eq!(snapshot.runs[0].state, RunState::Running);
         assert_eq!(snapshot.credentials, [credential]);
         assert_eq!(snapshot.event_ids, [("exe_1".to_owned(), "e1".to_owned())]);
         assert_eq!(snapshot.log_lengths, [("exe_1".to_owned(), 5)]);
@@ -442,8 +574,8 @@ mod tests {
     fn a_stale_pointer_write_is_rejected_with_its_whole_step() {
         let dir = tempfile::tempdir().expect("a temp dir");
         let path = dir.path().join("standby.db");
-        let first = SqliteStore::open(&path).expect("open");
-        let second = SqliteStore::open(&path).expect("open again");
+        let first = SqliteStore::open(&path, &key()).expect("open");
+        let second = SqliteStore::open(&path, &key()).expect("open again");
         first.apply(&[Write::Thread { record: Box::new(pointer(1, "sbx_a")), expected: 0 }]).expect("created");
         // Both read generation 1; the first writer wins.
         first.apply(&[Write::Thread { record: Box::new(pointer(2, "sbx_b")), expected: 1 }]).expect("moved on");
@@ -471,7 +603,7 @@ mod tests {
     fn credentials_are_stored_as_hashes() {
         let dir = tempfile::tempdir().expect("a temp dir");
         let path = dir.path().join("standby.db");
-        let store = SqliteStore::open(&path).expect("open");
+        let store = SqliteStore::open(&path, &key()).expect("open");
         let token = "sby_c9_averyrecognisablesecret";
         let credential = CredentialRecord {
             id: "c9".into(),
@@ -490,5 +622,166 @@ mod tests {
         }
         let text = String::from_utf8_lossy(&bytes);
         assert!(!text.contains("averyrecognisablesecret"));
+    }
+
+    /// Every byte SQLite keeps for the store at `path`.
+    fn raw_bytes(path: &Path) -> Vec<u8> {
+        let mut bytes = std::fs::read(path).expect("read the file");
+        for suffix in ["-wal", "-shm"] {
+            bytes.extend(std::fs::read(format!("{}{suffix}", path.display())).unwrap_or_default());
+        }
+        bytes
+    }
+
+    fn contains(haystack: &[u8], needle: &str) -> bool {
+        haystack.windows(needle.len()).any(|window| window == needle.as_bytes())
+    }
+
+    /// What is given with a run, each value recognisable in raw bytes.
+    fn full_request() -> (RunRequest, Vec<&'static str>) {
+        let values = vec![
+            "secret-value-7f3a",
+            "cloud-value-c91e",
+            "git-password-5d2b",
+            "attachment-content-88aa",
+            "metadata-value-4e0f",
+        ];
+        let attachment = base64::Engine::encode(&base64::engine::general_purpose::STANDARD, values[3]);
+        let request = RunRequest {
+            secrets: BTreeMap::from([("TOKEN".into(), Secret::new(values[0]))]),
+            cloud_env: BTreeMap::from([("AWS_SECRET".into(), Secret::new(values[1]))]),
+            git_credentials: vec![standby_protocol::GitCredential {
+                protocol: "https".into(),
+                host: "git.example".into(),
+                username: "bot".into(),
+                password: Secret::new(values[2]),
+            }],
+            metadata: serde_json::json!({"ticket": values[4]}),
+            attachments: vec![crate::model::StoredAttachment {
+                name: "a.txt".into(),
+                content_base64: attachment.clone(),
+                sha256: "0".repeat(64),
+            }],
+        };
+        // The attachment is stored base64: look for that form too.
+        let mut needles = values;
+        needles.push(Box::leak(attachment.into_boxed_str()));
+        (request, needles)
+    }
+
+    #[test]
+    fn requests_are_sealed_at_rest_and_purged_when_the_run_ends() {
+        let dir = tempfile::tempdir().expect("a temp dir");
+        let path = dir.path().join("standby.db");
+        let store = SqliteStore::open(&path, &key()).expect("open");
+        let (request, needles) = full_request();
+        store.apply(&[Write::NewRun(Box::new(run("exe_1")), Box::new(request.clone()))]).expect("apply");
+        assert_eq!(store.request("exe_1").expect("read"), Some(request), "served while the run lives");
+        let bytes = raw_bytes(&path);
+        for needle in &needles {
+            assert!(!contains(&bytes, needle), "`{needle}` is sealed, never in clear");
+        }
+        assert!(contains(&bytes, "sealed1:"), "the request is stored, sealed");
+
+        let mut ended = run("exe_1");
+        ended.state = RunState::Exited;
+        store.apply(&[Write::Run(Box::new(ended))]).expect("apply");
+        assert_eq!(store.request("exe_1").expect("read"), None, "purged with the terminal state");
+        drop(store);
+        let store = SqliteStore::open(&path, &key()).expect("reopen");
+        assert_eq!(store.load().expect("load").runs[0].state, RunState::Exited);
+        assert_eq!(store.request("exe_1").expect("read"), None);
+        let bytes = raw_bytes(&path);
+        for needle in &needles {
+            assert!(!contains(&bytes, needle), "`{needle}` is nowhere after the purge");
+        }
+    }
+
+    /// A sealed request copied onto another run's row does not open: the
+    /// run id is its associated data.
+    #[test]
+    fn a_sealed_request_cannot_be_moved_to_another_run() {
+        let dir = tempfile::tempdir().expect("a temp dir");
+        let path = dir.path().join("standby.db");
+        let store = SqliteStore::open(&path, &key()).expect("open");
+        let (request, _) = full_request();
+        store
+            .apply(&[
+                Write::NewRun(Box::new(run("exe_1")), Box::new(request)),
+                Write::NewRun(Box::new(run("exe_2")), Box::new(super::tests::request())),
+            ])
+            .expect("apply");
+        store
+            .connection()
+            .execute("UPDATE run_requests SET doc = (SELECT doc FROM run_requests WHERE run_id = 'exe_1') WHERE run_id = 'exe_2'", [])
+            .expect("moved");
+        let error = store.request("exe_2").expect_err("does not open as another run's");
+        assert!(matches!(&error, StoreError::Corrupt { id, .. } if id == "exe_2"), "{error}");
+        assert!(store.request("exe_1").is_ok());
+        let other_key = SqliteStore::open(&path, &SealKey::random()).expect("open with another key");
+        assert!(other_key.request("exe_1").is_err(), "another key does not open it either");
+    }
+
+    #[test]
+    fn the_store_is_readable_by_its_owner_only() {
+        let dir = tempfile::tempdir().expect("a temp dir");
+        let path = dir.path().join("data").join("standby.db");
+        let store = SqliteStore::open(&path, &key()).expect("open");
+        store.apply(&[Write::NewRun(Box::new(run("exe_1")), Box::new(request()))]).expect("apply");
+        let mode = |path: &Path| std::fs::metadata(path).expect("exists").permissions().mode() & 0o777;
+        assert_eq!(mode(path.parent().expect("a parent")), 0o700, "the directory made for it");
+        for suffix in ["", "-wal", "-shm"] {
+            assert_eq!(mode(Path::new(&format!("{}{suffix}", path.display()))), 0o600, "standby.db{suffix}");
+        }
+        drop(store);
+        // An existing file left readable (an earlier version) is tightened.
+        for suffix in ["", "-wal", "-shm"] {
+            let file = format!("{}{suffix}", path.display());
+            if Path::new(&file).exists() {
+                std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).expect("chmod");
+            }
+        }
+        let _store = SqliteStore::open(&path, &key()).expect("reopen");
+        for suffix in ["", "-wal", "-shm"] {
+            let file = format!("{}{suffix}", path.display());
+            if Path::new(&file).exists() {
+                assert_eq!(mode(Path::new(&file)), 0o600, "standby.db{suffix} after reopening");
+            }
+        }
+    }
+
+    /// A file from before sealing: the terminal run's request is deleted,
+    /// the live one's sealed, and no plain copy is left in any file.
+    #[test]
+    fn an_earlier_versions_plain_requests_are_sealed_or_purged_on_open() {
+        let dir = tempfile::tempdir().expect("a temp dir");
+        let path = dir.path().join("standby.db");
+        let (live, needles) = full_request();
+        let mut ended = run("exe_ended");
+        ended.state = RunState::Failed;
+        {
+            let connection = Connection::open(&path).expect("open");
+            connection.execute_batch("PRAGMA journal_mode = WAL;").expect("wal");
+            connection.execute_batch(SCHEMA).expect("schema");
+            for (record, request) in [(run("exe_live"), &live), (ended, &live)] {
+                connection
+                    .execute("INSERT INTO runs (id, doc) VALUES (?1, ?2)", params![record.id, encode(&record)])
+                    .expect("run");
+                connection
+                    .execute(
+                        "INSERT INTO run_requests (run_id, doc) VALUES (?1, ?2)",
+                        params![record.id, encode(request)],
+                    )
+                    .expect("request");
+            }
+        }
+        assert!(contains(&raw_bytes(&path), needles[0]), "the old version kept it in clear");
+        let store = SqliteStore::open(&path, &key()).expect("open");
+        assert_eq!(store.request("exe_live").expect("read"), Some(live));
+        assert_eq!(store.request("exe_ended").expect("read"), None);
+        let bytes = raw_bytes(&path);
+        for needle in &needles {
+            assert!(!contains(&bytes, needle), "`{needle}` is not in clear any more");
+        }
     }
 }

@@ -11,6 +11,7 @@ use futures::{SinkExt, StreamExt};
 use serde_json::{Value, json};
 use standby_control_plane::dispatch::Found;
 use standby_control_plane::provider::{AgentLaunch, Details, Launched, ProviderError, SandboxProvider};
+use standby_control_plane::seal::SealKey;
 use standby_control_plane::server::{RunningServer, ServerConfig, start};
 use standby_control_plane::store::{SqliteStore, Store};
 use standby_protocol::{Secret, ServerMessage, Spec, Workspace};
@@ -417,7 +418,9 @@ async fn cancel_before_confirmation_withdraws_the_run_credential() {
     let (status, cancelled) = harness.api(reqwest::Method::POST, &format!("/v1/runs/{run_id}/cancel"), None).await;
     assert_eq!((status, cancelled["state"].as_str()), (200, Some("cancelled")));
     assert!(matches!(next_message(&mut standby).await, Some(ServerMessage::Cancel(c)) if c.execution_id == run_id));
-    assert_eq!(harness.connect(assignment.run_credential.expose()).await.err(), Some(401));
+    // The run is over: its credential may only report (amendment 8), so
+    // the socket refuses it as an ended run's (`410`, withdrawn: exit 14).
+    assert_eq!(harness.connect(assignment.run_credential.expose()).await.err(), Some(410));
     assert_eq!(harness.connect(standby_token.expose()).await.err(), Some(410));
     let (_, listing) = harness.api(reqwest::Method::GET, "/v1/sandboxes", None).await;
     let sandbox =
@@ -460,7 +463,8 @@ async fn a_committed_standby_that_dies_is_written_off_and_the_run_goes_cold() {
 async fn a_restart_keeps_runs_and_relaunches_standbys() {
     let dir = tempfile::tempdir().expect("a temp dir");
     let path = dir.path().join("standby.db");
-    let open = |path: &Path| -> Arc<dyn Store> { Arc::new(SqliteStore::open(path).expect("the store opens")) };
+    let key = SealKey::random();
+    let open = |path: &Path| -> Arc<dyn Store> { Arc::new(SqliteStore::open(path, &key).expect("the store opens")) };
     let mut harness = harness(1, open(&path), Found::Stopped).await;
     let (sandbox_id, old_token, _socket) = ready_standby(&mut harness).await;
     harness.server.engine().drain().await.expect("draining");

@@ -146,9 +146,17 @@ impl ServerBuilder {
             .append(true)
             .open(&self.log)
             .unwrap_or_else(|error| panic!("open {}: {error}", self.log.display()));
+        // The key from a file, as operators are told to pass it: a command
+        // line is readable by every local user.
+        let key_file = self.data.with_extension("api-key");
+        std::fs::write(&key_file, format!("{API_KEY}\n"))
+            .unwrap_or_else(|error| panic!("write {}: {error}", key_file.display()));
+        std::fs::set_permissions(&key_file, std::fs::Permissions::from_mode(0o600)).expect("chmod the API key file");
         command
             .arg("serve")
-            .args(["--listen", &addr.to_string(), "--api-key", API_KEY, "--agent-bin"])
+            .args(["--listen", &addr.to_string(), "--api-key-file"])
+            .arg(&key_file)
+            .arg("--agent-bin")
             .arg(&self.agent_bin)
             .arg("--data-dir")
             .arg(&self.data)

@@ -265,7 +265,11 @@ async fn the_standby_credential_is_refused_once_the_run_credential_connects() {
     let standby = server.ready(1).await.remove(0);
     let token =
         environ_var(agent_pid(&server.sandbox(&standby).await), "STANDBY_TOKEN").expect("the agent's credential");
-    assert_eq!(server.upgrade_status(&token).await, 101, "admitted while a standby");
+    // Valid while a standby: recognised on the socket, where the agent's own
+    // live connection makes a second one a duplicate (409), and on the spec.
+    assert_eq!(server.upgrade_status(&token).await, 409, "a second socket on a live standby credential");
+    let (status, _) = server.call(reqwest::Method::GET, "/v1/standby/spec", Some(&token), None).await;
+    assert_eq!(status, 200, "admitted while a standby");
     let id = server.submit(&json!({"command": ["true"]})).await;
     server.wait_run(&id, "delivery confirmation", |run| run["timestamps"]["delivery_confirmed"].is_string()).await;
     assert_eq!(server.upgrade_status(&token).await, 401);

@@ -69,18 +69,36 @@ struct Spooled {
 }
 
 async fn spooled(pool: usize) -> Spooled {
+    spooled_with(pool, "10s").await
+}
+
+/// A spooled server whose agents are told to heartbeat every `heartbeat`.
+async fn spooled_with(pool: usize, heartbeat: &str) -> Spooled {
     let dir = scratch("standby-security-");
     let spool = dir.path().join("spool");
-    let server = ServerBuilder::new(&dir.path().join("data"), &dir.path().join("server.log"), &mark(&dir))
-        .args(&["--provider", "spool", "--spool-dir", &spool.display().to_string()])
-        .args(&["--pool-size", &pool.to_string(), "--heartbeat-interval", "10s", "--launch-timeout", "1h"])
-        .args(&["--linger", "1s", "--max-attempts", "3"])
-        .start()
-        .await;
+    let server = spooled_server(&dir, &spool, pool, heartbeat).await;
     Spooled { dir, spool, server }
 }
 
+async fn spooled_server(dir: &TempDir, spool: &Path, pool: usize, heartbeat: &str) -> ServerProcess {
+    ServerBuilder::new(&dir.path().join("data"), &dir.path().join("server.log"), &mark(dir))
+        .args(&["--provider", "spool", "--spool-dir", &spool.display().to_string()])
+        .args(&["--pool-size", &pool.to_string(), "--heartbeat-interval", heartbeat, "--launch-timeout", "1h"])
+        .args(&["--linger", "1s", "--max-attempts", "3"])
+        .start()
+        .await
+}
+
 impl Spooled {
+    /// Stops the server (SIGTERM) and starts it again on the same store.
+    async fn restart(self, pool: usize, heartbeat: &str) -> Self {
+        let Self { dir, spool, server } = self;
+        let status = server.stop(Signal::SIGTERM).await;
+        assert!(status.success(), "standby-server exited {status} on SIGTERM");
+        let server = spooled_server(&dir, &spool, pool, heartbeat).await;
+        Self { dir, spool, server }
+    }
+
     /// The standby credential of `sandbox_id`, once spooled.
     async fn token_of(&self, sandbox_id: &str) -> String {
         let path = self.spool.join(format!("{sandbox_id}.token"));
@@ -206,17 +224,41 @@ fn heartbeat(state: AgentState, execution_id: Option<&str>) -> Message {
 }
 
 async fn next_assignment(socket: &mut Socket) -> (String, String) {
+    let assignment = next_assignment_frame(socket).await;
+    (assignment.execution_id, assignment.run_credential.expose().to_owned())
+}
+
+async fn next_assignment_frame(socket: &mut Socket) -> standby_protocol::Assignment {
     let read = async {
         while let Some(frame) = socket.next().await {
             if let Ok(Message::Text(text)) = frame
                 && let Ok(ServerMessage::Assignment(assignment)) = ServerMessage::decode(text.as_str())
             {
-                return (assignment.execution_id, assignment.run_credential.expose().to_owned());
+                return assignment;
             }
         }
         panic!("the connection closed before an assignment")
     };
     tokio::time::timeout(WAIT, read).await.expect("an assignment within the wait")
+}
+
+/// Reads `socket` until the server closes it; panics on any assignment.
+async fn closed_by_server(socket: &mut Socket) {
+    let read = async {
+        while let Some(frame) = socket.next().await {
+            match frame {
+                Ok(Message::Close(_)) | Err(_) => return,
+                Ok(Message::Text(text)) => {
+                    assert!(
+                        !matches!(ServerMessage::decode(text.as_str()), Ok(ServerMessage::Assignment(_))),
+                        "an assignment on a socket the server is closing: {text}"
+                    );
+                }
+                Ok(_) => {}
+            }
+        }
+    };
+    tokio::time::timeout(WAIT, read).await.expect("the server closes the socket within the wait");
 }
 
 /// Every call the run credential makes, with a body where it is a `POST`.
@@ -258,11 +300,57 @@ async fn a_run_credential_is_refused_after_cancel() {
     let (status, run) =
         spooled.server.call(reqwest::Method::POST, &format!("/v1/runs/{id}/cancel"), Some(API_KEY), None).await;
     assert_eq!((status, run["state"].as_str()), (200, Some("cancelled")), "{run}");
-    assert_eq!(spooled.server.upgrade_status(&credential).await, 401, "the control socket refuses it");
+    // The run is over: the socket and every call but the run's events and
+    // log refuse it (410, withdrawn). Those two are accepted until the agent
+    // is gone (amendment 8), and a spooled sandbox is gone as soon as it is
+    // retired: see the next test for them.
+    assert_eq!(spooled.server.upgrade_status(&credential).await, 410, "the control socket refuses it");
     for (method, path, body) in execution_calls(&id) {
         let (status, answer) = spooled.agent_call(method.clone(), &path, &credential, body).await;
-        assert_eq!(status, 401, "{method} {path} after the cancel: {answer}");
+        let reports = path.ends_with("/events") || path.ends_with("/log");
+        assert!(status == 410 || (reports && status == 200), "{method} {path} after the cancel: {status} {answer}");
+        assert!(!answer.to_string().contains("cancel-secret-1"), "a refusal leaked a secret: {answer}");
     }
+    spooled.stop().await;
+}
+
+/// Amendment 8: after a cancel the run credential may still post the run's
+/// events and log until the agent exits; every other call is refused. The
+/// agent's `cancelled` is its last word.
+#[tokio::test]
+async fn after_a_cancel_the_run_credential_reports_the_end_and_nothing_else() {
+    let spooled = spooled(1).await;
+    let token = spooled.tokens(1).await.remove(0);
+    let mut standby = spooled.ready_standby(&token).await;
+    let (id, credential) = spooled.assigned(&mut standby, &run_with_secrets("cancel-secret-6")).await;
+    let mut run_socket = spooled.server.upgrade(&credential).await.expect("the run credential connects");
+    run_socket.send(heartbeat(AgentState::Running, Some(&id))).await.expect("a heartbeat");
+    assert_eq!(next_assignment(&mut run_socket).await.0, id);
+    let events = format!("/v1/executions/{id}/events");
+    let started = r#"{"event_id": "e-started", "type": "started"}"#;
+    assert_eq!(spooled.agent_call(reqwest::Method::POST, &events, &credential, Some(started)).await.0, 200);
+    let (status, run) =
+        spooled.server.call(reqwest::Method::POST, &format!("/v1/runs/{id}/cancel"), Some(API_KEY), None).await;
+    assert_eq!((status, run["state"].as_str()), (200, Some("cancelling")), "{run}");
+    drop(run_socket);
+    let log = format!("/v1/executions/{id}/log");
+    let (status, answer) =
+        spooled.agent_call(reqwest::Method::POST, &log, &credential, Some(r#"{"offset": 0, "data": "aGk="}"#)).await;
+    assert_eq!(status, 200, "the run's log after the cancel: {answer}");
+    for (method, path, body) in execution_calls(&id) {
+        if !(path.ends_with("/events") || path.ends_with("/log")) {
+            let (status, answer) = spooled.agent_call(method.clone(), &path, &credential, body).await;
+            assert_eq!(status, 410, "{method} {path} after the cancel: {answer}");
+            assert!(!answer.to_string().contains("cancel-secret-6"), "a refusal leaked a secret: {answer}");
+        }
+    }
+    assert_eq!(spooled.server.upgrade_status(&credential).await, 410, "the control socket refuses it");
+    let cancelled = r#"{"event_id": "e-cancelled", "type": "cancelled"}"#;
+    let (status, answer) = spooled.agent_call(reqwest::Method::POST, &events, &credential, Some(cancelled)).await;
+    assert_eq!(status, 200, "the agent reports the cancel: {answer}");
+    assert_eq!(spooled.server.run(&id).await["state"], "cancelled");
+    refused_as_ended(&spooled, &id, &credential, "cancel-secret-6").await;
+    assert_eq!(spooled.server.log(&id).await, b"hi");
     spooled.stop().await;
 }
 
@@ -300,6 +388,169 @@ async fn a_run_credential_is_refused_after_requeue() {
     assert_eq!(again, id);
     assert_ne!(second, credential, "a new attempt has a new run credential");
     spooled.stop().await;
+}
+
+/// Every execution call (and the socket) refuses `credential` as an ended
+/// run's, leaking nothing.
+async fn refused_as_ended(spooled: &Spooled, id: &str, credential: &str, secret: &str) {
+    assert_eq!(spooled.server.upgrade_status(credential).await, 410, "the control socket refuses it");
+    for (method, path, body) in execution_calls(id) {
+        let (status, answer) = spooled.agent_call(method.clone(), &path, credential, body).await;
+        assert_eq!(status, 410, "{method} {path} after the run ended: {answer}");
+        assert!(!answer.to_string().contains(secret), "a refusal leaked a secret: {answer}");
+    }
+}
+
+/// Issue 14: a run credential outlived its run (secrets read, log and an
+/// `exited` forged, `/ws` opened with the assignment replayed, minutes
+/// later and after a restart). Once the run exited it is refused on every
+/// call and on the socket, its live socket is closed, and it stays so
+/// after a restart. The assignment names the pool spec's workspace
+/// (amendment 1).
+#[tokio::test]
+async fn a_run_credential_is_refused_once_its_run_exited_and_after_a_restart() {
+    let spooled = spooled(1).await;
+    let token = spooled.tokens(1).await.remove(0);
+    let (status, spec) = spooled.agent_call(reqwest::Method::GET, "/v1/standby/spec", &token, None).await;
+    assert_eq!(status, 200, "{spec}");
+    let mut standby = spooled.ready_standby(&token).await;
+    let id = spooled.server.submit(&run_with_secrets("exited-secret-4")).await;
+    let assignment = next_assignment_frame(&mut standby).await;
+    assert_eq!(assignment.execution_id, id);
+    let workspace = serde_json::to_value(&assignment.run.workspace).expect("serialisable");
+    assert_eq!(workspace, spec["workspace"], "the assignment names the workspace the run expects");
+    let credential = assignment.run_credential.expose().to_owned();
+    let mut run_socket = spooled.server.upgrade(&credential).await.expect("the run credential connects");
+    run_socket.send(heartbeat(AgentState::Running, Some(&id))).await.expect("a heartbeat");
+    let replay = next_assignment_frame(&mut run_socket).await;
+    assert_eq!(replay.run.workspace, assignment.run.workspace, "the replay names it too");
+    // The agent's end: its last log chunk, then `exited`.
+    let calls = [
+        ("log", r#"{"offset": 0, "data": "aGk="}"#),
+        ("events", r#"{"event_id": "e-started", "type": "started"}"#),
+        ("events", r#"{"event_id": "e-exited", "type": "exited", "code": 0}"#),
+    ];
+    for (call, body) in calls {
+        let path = format!("/v1/executions/{id}/{call}");
+        let (status, answer) = spooled.agent_call(reqwest::Method::POST, &path, &credential, Some(body)).await;
+        assert_eq!(status, 200, "{path} {body}: {answer}");
+    }
+    assert_eq!(spooled.server.run(&id).await["state"], "exited");
+    closed_by_server(&mut run_socket).await;
+    refused_as_ended(&spooled, &id, &credential, "exited-secret-4").await;
+    drop((standby, run_socket));
+    let spooled = spooled.restart(1, "10s").await;
+    refused_as_ended(&spooled, &id, &credential, "exited-secret-4").await;
+    assert_eq!(spooled.server.log(&id).await, b"hi", "nothing was appended after the run ended");
+    spooled.stop().await;
+}
+
+/// `/ws` with `token` as an agent would: the status and any `Retry-After`.
+async fn upgrade_answer(server: &ServerProcess, token: &str) -> (u16, Option<String>) {
+    use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+    let url = format!("{}/ws", server.url().replacen("http", "ws", 1));
+    let mut request = url.into_client_request().expect("a request");
+    request.headers_mut().insert("Authorization", format!("Bearer {token}").parse().expect("a header"));
+    request.headers_mut().insert("Standby-Protocol", "1".parse().expect("a header"));
+    match tokio_tungstenite::connect_async(request).await {
+        Ok(_) => (101, None),
+        Err(tokio_tungstenite::tungstenite::Error::Http(response)) => {
+            let retry_after = response.headers().get("retry-after").and_then(|v| v.to_str().ok()).map(str::to_owned);
+            (response.status().as_u16(), retry_after)
+        }
+        Err(error) => panic!("the upgrade failed: {error}"),
+    }
+}
+
+/// Issue 14: 500 sockets on one standby credential were all accepted, and
+/// a run holding another agent's credential took that agent's assignment.
+/// Now a credential has one live socket: a second upgrade is refused `409`
+/// (with `Retry-After`) and counted; once the first misses its heartbeats
+/// a new one is admitted, before the standby counts as silent, and the
+/// assignment goes to it alone.
+#[tokio::test]
+async fn one_live_socket_per_credential_and_a_silent_one_is_replaced() {
+    // Heartbeats every 2 s: a socket is live for 4 s, a standby silent after 6 s.
+    let spooled = spooled_with(1, "2s").await;
+    let token = spooled.tokens(1).await.remove(0);
+    let mut first = spooled.ready_standby(&token).await;
+    for _ in 0..2 {
+        first.send(heartbeat(AgentState::Ready, None)).await.expect("a heartbeat");
+        let (status, retry_after) = upgrade_answer(&spooled.server, &token).await;
+        assert_eq!(status, 409, "a second socket on a live standby credential");
+        assert!(retry_after.is_some_and(|s| s.parse::<u64>().is_ok_and(|s| (1..=5).contains(&s))), "Retry-After");
+    }
+    let metrics = spooled.server.call(reqwest::Method::GET, "/metrics", Some(API_KEY), None).await.1;
+    let metrics = metrics.as_str().unwrap_or_default().to_owned();
+    assert!(metrics.contains("standby_duplicate_connections_refused_total 2"), "{metrics}");
+    // The first goes silent, its connection left open.
+    let mut second = spooled
+        .server
+        .until("a socket admitted once the first missed its heartbeats", WAIT, async || {
+            spooled.server.upgrade(&token).await.ok()
+        })
+        .await;
+    second.send(heartbeat(AgentState::Ready, None)).await.expect("a heartbeat");
+    closed_by_server(&mut first).await;
+    // Exactly one socket, the new one, gets the assignment.
+    let id = spooled.server.submit(&run_with_secrets("socket-secret-5")).await;
+    let assignment = next_assignment_frame(&mut second).await;
+    assert_eq!(assignment.execution_id, id, "the standby was kept and took the run");
+    // The run credential has one socket too.
+    let credential = assignment.run_credential.expose().to_owned();
+    let mut run_socket = spooled.server.upgrade(&credential).await.expect("the run credential connects");
+    run_socket.send(heartbeat(AgentState::Installing, Some(&id))).await.expect("a heartbeat");
+    assert_eq!(next_assignment_frame(&mut run_socket).await.execution_id, id);
+    assert_eq!(spooled.server.upgrade_status(&credential).await, 409, "a second socket on a live run credential");
+    drop((second, run_socket));
+    spooled.stop().await;
+}
+
+/// A real agent whose connection is cut (both sides reset, as a network
+/// drop the server sees) is back at once: the server saw the old socket
+/// close, so its reconnect is no duplicate, and the standby takes a run.
+#[tokio::test]
+async fn an_agent_whose_connection_is_cut_reconnects_and_takes_a_run() {
+    let dir = scratch("standby-security-");
+    let spec = dir.path().join("spec.json");
+    write_json(&spec, &json!({"workspace": {}, "shell": ["/bin/sh"]}));
+    let proxy = FaultProxy::start(free_addr()).await;
+    let server = ServerBuilder::new(&dir.path().join("data"), &dir.path().join("server.log"), &mark(&dir))
+        .keep_agent_logs(&dir.path().join("agents"))
+        .arg("--spec")
+        .arg(&spec.display().to_string())
+        .args(&["--public-url", &proxy.url(), "--pool-size", "1", "--heartbeat-interval", "1s"])
+        .args(&["--linger", "2s", "--stop-grace", "2s", "--log", "debug", "--agent-log", "debug"])
+        .start()
+        .await;
+    proxy.set_target(server.addr());
+    let candidate = async || {
+        server.sandboxes().await.into_iter().find(|sandbox| sandbox["candidate"] == true).map(|s| s["id"].clone())
+    };
+    let standby = server.until("a ready standby", WAIT, candidate).await;
+    assert!(proxy.cut_all() >= 1, "the agent's socket goes through the proxy");
+    let reconnected = server
+        .until("the standby's agent to reconnect", WAIT, async || {
+            let sandbox = server.sandbox(standby.as_str().unwrap_or_default()).await;
+            (sandbox["connections"].as_u64() >= Some(2) && sandbox["candidate"] == true).then_some(sandbox)
+        })
+        .await;
+    assert_eq!(reconnected["state"], "standby", "{reconnected}");
+    let id = server.submit(&json!({"command": ["true"]})).await;
+    let run = server.finished(&id, WAIT).await;
+    assert_eq!((run["state"].as_str(), run["path"].as_str()), (Some("exited"), Some("warm")), "{run}");
+    assert_eq!(run["attempts"][0]["sandbox_id"], standby, "the same standby took it: {run}");
+    // Its run credential was withdrawn (its socket closed) with the run's
+    // end: the agent still exits cleanly.
+    let id = standby.as_str().unwrap_or_default();
+    let exited = server
+        .until("the agent to exit", WAIT, async || {
+            Some(server.sandbox(id).await["exit_code"].clone()).filter(|c| !c.is_null())
+        })
+        .await;
+    assert_eq!(exited, 0, "{}", server.logs());
+    let status = server.stop(Signal::SIGTERM).await;
+    assert!(status.success(), "standby-server exited {status} on SIGTERM");
 }
 
 #[tokio::test]

@@ -14,6 +14,7 @@ fn config(pool_size: usize) -> DispatchConfig {
         max_attempts: 3,
         launch_timeout: Duration::from_secs(10),
         linger: Duration::from_secs(5),
+        pool_workspace: Workspace::default(),
         pool_fingerprint: fingerprint(&Workspace::default()),
         lifecycle: Lifecycle::default(),
     }
@@ -141,9 +142,10 @@ impl World {
 
     /// Connects with `token`, nothing else.
     fn connect_only(&mut self, token: &Secret) -> (Admission, ConnId, Step) {
-        let admission = self.machine.authenticate(token.expose()).expect("admitted");
         let conn = self.next_conn;
         self.next_conn += 1;
+        let (admission, claimed) = self.machine.claim_socket(self.now, conn, token.expose()).expect("admitted");
+        self.keep(claimed);
         let step = self.machine.connected(self.now, conn, admission.credential_id(), token);
         (admission, conn, self.keep(step))
     }
@@ -503,15 +505,14 @@ fn the_run_credential_connecting_revokes_the_standby_credential_and_replays_the_
 #[test]
 fn a_connection_whose_credential_was_revoked_meanwhile_is_closed() {
     let mut world = World::new(1);
-    let (standby, _) = world.ready_pool().remove(0);
-    let admission = world.machine.authenticate(standby.token.expose()).expect("admitted");
-    world.submit(run("a"));
-    let assignment = {
-        let (_, step) = world.submit(run("b"));
-        let _ = step;
-        world.machine.runs().find(|r| r.path() == Some(RunPath::Warm)).map(|r| r.id.clone()).expect("a warm run")
-    };
-    world.machine.cancel(world.now, &assignment).expect("cancelled");
+    let (standby, first) = world.ready_pool().remove(0);
+    let (run_id, _) = world.submit(run("a"));
+    assert_eq!(world.run(&run_id).path(), Some(RunPath::Warm));
+    // Its agent reconnects: the new upgrade is admitted, then the
+    // credential is revoked before the connection is set up.
+    world.machine.disconnected(first);
+    let (admission, _) = world.machine.claim_socket(world.now, 99, standby.token.expose()).expect("admitted");
+    world.machine.cancel(world.now, &run_id).expect("cancelled");
     let step = world.machine.connected(world.now, 99, admission.credential_id(), &standby.token);
     assert_eq!(closes(&step), [99]);
 }
@@ -519,7 +520,7 @@ fn a_connection_whose_credential_was_revoked_meanwhile_is_closed() {
 // ---- fencing -------------------------------------------------------------------
 
 #[test]
-fn cancel_before_confirmation_revokes_first_and_retires_the_sandbox() {
+fn cancel_before_confirmation_withdraws_first_and_retires_the_sandbox() {
     let mut world = World::new(1);
     let (standby, conn) = world.ready_pool().remove(0);
     let (run_id, step) = world.submit(run("a"));
@@ -527,10 +528,15 @@ fn cancel_before_confirmation_revokes_first_and_retires_the_sandbox() {
     let credential_id = world.run(&run_id).current().map(|a| a.credential_id.clone()).expect("an attempt");
     let (step, state) = world.machine.cancel(world.now, &run_id).expect("cancelled");
     assert_eq!(state, RunState::Cancelled);
-    assert_eq!(position(&step, revokes(&credential_id)), 0, "the run credential is revoked first");
+    let finishing =
+        |w: &Write| matches!(w, Write::Credential(c) if c.id == credential_id && c.state == CredentialState::Finishing);
+    assert_eq!(position(&step, finishing), 0, "the run credential is withdrawn first");
     assert!(matches!(sends(&step, conn).as_slice(), [ServerMessage::Cancel(c)] if c.execution_id == run_id));
     assert_eq!(retires(&step), std::slice::from_ref(&standby.sandbox_id));
-    assert_eq!(world.machine.authenticate(assignment.run_credential.expose()), Err(Refusal::Unauthorized));
+    // Amendment 8: only the run's events and log, until the agent is done.
+    assert_eq!(world.machine.authenticate(assignment.run_credential.expose()), Err(Refusal::Ended));
+    assert!(world.machine.check(assignment.run_credential.expose(), Call::Report).is_ok());
+    assert_eq!(world.machine.check(assignment.run_credential.expose(), Call::Socket), Err(Refusal::Ended));
     assert_eq!(world.machine.authenticate(standby.token.expose()), Err(Refusal::Gone));
     let record = world.run(&run_id);
     assert_eq!(record.current().and_then(|a| a.outcome), Some(AttemptOutcome::Cancelled));
@@ -550,9 +556,13 @@ fn cancel_of_a_running_run_asks_the_agent_and_waits_for_its_report() {
     let (step, state) = world.machine.cancel(world.now, &run_id).expect("cancelling");
     assert_eq!(state, RunState::Cancelling);
     assert!(matches!(sends(&step, run_conn).as_slice(), [ServerMessage::Cancel(_)]));
-    assert!(world.machine.authenticate(assignment.run_credential.expose()).is_ok(), "it can still report");
-    world.event(&run_id, "e2", EventKind::Cancelled);
+    let token = assignment.run_credential.expose();
+    assert!(world.machine.check(token, Call::Report).is_ok(), "it can still report");
+    assert_eq!(world.machine.authenticate(token), Err(Refusal::Ended), "and do nothing else (amendment 8)");
+    let step = world.event(&run_id, "e2", EventKind::Cancelled);
     assert_eq!(world.run(&run_id).state, RunState::Cancelled);
+    assert_eq!(world.machine.check(token, Call::Report), Err(Refusal::Ended), "its report was the last");
+    assert_eq!(closes(&step), [run_conn]);
 }
 
 #[test]
@@ -843,7 +853,7 @@ fn after_a_restart_the_assignment_is_resent_with_a_new_run_credential() {
     let (mut machine, _) =
         Dispatch::restore(config(0), Box::new(CountingMint::starting_at(1000)), world.snapshot(), world.now);
     machine.probed(world.now, &cold.sandbox_id, Found::Running);
-    let admission = machine.authenticate(cold.token.expose()).expect("admitted");
+    let (admission, _) = machine.claim_socket(world.now, 1, cold.token.expose()).expect("admitted");
     let step = machine.connected(world.now, 1, admission.credential_id(), &cold.token);
     assert!(assignments(&step).is_empty(), "this server has not seen it fetch its spec");
     // Its first heartbeat on the connection says it is past preparing.
@@ -884,4 +894,5 @@ fn metrics_count_runs_by_state_and_path() {
     let _ = (cold, conn);
 }
 
+mod admission;
 mod lifecycle;

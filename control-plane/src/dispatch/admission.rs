@@ -1,0 +1,329 @@
+//! Who may make which call with a credential, and how many control sockets
+//! a credential may hold. Pure, like the rest of the machine: `now` is an
+//! argument.
+//!
+//! A run credential belongs to one attempt of one execution, for that
+//! attempt's life:
+//! - `active` from the step that commits the attempt;
+//! - `revoked` (`401`) when the attempt is fenced: requeued, written off,
+//!   or its credential rotated after a restart;
+//! - `finishing` after a cancel (amendment 8): the run's events and log are
+//!   still accepted, every other call is refused (`410`). The grace ends
+//!   when the agent reports the attempt's end, when the sandbox's agent
+//!   exits, or `linger` plus the silence limit after the run ended,
+//!   whichever comes first;
+//! - `retired` (`410`) once its run is over (exited, failed, cancelled and
+//!   the grace over), written in the same transaction as the terminal
+//!   state, and its socket is closed.
+//!
+//! One control socket per credential: an upgrade with a credential whose
+//! socket is live (heard from within [`SOCKET_WINDOW`] heartbeat
+//! intervals) is refused `409` and counted: a second holder of a credential
+//! is a sign it was copied. A socket that missed its heartbeats for longer
+//! is closed and the new one admitted, so an agent whose old connection
+//! died without the server seeing it close (a half-open TCP connection)
+//! gets back in. The window is one interval shorter than the silence limit
+//! ([`super::HEARTBEAT_WINDOW`] intervals) after which a standby is
+//! retired or an unconfirmed sandbox written off, and the `409` says (as
+//! `Retry-After`) when the old socket will count as gone, so such an agent
+//! is back before its sandbox counts as silent. The socket is claimed at
+//! the upgrade, before the `101`, so two concurrent upgrades cannot both
+//! pass.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use standby_protocol::EventKind;
+
+use super::{Admission, ConnId, Dispatch, Effect, Refusal, Step};
+use crate::credential::{self, CredentialKind};
+use crate::model::{CredentialState, Millis, RunState};
+
+/// Heartbeat intervals within which a socket must be heard from to count
+/// as live: it missed at least one heartbeat when it is not.
+pub const SOCKET_WINDOW: u32 = super::HEARTBEAT_WINDOW - 1;
+
+/// What a credential is presented for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Call {
+    /// The control socket's upgrade.
+    Socket,
+    /// The spec, secrets, attachments, git and cloud credentials, metadata.
+    Fetch,
+    /// A run's events and log: still accepted in a run credential's cancel
+    /// grace.
+    Report,
+}
+
+/// The one control socket of a credential: admitted, or being upgraded.
+#[derive(Debug, Clone, Copy)]
+struct Socket {
+    conn: ConnId,
+    /// The claim, then every heartbeat on it.
+    last_seen: Millis,
+}
+
+/// A run credential in its cancel grace.
+#[derive(Debug, Clone)]
+struct Grace {
+    sandbox_id: String,
+    /// When the grace ends at the latest; `None` while the run has not
+    /// ended (a cancel of a running run: it ends with the run).
+    until: Option<Millis>,
+}
+
+#[derive(Debug, Default)]
+pub(super) struct Admissions {
+    /// Credential id → its socket.
+    sockets: HashMap<String, Socket>,
+    /// Credential id → its grace.
+    graces: HashMap<String, Grace>,
+    /// Upgrades refused because the credential had a live socket.
+    pub(super) duplicates_refused: u64,
+}
+
+impl Dispatch {
+    /// Who `token` is for `call`, or why it is refused. Rules: a token of a
+    /// shape this server never mints, a wrong secret or a revoked
+    /// credential is `401`; an unknown or retired standby credential is
+    /// `410`; a run credential whose run is over is `410`, and so is one in
+    /// its cancel grace for anything but its run's events and log.
+    pub fn check(&self, token: &str, call: Call) -> Result<Admission, Refusal> {
+        let parsed = credential::parse(token).ok_or(Refusal::Unauthorized)?;
+        let Some(record) = self.credentials.get(parsed.id) else {
+            return Err(match parsed.kind {
+                CredentialKind::Standby => Refusal::Gone,
+                CredentialKind::Run => Refusal::Unauthorized,
+            });
+        };
+        if record.kind != parsed.kind || !record.hash.matches(token) {
+            return Err(Refusal::Unauthorized);
+        }
+        match (record.state, record.kind) {
+            (CredentialState::Active, _) => {}
+            (CredentialState::Finishing, CredentialKind::Run) if call == Call::Report => {}
+            (CredentialState::Revoked, _) => return Err(Refusal::Unauthorized),
+            (CredentialState::Retired, CredentialKind::Standby) => return Err(Refusal::Gone),
+            (CredentialState::Retired | CredentialState::Finishing, _) => return Err(Refusal::Ended),
+        }
+        Ok(match (record.kind, &record.run_id, record.attempt) {
+            (CredentialKind::Run, Some(run_id), Some(attempt)) => Admission::Run {
+                sandbox_id: record.sandbox_id.clone(),
+                run_id: run_id.clone(),
+                attempt,
+                credential_id: record.id.clone(),
+            },
+            (CredentialKind::Run, _, _) => return Err(Refusal::Unauthorized),
+            (CredentialKind::Standby, _, _) => {
+                Admission::Standby { sandbox_id: record.sandbox_id.clone(), credential_id: record.id.clone() }
+            }
+        })
+    }
+
+    /// The upgrade of control connection `conn` with `token`: admitted (the
+    /// socket claimed for it), or refused. A live socket of the same
+    /// credential refuses it (`409`); a silent one is closed and replaced.
+    pub fn claim_socket(&mut self, now: Millis, conn: ConnId, token: &str) -> Result<(Admission, Step), Refusal> {
+        let admission = self.check(token, Call::Socket)?;
+        let mut step = Step::default();
+        let credential_id = admission.credential_id().to_owned();
+        if let Some(existing) = self.admissions.sockets.get(&credential_id).copied() {
+            let gone_after = existing.last_seen.plus(self.config.heartbeat_interval * SOCKET_WINDOW);
+            if now <= gone_after {
+                self.admissions.duplicates_refused += 1;
+                let (kind, sandbox_id) = match &admission {
+                    Admission::Standby { sandbox_id, .. } => ("standby", sandbox_id),
+                    Admission::Run { sandbox_id, .. } => ("run", sandbox_id),
+                };
+                tracing::warn!(
+                    sandbox_id,
+                    credential = kind,
+                    live_conn = existing.conn,
+                    "a second control connection with a credential whose connection is live was refused (409): \
+                     the credential may have been copied"
+                );
+                let retry_after = Duration::from_millis(gone_after.since(now) + 1);
+                return Err(Refusal::Duplicate { retry_after });
+            }
+            tracing::info!(conn = existing.conn, "a silent control connection was replaced by a new one");
+            step.effects.push(Effect::Close { conn: existing.conn });
+            self.disconnected(existing.conn);
+        }
+        self.admissions.sockets.insert(credential_id, Socket { conn, last_seen: now });
+        Ok((admission, step))
+    }
+
+    /// Whether `conn` holds its credential's socket claim.
+    pub(super) fn holds_socket(&self, conn: ConnId, credential_id: &str) -> bool {
+        self.admissions.sockets.get(credential_id).is_some_and(|socket| socket.conn == conn)
+    }
+
+    /// `conn` was heard from: its socket stays live.
+    pub(super) fn socket_heard(&mut self, now: Millis, conn: ConnId, credential_id: &str) {
+        if let Some(socket) = self.admissions.sockets.get_mut(credential_id)
+            && socket.conn == conn
+        {
+            socket.last_seen = now;
+        }
+    }
+
+    /// `conn` is gone (or its upgrade never completed): its claim is freed.
+    pub(super) fn socket_closed(&mut self, conn: ConnId, credential_id: Option<&str>) {
+        match credential_id {
+            Some(credential_id) => {
+                if self.holds_socket(conn, credential_id) {
+                    self.admissions.sockets.remove(credential_id);
+                }
+            }
+            // A claim whose upgrade failed was never connected: only the
+            // claims know its credential.
+            None => self.admissions.sockets.retain(|_, socket| socket.conn != conn),
+        }
+    }
+
+    /// Whether a heartbeat on a connection admitted with `credential_id`
+    /// still counts: not once the credential is withdrawn (its socket is
+    /// being closed).
+    pub(super) fn credential_usable(&self, credential_id: &str) -> bool {
+        self.credentials
+            .get(credential_id)
+            .is_some_and(|c| matches!(c.state, CredentialState::Active | CredentialState::Finishing))
+    }
+
+    /// A credential is withdrawn for good (`state`): written, and its
+    /// socket closed after the frames queued before.
+    pub(super) fn withdraw(&mut self, step: &mut Step, credential_id: &str, state: CredentialState) {
+        self.set_credential(step, credential_id, state);
+        self.admissions.graces.remove(credential_id);
+        if let Some(socket) = self.admissions.sockets.get(credential_id) {
+            step.effects.push(Effect::Close { conn: socket.conn });
+        }
+    }
+
+    /// A cancel: the run credential of the current attempt of `run_id` may
+    /// still report the run's events and log (amendment 8), nothing else.
+    pub(super) fn begin_grace(&mut self, step: &mut Step, run_id: &str) {
+        let Some(attempt) = self.runs.get(run_id).and_then(|run| run.current()).cloned() else { return };
+        let active = self.credentials.get(&attempt.credential_id).is_some_and(|c| c.state == CredentialState::Active);
+        if active {
+            self.set_credential(step, &attempt.credential_id, CredentialState::Finishing);
+            let grace = Grace { sandbox_id: attempt.sandbox_id, until: None };
+            self.admissions.graces.insert(attempt.credential_id, grace);
+        }
+    }
+
+    /// `run_id` reached terminal `state`: every run credential of it still
+    /// usable is retired in the same step, but for a cancelled run the
+    /// credential in its grace, which now ends at the latest `linger`
+    /// plus the silence limit from now.
+    pub(super) fn withdraw_run(&mut self, now: Millis, step: &mut Step, run_id: &str, state: RunState) {
+        let Some(run) = self.runs.get(run_id) else { return };
+        let credential_ids: Vec<String> = run.attempts.iter().map(|a| a.credential_id.clone()).collect();
+        let until = now.plus(self.config.linger + self.config.silence());
+        for credential_id in credential_ids {
+            match self.credentials.get(&credential_id).map(|c| c.state) {
+                Some(CredentialState::Finishing) if state == RunState::Cancelled => {
+                    if let Some(grace) = self.admissions.graces.get_mut(&credential_id) {
+                        grace.until = Some(until);
+                    }
+                }
+                Some(CredentialState::Active | CredentialState::Finishing) => {
+                    self.withdraw(step, &credential_id, CredentialState::Retired);
+                }
+                _ => {}
+            }
+        }
+    }
+
+    /// An event arrived with the credential of `attempt`: the agent's last
+    /// (anything but `started`) ends that credential's grace.
+    pub fn event(&mut self, now: Millis, run_id: &str, attempt: u32, event: standby_protocol::Event) -> Step {
+        let last = !matches!(event.kind, EventKind::Started);
+        let mut step = self.record_event(now, run_id, attempt, event);
+        if last {
+            let credential_id = self
+                .runs
+                .get(run_id)
+                .and_then(|run| run.attempts.iter().find(|a| a.number == attempt))
+                .map(|a| a.credential_id.clone());
+            if let Some(credential_id) = credential_id
+                && self.admissions.graces.contains_key(&credential_id)
+                && self.runs.get(run_id).is_some_and(|run| run.state.is_terminal())
+            {
+                self.withdraw(&mut step, &credential_id, CredentialState::Retired);
+            }
+        }
+        step
+    }
+
+    /// The agent of `sandbox_id` is gone: the graces of its credentials end.
+    pub(super) fn end_graces_of(&mut self, step: &mut Step, sandbox_id: &str) {
+        let ended: Vec<String> = self
+            .admissions
+            .graces
+            .iter()
+            .filter(|(_, grace)| grace.sandbox_id == sandbox_id)
+            .map(|(id, _)| id.clone())
+            .collect();
+        for credential_id in ended {
+            let over = self
+                .credentials
+                .get(&credential_id)
+                .and_then(|c| c.run_id.as_ref())
+                .and_then(|run_id| self.runs.get(run_id))
+                .is_some_and(|run| run.state.is_terminal());
+            if over {
+                self.withdraw(step, &credential_id, CredentialState::Retired);
+            }
+        }
+    }
+
+    /// Time passed: graces past their end are over.
+    pub(super) fn expire_graces(&mut self, now: Millis, step: &mut Step) {
+        let expired: Vec<String> = self
+            .admissions
+            .graces
+            .iter()
+            .filter(|(_, grace)| grace.until.is_some_and(|until| now > until))
+            .map(|(id, _)| id.clone())
+            .collect();
+        for credential_id in expired {
+            self.withdraw(step, &credential_id, CredentialState::Retired);
+        }
+    }
+
+    /// After a restart: a run credential still usable whose run is over is
+    /// retired (a store written before this rule held them `active`), one
+    /// of an attempt that is not its run's current one is revoked, and
+    /// graces are taken up again with a fresh bound.
+    pub(super) fn repair_credentials(&mut self, now: Millis, step: &mut Step) {
+        let mut retire = Vec::new();
+        let mut revoke = Vec::new();
+        let until = now.plus(self.config.linger + self.config.silence());
+        for record in self.credentials.values().filter(|c| c.kind == CredentialKind::Run) {
+            if !matches!(record.state, CredentialState::Active | CredentialState::Finishing) {
+                continue;
+            }
+            let run = record.run_id.as_ref().and_then(|run_id| self.runs.get(run_id));
+            let current = run.and_then(|run| run.current()).is_some_and(|a| a.credential_id == record.id);
+            match run.map(|run| run.state) {
+                _ if !current => revoke.push(record.id.clone()),
+                Some(state) if state.is_terminal() && record.state == CredentialState::Active => {
+                    retire.push(record.id.clone());
+                }
+                Some(state) if record.state == CredentialState::Finishing => {
+                    let until = state.is_terminal().then_some(until);
+                    let grace = Grace { sandbox_id: record.sandbox_id.clone(), until };
+                    self.admissions.graces.insert(record.id.clone(), grace);
+                }
+                _ => {}
+            }
+        }
+        for credential_id in retire {
+            self.withdraw(step, &credential_id, CredentialState::Retired);
+        }
+        for credential_id in revoke {
+            self.withdraw(step, &credential_id, CredentialState::Revoked);
+        }
+    }
+}
