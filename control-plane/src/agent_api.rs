@@ -5,7 +5,10 @@ use axum::Json;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade, rejection::WebSocketUpgradeRejection};
-use axum::extract::{Path, State};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use axum::extract::{Extension, Path, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use base64::Engine as _;
@@ -19,6 +22,7 @@ use crate::api::parse_json;
 use crate::bounds::bound_event;
 use crate::dispatch::{Admission, Call, ConnId, LogError, Refusal};
 use crate::engine::{EngineHandle, LogInput, Outbound};
+use crate::listener::ConnectionSlot;
 use crate::model::RunRequest;
 use crate::server::{ApiError, AppState, bearer, from_store};
 
@@ -137,8 +141,16 @@ async fn request(state: &AppState, run_id: &str) -> Result<RunRequest, ApiError>
 pub(crate) async fn socket(
     State(state): State<AppState>,
     headers: HeaderMap,
+    slot: Option<Extension<ConnectionSlot>>,
     upgrade: Result<WebSocketUpgrade, WebSocketUpgradeRejection>,
 ) -> Response {
+    // Authenticating is a round trip to the engine: a flood of upgrade
+    // requests with made-up credentials may not queue without bound.
+    let Ok(_authenticating) = Arc::clone(&state.listener.upgrades).try_acquire_owned() else {
+        state.listener.upgrades_refused.fetch_add(1, Ordering::Relaxed);
+        let busy = ApiError::new(StatusCode::TOO_MANY_REQUESTS, "too many control-socket upgrades in flight");
+        return (StatusCode::TOO_MANY_REQUESTS, [(header::RETRY_AFTER, "1")], busy).into_response();
+    };
     let token = match presented(&headers) {
         Ok(token) => token.to_owned(),
         Err(error) => return error.into_response(),
@@ -168,7 +180,11 @@ pub(crate) async fn socket(
         .max_frame_size(MAX_MESSAGE)
         .on_upgrade(move |socket| {
             claim.disarm();
-            connection(state, socket, conn, admission, Secret::new(token))
+            async move {
+                // The socket keeps its connection's place under the cap.
+                let _slot = slot;
+                connection(state, socket, conn, admission, Secret::new(token)).await;
+            }
         })
 }
 

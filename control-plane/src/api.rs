@@ -487,7 +487,11 @@ pub(crate) async fn thread(
 pub(crate) async fn metrics(State(state): State<AppState>, headers: HeaderMap) -> Result<Response, ApiError> {
     authorize(&state, &headers)?;
     let snapshot = state.engine.metrics().await?;
-    Ok(([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], crate::metrics::render(&snapshot)).into_response())
+    Ok((
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        crate::metrics::render(&snapshot) + &crate::metrics::render_server(&state.listener, state.containment),
+    )
+        .into_response())
 }
 
 #[cfg(test)]

@@ -6,7 +6,9 @@
 //! - [`seal`]: what a run was submitted with, encrypted at rest.
 //! - [`engine`]: drives the state machine: store first, then effects.
 //! - [`server`]: HTTP and the control socket on one listener.
+//! - [`listener`]: the accept loop: header timeout, connection cap.
 //! - [`provider`]: where sandboxes come from; the `local` provider.
+//! - [`containment`]: how the local provider keeps every process of a sandbox killable.
 //! - [`policy`]: the pool's numeric rules (auto-stop floor, TTL schedule).
 //! - [`spool`]: the `spool` provider, standby credentials as files (load generation).
 //! - [`bounds`]: what one request may carry and one answer hold (pure).
@@ -17,10 +19,12 @@ pub mod agent_api;
 pub mod api;
 pub mod api_reads;
 pub mod bounds;
+pub mod containment;
 pub mod credential;
 pub mod demo;
 pub mod dispatch;
 pub mod engine;
+pub mod listener;
 pub mod metrics;
 pub mod model;
 pub mod policy;

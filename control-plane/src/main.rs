@@ -11,8 +11,10 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
+use standby_control_plane::containment::ContainmentChoice;
 use standby_control_plane::demo::{self, DemoOptions};
 use standby_control_plane::dispatch::{Lifecycle, RunBounds};
+use standby_control_plane::listener::{self, ListenerLimits};
 use standby_control_plane::policy::AutoStop;
 use standby_control_plane::provider::{LocalOptions, LocalProvider, SandboxProvider};
 use standby_control_plane::seal::SealKey;
@@ -118,6 +120,14 @@ struct Serve {
     lifecycle: LifecycleArgs,
     #[command(flatten)]
     bounds: BoundsArgs,
+    #[command(flatten)]
+    limits: ListenerArgs,
+    /// How the local provider keeps every process of a sandbox killable:
+    /// `auto` probes for a cgroup, then a PID namespace (as root), then
+    /// falls back to the process group with a warning; naming one fails the
+    /// start where the host does not allow it.
+    #[arg(long, env = "STANDBY_SERVER_SANDBOX_CONTAINMENT", default_value = "auto", value_name = "KIND")]
+    sandbox_containment: ContainmentChoice,
 }
 
 /// What one run may cost (`docs/operations.md`, "Per-run bounds").
@@ -132,6 +142,43 @@ struct BoundsArgs {
     /// the API reads it from there after.
     #[arg(long, env = "STANDBY_SERVER_RUN_RETENTION", default_value = "10m", value_parser = parse_duration, value_name = "DURATION")]
     run_retention: Duration,
+}
+
+/// Bounds of the listener (`docs/operations.md`, "Listener limits").
+#[derive(Debug, clap::Args)]
+struct ListenerArgs {
+    /// A connection must send a complete request head within this, and a
+    /// kept-alive connection its next one; else it is closed.
+    #[arg(long, env = "STANDBY_SERVER_HEADER_TIMEOUT", default_value = "10s", value_parser = parse_duration, value_name = "DURATION")]
+    header_timeout: Duration,
+    /// Connections open at once (control sockets included); more wait in
+    /// the listen backlog. Default: the open-files limit (raised to its hard
+    /// limit at start) minus a reserve of an eighth, at least 256.
+    #[arg(long, env = "STANDBY_SERVER_MAX_CONNECTIONS", value_name = "N")]
+    max_connections: Option<usize>,
+    /// Control-socket upgrade requests being authenticated at once; more
+    /// are answered `429` with `Retry-After`.
+    #[arg(long, env = "STANDBY_SERVER_MAX_PENDING_UPGRADES", default_value_t = 256, value_name = "N")]
+    max_pending_upgrades: usize,
+}
+
+impl ListenerArgs {
+    fn limits(&self) -> anyhow::Result<ListenerLimits> {
+        if self.header_timeout.is_zero() {
+            anyhow::bail!("--header-timeout must be longer than zero");
+        }
+        let open_files = listener::raise_open_files_limit();
+        let mut limits = ListenerLimits::for_open_files(open_files);
+        limits.header_timeout = self.header_timeout;
+        limits.max_pending_upgrades = self.max_pending_upgrades.max(1);
+        if let Some(max) = self.max_connections {
+            if max == 0 {
+                anyhow::bail!("--max-connections must be at least 1");
+            }
+            limits.max_connections = max;
+        }
+        Ok(limits)
+    }
 }
 
 /// The pool policy and the thread tiers (`docs/operations.md`).
@@ -186,12 +233,13 @@ impl LifecycleArgs {
         }
     }
 
-    fn local_options(&self, stop_grace: Duration) -> LocalOptions {
+    fn local_options(&self, stop_grace: Duration, containment: ContainmentChoice) -> LocalOptions {
         LocalOptions {
             minute: self.provider_minute,
             auto_archive: self.auto_archive,
             auto_delete: self.auto_delete,
             stop_grace,
+            containment,
         }
     }
 }
@@ -373,12 +421,15 @@ async fn serve(args: Serve) -> anyhow::Result<()> {
     }
     config.lifecycle = args.lifecycle.lifecycle();
     config.bounds = RunBounds { log_cap: args.bounds.log_cap, retention: args.bounds.run_retention };
-    let local_options = args.lifecycle.local_options(args.stop_grace);
+    config.listener = args.limits.limits()?;
+    let local_options = args.lifecycle.local_options(args.stop_grace, args.sandbox_containment);
     match agent {
         Some(agent) => {
             let sandboxes = std::path::absolute(args.data_dir.join("sandboxes"))
                 .with_context(|| format!("cannot resolve {}", args.data_dir.display()))?;
-            run_server(config, store, Arc::new(LocalProvider::with_options(sandboxes, agent, local_options))).await
+            let provider = LocalProvider::try_with_options(sandboxes, agent, local_options)
+                .context("--sandbox-containment cannot be honoured")?;
+            run_server(config, store, Arc::new(provider)).await
         }
         None => {
             let dir = args.spool_dir.unwrap_or_else(|| args.data_dir.join("spool"));

@@ -5,8 +5,10 @@
 //! starts over with the process, as Prometheus counters may.
 
 use std::fmt::Write as _;
+use std::sync::atomic::Ordering;
 
 use crate::dispatch::MetricsSnapshot;
+use crate::listener::ListenerStats;
 use crate::model::{RunPath, RunState};
 
 /// Upper bounds of the assignment-to-start histogram, in seconds: from a
@@ -123,6 +125,54 @@ fn render_into(out: &mut String, snapshot: &MetricsSnapshot) -> std::fmt::Result
         writeln!(out, "# TYPE {name} {kind}")?;
         writeln!(out, "{name} {value}")?;
     }
+    Ok(())
+}
+
+/// The listener's bounds and counters, and the sandbox containment: facts
+/// of this process, not of the records.
+pub fn render_server(listener: &ListenerStats, containment: &str) -> String {
+    let mut out = String::new();
+    // Writing to a String cannot fail.
+    let _ = render_server_into(&mut out, listener, containment);
+    out
+}
+
+fn render_server_into(out: &mut String, listener: &ListenerStats, containment: &str) -> std::fmt::Result {
+    let limits = listener.limits;
+    let values = [
+        ("standby_http_connections", "gauge", "Client connections open, control sockets included.", {
+            listener.open.load(Ordering::Relaxed) as u64
+        }),
+        ("standby_http_connections_max", "gauge", "The connection cap (--max-connections).", {
+            limits.max_connections as u64
+        }),
+        (
+            "standby_http_connection_cap_reached_total",
+            "counter",
+            "Times the cap was reached and new connections were left waiting in the backlog.",
+            listener.cap_reached.load(Ordering::Relaxed),
+        ),
+        (
+            "standby_http_header_timeouts_total",
+            "counter",
+            "Connections closed for sending no complete request head within the header timeout.",
+            listener.header_timeouts.load(Ordering::Relaxed),
+        ),
+        (
+            "standby_ws_upgrades_refused_total",
+            "counter",
+            "Control-socket upgrade requests answered 429: too many were being authenticated.",
+            listener.upgrades_refused.load(Ordering::Relaxed),
+        ),
+    ];
+    for (name, kind, help, value) in values {
+        writeln!(out, "# HELP {name} {help}")?;
+        writeln!(out, "# TYPE {name} {kind}")?;
+        writeln!(out, "{name} {value}")?;
+    }
+    writeln!(out, "# HELP standby_sandbox_containment How the provider keeps every process of a sandbox killable.")?;
+    writeln!(out, "# TYPE standby_sandbox_containment gauge")?;
+    writeln!(out, "standby_sandbox_containment{{kind=\"{containment}\"}} 1")?;
     Ok(())
 }
 

@@ -20,13 +20,16 @@
 //! `<sandbox>/sandbox.json`, outside the workspace, so they survive a
 //! server restart.
 //!
-//! No process of a local sandbox outlives the server, whatever the way it
-//! ends:
+//! No process of a local sandbox outlives the sandbox or the server,
+//! whatever the way it ends:
+//! - the sandbox stops (its agent exits, or is stopped): everything in its
+//!   containment is killed ([`crate::containment`]: its cgroup, or its PID
+//!   namespace), and every process still carrying the sandbox's mark in its
+//!   environment ([`SANDBOX_MARK`]);
 //! - normal exit and SIGTERM: the server stops every sandbox it launched
 //!   ([`SandboxProvider::stop_all`]): SIGTERM to the agent (which stops its
 //!   run, MCP servers and shell), SIGKILL to its process group after a
-//!   grace period, then a sweep that kills any process still carrying the
-//!   sandbox's mark in its environment ([`SANDBOX_MARK`]);
+//!   grace period, then the kills above;
 //! - a crash or SIGKILL of the server: each agent is started through
 //!   `setpriv --pdeathsig TERM`, so the kernel sends it SIGTERM when the
 //!   server dies and it stops its own children. (Setting the parent-death
@@ -36,7 +39,9 @@
 //!   agents are only ever spawned from tokio worker threads, which live as
 //!   long as the runtime, never from the blocking pool. Where `setpriv` is
 //!   missing a warning says so, and the next start of the server sweeps
-//!   the orphans of the sandboxes it finds.
+//!   the orphans of the sandboxes it finds. With cgroup containment, the
+//!   next start kills what is left in the dead server's cgroups; in a PID
+//!   namespace the kernel kills it all at once.
 
 use std::collections::{HashMap, HashSet};
 use std::ffi::OsString;
@@ -53,6 +58,7 @@ use serde::{Deserialize, Serialize};
 use standby_protocol::Secret;
 use tokio::sync::{oneshot, watch};
 
+use crate::containment::{Containment, ContainmentChoice, ContainmentError};
 use crate::dispatch::Found;
 use crate::model::Millis;
 
@@ -159,6 +165,12 @@ pub trait SandboxProvider: Send + Sync + 'static {
     fn touch(&self, sandbox_id: &str) {
         let _ = sandbox_id;
     }
+    /// How every process of a sandbox is kept killable (`/metrics`):
+    /// `cgroup`, `pid-namespace`, `process-group`, or `none` for a provider
+    /// that runs no process here.
+    fn containment(&self) -> &'static str {
+        "none"
+    }
 }
 
 /// How the local provider counts time and sweeps stopped sandboxes.
@@ -173,11 +185,19 @@ pub struct LocalOptions {
     pub auto_delete: u32,
     /// Between SIGTERM and SIGKILL when the auto-stop stops a sandbox.
     pub stop_grace: Duration,
+    /// How every process of a sandbox is kept killable.
+    pub containment: ContainmentChoice,
 }
 
 impl Default for LocalOptions {
     fn default() -> Self {
-        Self { minute: Duration::from_secs(60), auto_archive: 0, auto_delete: 0, stop_grace: Duration::from_secs(10) }
+        Self {
+            minute: Duration::from_secs(60),
+            auto_archive: 0,
+            auto_delete: 0,
+            stop_grace: Duration::from_secs(10),
+            containment: ContainmentChoice::Auto,
+        }
     }
 }
 
@@ -210,6 +230,7 @@ struct LocalInner {
     root: PathBuf,
     agent_bin: PathBuf,
     setpriv: Option<PathBuf>,
+    containment: Containment,
     base_env: Vec<(OsString, OsString)>,
     options: LocalOptions,
     processes: Mutex<HashMap<String, Process>>,
@@ -242,7 +263,27 @@ impl LocalProvider {
         Self::with_options(root, agent_bin, LocalOptions::default())
     }
 
+    /// Sandboxes contained as `options.containment` says, or with the
+    /// process group only (an error logged) when the host does not allow it.
     pub fn with_options(root: PathBuf, agent_bin: PathBuf, options: LocalOptions) -> Self {
+        let containment = Containment::probe(options.containment).unwrap_or_else(|error| {
+            tracing::error!(%error, "falling back to process-group containment");
+            Containment::ProcessGroup
+        });
+        Self::contained(root, agent_bin, options, containment)
+    }
+
+    /// As [`LocalProvider::with_options`], failing when the containment
+    /// asked for is not available.
+    pub fn try_with_options(
+        root: PathBuf,
+        agent_bin: PathBuf,
+        options: LocalOptions,
+    ) -> Result<Self, ContainmentError> {
+        Ok(Self::contained(root, agent_bin, options, Containment::probe(options.containment)?))
+    }
+
+    fn contained(root: PathBuf, agent_bin: PathBuf, options: LocalOptions, containment: Containment) -> Self {
         let setpriv = find_setpriv();
         if setpriv.is_none() {
             tracing::warn!(
@@ -262,6 +303,7 @@ impl LocalProvider {
                 root,
                 agent_bin,
                 setpriv,
+                containment,
                 base_env,
                 options,
                 processes: Mutex::new(HashMap::new()),
@@ -498,14 +540,17 @@ impl SandboxProvider for LocalProvider {
             .map_err(Self::io(sandbox_id, "open", &log_path))?;
         let log_err = log.try_clone().map_err(Self::io(sandbox_id, "open", &log_path))?;
         let inner = &self.inner;
-        let mut command = match &inner.setpriv {
-            Some(setpriv) => {
-                let mut command = tokio::process::Command::new(setpriv);
-                command.args(["--pdeathsig", "TERM", "--"]).arg(&inner.agent_bin);
-                command
-            }
-            None => tokio::process::Command::new(&inner.agent_bin),
-        };
+        let mut argv = inner.containment.wrap(sandbox_id, &inner.agent_bin).map_err(|source| ProviderError::Spawn {
+            sandbox: sandbox_id.to_owned(),
+            program: inner.agent_bin.clone(),
+            source,
+        })?;
+        if let Some(setpriv) = &inner.setpriv {
+            let signal = inner.containment.death_signal();
+            argv.splice(0..0, [setpriv.into(), "--pdeathsig".into(), signal.into(), "--".into()]);
+        }
+        let mut command = tokio::process::Command::new(&argv[0]);
+        command.args(&argv[1..]);
         command
             .env_clear()
             .envs(inner.base_env.iter().map(|(name, value)| (name, value)))
@@ -543,6 +588,9 @@ impl SandboxProvider for LocalProvider {
                 }
             };
             tracing::info!(sandbox_id = %id, pid, ?code, "agent exited");
+            // The sandbox has stopped: nothing of it may outlive its agent.
+            provider.inner.containment.kill(&id).await;
+            sweep(&id);
             {
                 let mut processes = lock(&provider.inner.processes);
                 if processes.get(&id).is_some_and(|process| process.pid == pid) {
@@ -562,13 +610,15 @@ impl SandboxProvider for LocalProvider {
     async fn stop(&self, sandbox_id: &str, grace: Duration) {
         if let Some(process) = self.process(sandbox_id) {
             let pid = Pid::from_raw(i32::try_from(process.pid).unwrap_or(i32::MAX));
-            let _ = kill(pid, Signal::SIGTERM);
+            let agent = self.inner.containment.agent_pid(process.pid);
+            let _ = kill(Pid::from_raw(i32::try_from(agent).unwrap_or(i32::MAX)), Signal::SIGTERM);
             if !wait_done(process.done.clone(), grace).await {
                 tracing::warn!(sandbox_id, pid = process.pid, "agent still running after the grace period: SIGKILL");
                 let _ = killpg(pid, Signal::SIGKILL);
                 wait_done(process.done, Duration::from_secs(5)).await;
             }
         }
+        self.inner.containment.kill(sandbox_id).await;
         sweep(sandbox_id);
     }
 
@@ -610,6 +660,7 @@ impl SandboxProvider for LocalProvider {
     async fn stop_all(&self, grace: Duration) {
         let ids: Vec<String> = lock(&self.inner.processes).keys().cloned().collect();
         futures::future::join_all(ids.iter().map(|id| self.stop(id, grace))).await;
+        self.inner.containment.kill_all().await;
     }
 
     fn details(&self, sandbox_id: &str) -> Details {
@@ -633,6 +684,10 @@ impl SandboxProvider for LocalProvider {
         if let Some(last) = lock(&self.inner.activity).get_mut(sandbox_id) {
             *last = Instant::now();
         }
+    }
+
+    fn containment(&self) -> &'static str {
+        self.inner.containment.name()
     }
 }
 

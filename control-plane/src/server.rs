@@ -16,7 +16,6 @@ use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use standby_protocol::{Secret, Spec, fingerprint};
-use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
@@ -24,6 +23,7 @@ use crate::bounds::{EVENT_BODY_MAX, LOG_BODY_MAX};
 use crate::credential::{RandomMint, TokenHash};
 use crate::dispatch::{Dispatch, DispatchConfig, Lifecycle, RunBounds};
 use crate::engine::{Engine, EngineConfig, EngineGone, EngineHandle};
+use crate::listener::{ListenerLimits, ListenerStats};
 use crate::provider::SandboxProvider;
 use crate::store::{Store, StoreError};
 use crate::{agent_api, api, api_reads};
@@ -68,6 +68,8 @@ pub struct ServerConfig {
     pub lifecycle: Lifecycle,
     /// What one run may cost: its log cap, its time in memory once finished.
     pub bounds: RunBounds,
+    /// Header timeout, connection cap, upgrades in flight.
+    pub listener: ListenerLimits,
 }
 
 impl ServerConfig {
@@ -88,6 +90,7 @@ impl ServerConfig {
             inject_latency: Duration::ZERO,
             lifecycle: Lifecycle::default(),
             bounds: RunBounds::default(),
+            listener: ListenerLimits::for_open_files(crate::listener::open_files_limit()),
         }
     }
 }
@@ -100,6 +103,10 @@ pub(crate) struct AppState {
     pub spec: Arc<Spec>,
     /// A control connection that sends nothing for this long is closed.
     pub idle_timeout: Duration,
+    /// The listener's bounds and counters (`/metrics`, the upgrade bound).
+    pub listener: Arc<ListenerStats>,
+    /// How the provider contains a sandbox's processes (`/metrics`).
+    pub containment: &'static str,
 }
 
 /// An error answer: `{"error": "...", "field": "..."}` (`field` when one
@@ -236,7 +243,7 @@ pub async fn start<P: SandboxProvider>(
     provider: Arc<P>,
 ) -> Result<RunningServer<P>, ServerError> {
     let listener =
-        TcpListener::bind(config.listen).await.map_err(|source| ServerError::Bind { addr: config.listen, source })?;
+        crate::listener::bind(config.listen).map_err(|source| ServerError::Bind { addr: config.listen, source })?;
     let addr = listener.local_addr().map_err(|source| ServerError::Bind { addr: config.listen, source })?;
     let url = config.public_url.clone().map(|url| url.trim_end_matches('/').to_owned()).unwrap_or_else(|| {
         let host = if addr.ip().is_unspecified() { "127.0.0.1".to_owned() } else { addr.ip().to_string() };
@@ -277,20 +284,25 @@ pub async fn start<P: SandboxProvider>(
         api_key: Arc::new(TokenHash::of(config.api_key.expose())),
         spec: Arc::new(config.spec.clone()),
         idle_timeout: config.heartbeat_interval * (crate::dispatch::HEARTBEAT_WINDOW + 1),
+        listener: Arc::new(ListenerStats::new(config.listener)),
+        containment: provider.containment(),
     };
-    let (stop_serving, mut stopped) = watch::channel(false);
+    let listener_stats = Arc::clone(&state.listener);
+    let (stop_serving, stopped) = watch::channel(false);
     let mut app = router(state);
     if !config.inject_latency.is_zero() {
         app = app.layer(axum::middleware::from_fn_with_state(config.inject_latency, delay_execution_calls));
     }
-    let serve = tokio::spawn(async move {
-        axum::serve(listener, app)
-            .with_graceful_shutdown(async move {
-                let _ = stopped.wait_for(|stop| *stop).await;
-            })
-            .await
-    });
-    tracing::info!(%addr, url, pool_size = config.pool_size, "standby-server listening");
+    let serve = tokio::spawn(crate::listener::serve(listener, app, listener_stats, stopped));
+    tracing::info!(
+        %addr,
+        url,
+        pool_size = config.pool_size,
+        header_timeout = ?config.listener.header_timeout,
+        max_connections = config.listener.max_connections,
+        max_pending_upgrades = config.listener.max_pending_upgrades,
+        "standby-server listening"
+    );
     Ok(RunningServer {
         addr,
         url,

@@ -100,6 +100,20 @@ async fn harness_with(pool_size: usize, store: Arc<dyn Store>, found: Found, hea
     Harness { server, provider, launches, http: reqwest::Client::new() }
 }
 
+/// A harness with one standby whose server configuration `change` adjusts.
+async fn configured(change: impl FnOnce(&mut ServerConfig)) -> Harness {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let (tx, launches) = mpsc::unbounded_channel();
+    let provider = Arc::new(FakeProvider { launches: tx, running: Mutex::new(HashMap::new()), found: Found::Stopped });
+    let spec = Spec { workspace: Workspace::default(), mcp_servers: Vec::new(), shell: None, deadline: None };
+    let mut config = ServerConfig::new(Secret::new(KEY), spec);
+    config.pool_size = 1;
+    change(&mut config);
+    let store = Arc::new(SqliteStore::in_memory().expect("a store"));
+    let server = start(config, store, Arc::clone(&provider)).await.expect("the server starts");
+    Harness { server, provider, launches, http: reqwest::Client::new() }
+}
+
 async fn memory(pool_size: usize) -> Harness {
     harness(pool_size, Arc::new(SqliteStore::in_memory().expect("a store")), Found::Stopped).await
 }
@@ -696,5 +710,29 @@ async fn a_finished_run_leaves_memory_after_the_window_and_a_restart_does_not_lo
     assert_eq!(harness.run(&run_id).await["state"], "exited");
     let (_, listing) = harness.api(reqwest::Method::GET, "/v1/runs", None).await;
     assert_eq!(listing["runs"][0]["id"], run_id.as_str());
+    harness.server.shutdown().await.expect("a clean shutdown");
+}
+
+#[tokio::test]
+async fn upgrades_beyond_the_bound_in_flight_are_answered_429_with_retry_after() {
+    // A bound of zero: every upgrade is over it, before its credential is
+    // looked at.
+    let mut harness = configured(|config| config.listener.max_pending_upgrades = 0).await;
+    let (_, token) = harness.next_launch().await;
+    let url = harness.url("/ws").replacen("http", "ws", 1);
+    let mut request = url.into_client_request().expect("a request");
+    request.headers_mut().insert("Authorization", format!("Bearer {}", token.expose()).parse().expect("a header"));
+    request.headers_mut().insert("Standby-Protocol", "1".parse().expect("a header"));
+    match tokio_tungstenite::connect_async(request).await {
+        Err(tungstenite::Error::Http(response)) => {
+            assert_eq!(response.status().as_u16(), 429);
+            assert_eq!(response.headers().get("retry-after").and_then(|v| v.to_str().ok()), Some("1"));
+        }
+        Ok(_) => panic!("an upgrade over the bound was admitted"),
+        Err(error) => panic!("the upgrade failed otherwise: {error}"),
+    }
+    let response = harness.http.get(harness.url("/metrics")).bearer_auth(KEY).send().await.expect("metrics");
+    let metrics = response.text().await.expect("a body");
+    assert!(metrics.contains("standby_ws_upgrades_refused_total 1"), "{metrics}");
     harness.server.shutdown().await.expect("a clean shutdown");
 }
