@@ -168,7 +168,7 @@ impl Git<'_> {
             path: self.dir.to_path_buf(),
             source,
         };
-        let child = command.spawn().map_err(spawn_error)?;
+        let child = crate::process::spawn(command).await.map_err(spawn_error)?;
         let _registration = child.id().map(Registration::new);
         child.wait_with_output().await.map_err(spawn_error)
     }

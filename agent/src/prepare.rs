@@ -249,7 +249,8 @@ async fn run_step(root: &Path, step: &SetupStep, log: &Path) -> Result<(), Prepa
 
     info!("setup step {name:?} started");
     let started = Instant::now();
-    let mut child = Command::new(program)
+    let mut command = Command::new(program);
+    command
         .args(args)
         .current_dir(&cwd)
         .env_clear()
@@ -258,9 +259,12 @@ async fn run_step(root: &Path, step: &SetupStep, log: &Path) -> Result<(), Prepa
         .stdout(stdout)
         .stderr(stderr)
         .process_group(0)
-        .kill_on_drop(true)
-        .spawn()
-        .map_err(|source| PrepareError::SetupSpawn { name: name.clone(), program: program.clone(), source })?;
+        .kill_on_drop(true);
+    let mut child = crate::process::spawn(command).await.map_err(|source| PrepareError::SetupSpawn {
+        name: name.clone(),
+        program: program.clone(),
+        source,
+    })?;
     let group = child.id().map(ProcessGroup::new);
 
     let wait_error = || PrepareError::io(format!("cannot wait for setup step {name:?} in"), &cwd);

@@ -69,6 +69,16 @@ pub fn spawn_reaper(mut shutdown: watch::Receiver<bool>) -> JoinHandle<()> {
         };
         let mut orphans = Orphans::default();
         loop {
+            // A scan first, then on each wake-up: a SIGCHLD that came before
+            // the stream above was registered is not delivered to it.
+            // `/proc` reads and `waitpid`s block: off the runtime's thread,
+            // which also keeps the control socket's heartbeats going.
+            orphans = off_runtime(move || {
+                orphans.reap(ORPHAN_AGE);
+                orphans
+            })
+            .await
+            .unwrap_or_default();
             if *shutdown.borrow_and_update() {
                 break;
             }
@@ -92,14 +102,6 @@ pub fn spawn_reaper(mut shutdown: watch::Receiver<bool>) -> JoinHandle<()> {
                 }
                 () = sleep(next_scan) => {}
             }
-            // `/proc` reads and `waitpid`s block: off the runtime's thread,
-            // which also keeps the control socket's heartbeats going.
-            orphans = off_runtime(move || {
-                orphans.reap(ORPHAN_AGE);
-                orphans
-            })
-            .await
-            .unwrap_or_default();
         }
         debug!("orphan reaper stopped");
     })
