@@ -536,6 +536,33 @@ pub async fn read_pid_file(path: &Path, timeout: Duration) -> i32 {
 }
 
 /// Writes `value` as JSON (a spec file, for instance).
+/// Spawns an agent on `spec` (written to `spec.json` in `dir`) with a
+/// 200 ms heartbeat, after `configure`, and waits until it reports ready.
+pub async fn ready_agent(
+    server: &crate::TestServer,
+    token: &str,
+    dir: &Path,
+    spec: &serde_json::Value,
+    configure: impl FnOnce(AgentBuilder) -> AgentBuilder,
+) -> AgentProcess {
+    let path = dir.join("spec.json");
+    write_json(&path, spec);
+    let builder = AgentBuilder::new(&server.url(), token).spec_file(&path).heartbeat_interval("200ms");
+    let mut agent = configure(builder).spawn();
+    agent.watch(server.wait_for_heartbeat(|heartbeat| heartbeat.state == standby_protocol::AgentState::Ready)).await;
+    agent
+}
+
+/// Asserts the agent's exit code, showing the end of its output otherwise.
+pub fn assert_exit(agent: &AgentProcess, code: i32, expected: i32, what: &str) {
+    assert_eq!(code, expected, "{what}: exit {code}, expected {expected}\n{}", agent.output_tail());
+}
+
+/// The types of the events the test server received for `execution_id`, in order.
+pub fn event_kinds(server: &crate::TestServer, execution_id: &str) -> Vec<&'static str> {
+    server.events(execution_id).iter().map(|event| crate::server::event_type(&event.kind)).collect()
+}
+
 pub fn write_json(path: &Path, value: &serde_json::Value) {
     std::fs::write(path, serde_json::to_vec_pretty(value).expect("JSON serializes"))
         .unwrap_or_else(|error| panic!("write {}: {error}", path.display()));

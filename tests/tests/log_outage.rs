@@ -10,10 +10,9 @@ use std::path::Path;
 use std::time::Duration;
 
 use serde_json::json;
-use standby_e2e::harness::write_json;
+use standby_e2e::harness::ready_agent;
 use standby_e2e::server::{Endpoint, ExecutionSetup, Failure, event_type};
-use standby_e2e::{AgentBuilder, AgentProcess, TestServer};
-use standby_protocol::AgentState;
+use standby_e2e::{AgentProcess, TestServer};
 use tempfile::TempDir;
 use tokio::time::Instant;
 
@@ -37,20 +36,6 @@ fn wait_gate(gate: &Path) -> String {
 /// What `seq from to` prints on a terminal.
 fn seq(from: u32, to: u32) -> Vec<u8> {
     (from..=to).flat_map(|n| format!("{n}\r\n").into_bytes()).collect()
-}
-
-async fn ready_agent(
-    server: &TestServer,
-    token: &str,
-    dir: &Path,
-    configure: impl FnOnce(AgentBuilder) -> AgentBuilder,
-) -> AgentProcess {
-    let path = dir.join("spec.json");
-    write_json(&path, &json!({"workspace": {}}));
-    let builder = AgentBuilder::new(&server.url(), token).spec_file(&path).heartbeat_interval("200ms");
-    let mut agent = configure(builder).spawn();
-    agent.watch(server.wait_for_heartbeat(|heartbeat| heartbeat.state == AgentState::Ready)).await;
-    agent
 }
 
 /// Polls for a file the run writes (no event announces it), for at most `EXIT`.
@@ -96,7 +81,7 @@ async fn a_log_outage_neither_slows_the_run_nor_loses_a_line() {
     let server = TestServer::start().await;
     let dir = scratch();
     let token = server.add_standby();
-    let mut agent = ready_agent(&server, &token, dir.path(), |agent| agent).await;
+    let mut agent = ready_agent(&server, &token, dir.path(), &json!({"workspace": {}}), |agent| agent).await;
     let printed = dir.path().join("printed");
     server.fail(Endpoint::Log, Failure::always(503));
     let outage_began = Instant::now();
@@ -131,8 +116,10 @@ async fn an_overflowing_spool_reports_the_dropped_bytes_and_keeps_their_offsets(
     let server = TestServer::start().await;
     let dir = scratch();
     let token = server.add_standby();
-    let mut agent =
-        ready_agent(&server, &token, dir.path(), |agent| agent.env("STANDBY_LOG_SPOOL_MAX", &BOUND.to_string())).await;
+    let mut agent = ready_agent(&server, &token, dir.path(), &json!({"workspace": {}}), |agent| {
+        agent.env("STANDBY_LOG_SPOOL_MAX", &BOUND.to_string())
+    })
+    .await;
     let printed = dir.path().join("printed");
     let gate = dir.path().join("gate");
     server.fail(Endpoint::Log, Failure::always(503));
@@ -182,7 +169,7 @@ async fn a_409_after_the_server_lost_part_of_the_log_resends_it_from_the_spool()
     let server = TestServer::start().await;
     let dir = scratch();
     let token = server.add_standby();
-    let mut agent = ready_agent(&server, &token, dir.path(), |agent| agent).await;
+    let mut agent = ready_agent(&server, &token, dir.path(), &json!({"workspace": {}}), |agent| agent).await;
     let gate = dir.path().join("gate");
     let execution_id = server.assign(&token, setup(&format!("seq 1 5000; {}; seq 5001 10000", wait_gate(&gate))));
     server.wait_for_log(&execution_id, b"\r\n5000\r\n").await;

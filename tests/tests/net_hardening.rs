@@ -9,7 +9,6 @@
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -18,10 +17,10 @@ use axum::extract::{Path as UrlPath, State};
 use axum::http::{HeaderMap, StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
-use serde_json::{Value, json};
-use standby_e2e::harness::write_json;
-use standby_e2e::server::{AttachmentSetup, CredentialKind, Endpoint, ExecutionSetup, event_type};
-use standby_e2e::{AgentBuilder, AgentProcess, GitRepo, TestServer};
+use serde_json::json;
+use standby_e2e::harness::{assert_exit, event_kinds, ready_agent};
+use standby_e2e::server::{AttachmentSetup, CredentialKind, Endpoint, ExecutionSetup};
+use standby_e2e::{AgentBuilder, GitRepo, TestServer};
 use standby_protocol::AgentState;
 use tempfile::TempDir;
 use tokio::net::{TcpListener, TcpStream};
@@ -40,32 +39,6 @@ fn scratch() -> TempDir {
 
 fn sh(script: &str) -> ExecutionSetup {
     ExecutionSetup::new(&["/bin/sh", "-c", script])
-}
-
-fn kinds(server: &TestServer, execution_id: &str) -> Vec<&'static str> {
-    server.events(execution_id).iter().map(|event| event_type(&event.kind)).collect()
-}
-
-fn assert_exit(agent: &AgentProcess, code: i32, expected: i32, what: &str) {
-    assert_eq!(code, expected, "{what}: exit {code}, expected {expected}\n{}", agent.output_tail());
-}
-
-/// Spawns an agent on `spec` (written to a file in `dir`) after `configure`,
-/// and waits until it is ready.
-async fn ready_agent(
-    server: &TestServer,
-    token: &str,
-    dir: &Path,
-    spec: &Value,
-    configure: impl FnOnce(AgentBuilder) -> AgentBuilder,
-) -> AgentProcess {
-    let path = dir.join("spec.json");
-    write_json(&path, spec);
-    let builder =
-        AgentBuilder::new(&server.url(), token).spec_file(&path).heartbeat_interval("200ms").log_filter("trace");
-    let mut agent = configure(builder).spawn();
-    agent.watch(server.wait_for_heartbeat(|heartbeat| heartbeat.state == AgentState::Ready)).await;
-    agent
 }
 
 // ---- a second origin ---------------------------------------------------------
@@ -175,7 +148,8 @@ async fn attachments_on_another_origin_get_no_credential_and_no_signature_in_the
     let moved: &[u8] = b"fetched after a same-origin redirect\n";
     let store = ObjectStore::start(&[("direct.bin", direct), ("moved.bin", moved)]).await;
     let token = server.add_standby();
-    let mut agent = ready_agent(&server, &token, dir.path(), &json!({"workspace": {}}), |agent| agent).await;
+    let mut agent =
+        ready_agent(&server, &token, dir.path(), &json!({"workspace": {}}), |agent| agent.log_filter("trace")).await;
 
     let out = dir.path().join("out");
     let script = format!("mkdir -p '{out}' && cp \"$STANDBY_ATTACHMENTS_DIR\"/* '{out}'/", out = out.display());
@@ -186,7 +160,7 @@ async fn attachments_on_another_origin_get_no_credential_and_no_signature_in_the
     let execution_id = server.assign(&token, execution);
     let code = agent.wait_exit(EXIT).await;
     assert_exit(&agent, code, 0, "the run finished");
-    assert_eq!(kinds(&server, &execution_id), ["started", "exited"]);
+    assert_eq!(event_kinds(&server, &execution_id), ["started", "exited"]);
 
     assert_eq!(std::fs::read(out.join("direct.bin")).expect("direct.bin"), direct);
     assert_eq!(std::fs::read(out.join("moved.bin")).expect("moved.bin"), moved);
@@ -218,7 +192,8 @@ async fn a_redirect_to_another_origin_is_refused_and_its_query_never_shown() {
     let dir = scratch();
     let store = ObjectStore::start(&[]).await;
     let token = server.add_standby();
-    let mut agent = ready_agent(&server, &token, dir.path(), &json!({"workspace": {}}), |agent| agent).await;
+    let mut agent =
+        ready_agent(&server, &token, dir.path(), &json!({"workspace": {}}), |agent| agent.log_filter("trace")).await;
 
     let marker = dir.path().join("marker");
     let execution = sh(&format!("touch '{}'", marker.display()))
@@ -260,7 +235,8 @@ async fn inline_attachments_skip_the_call_and_a_run_without_workspace_takes_the_
     let origin = GitRepo::new(&[("README.md", "hello\n")]);
     let spec = json!({"workspace": {"repos": [{"url": origin.url(), "path": "app", "ref": "main"}]}});
     let token = server.add_standby();
-    let mut agent = ready_agent(&server, &token, dir.path(), &spec, |agent| agent.workspace(&ws)).await;
+    let mut agent =
+        ready_agent(&server, &token, dir.path(), &spec, |agent| agent.log_filter("trace").workspace(&ws)).await;
     // After preparation: the run (with no `workspace`) gets the head of `ref`.
     let head = origin.commit(&[("NEW.md", "new\n")]);
 
@@ -274,7 +250,7 @@ async fn inline_attachments_skip_the_call_and_a_run_without_workspace_takes_the_
     let execution_id = server.assign(&token, execution);
     let code = agent.wait_exit(EXIT).await;
     assert_exit(&agent, code, 0, "the run finished");
-    assert_eq!(kinds(&server, &execution_id), ["started", "exited"]);
+    assert_eq!(event_kinds(&server, &execution_id), ["started", "exited"]);
     assert_eq!(std::fs::read(out.join("spec.md")).expect("the attachment"), b"# inline\n");
     assert_eq!(std::fs::read_to_string(out.join("head")).expect("the head").trim(), head);
     let calls = server.http_calls();
@@ -290,7 +266,8 @@ async fn an_oversized_secrets_answer_fails_the_install_naming_the_call_and_the_c
     let server = TestServer::start().await;
     let dir = scratch();
     let token = server.add_standby();
-    let mut agent = ready_agent(&server, &token, dir.path(), &json!({"workspace": {}}), |agent| agent).await;
+    let mut agent =
+        ready_agent(&server, &token, dir.path(), &json!({"workspace": {}}), |agent| agent.log_filter("trace")).await;
     let marker = dir.path().join("marker");
     let execution = sh(&format!("touch '{}'", marker.display())).secret("HUGE", &"x".repeat(2 << 20));
     let execution_id = server.assign(&token, execution);
@@ -344,7 +321,7 @@ async fn a_64_mib_attachment_is_streamed_to_disk_intact() {
     let execution_id = server.assign(&token, sh(&script).attachment_setup(attachment));
     let code = agent.wait_exit(EXIT).await;
     assert_exit(&agent, code, 0, "the run finished");
-    assert_eq!(kinds(&server, &execution_id), ["started", "exited"]);
+    assert_eq!(event_kinds(&server, &execution_id), ["started", "exited"]);
     let sum = std::fs::read_to_string(out.join("sum")).expect("the run's checksum");
     assert_eq!(sum.split_whitespace().next(), Some(expected.as_str()), "the attachment arrived intact");
     let listing = std::fs::read_to_string(out.join("ls")).expect("the listing");
@@ -370,7 +347,8 @@ async fn a_follow_up_turn_finds_none_of_the_first_turns_credentials() {
 
     // Turn 1 points the repo's own config at the store too, as a run may.
     let first = server.add_standby();
-    let mut agent = ready_agent(&server, &first, dir.path(), &spec, |agent| agent.workspace(&ws)).await;
+    let mut agent =
+        ready_agent(&server, &first, dir.path(), &spec, |agent| agent.log_filter("trace").workspace(&ws)).await;
     let script = "helper=$(git config --get-all credential.helper | tail -n 1) \
                   && git config --local --add credential.helper \"$helper\" && echo turn one done";
     let execution = sh(script)
@@ -382,14 +360,15 @@ async fn a_follow_up_turn_finds_none_of_the_first_turns_credentials() {
     let turn_one = server.assign(&first, execution);
     let code = agent.wait_exit(EXIT).await;
     assert_exit(&agent, code, 0, "turn one finished");
-    assert_eq!(kinds(&server, &turn_one), ["started", "exited"]);
+    assert_eq!(event_kinds(&server, &turn_one), ["started", "exited"]);
     for leftover in ["git-credentials", "metadata.json", "attachments"] {
         assert!(!state.join(leftover).exists(), "turn one left {leftover} behind");
     }
 
     // Turn 2, on the same workspace, with no credentials of its own, looks.
     let second = server.add_standby();
-    let mut agent = ready_agent(&server, &second, dir.path(), &spec, |agent| agent.workspace(&ws)).await;
+    let mut agent =
+        ready_agent(&server, &second, dir.path(), &spec, |agent| agent.log_filter("trace").workspace(&ws)).await;
     let script = format!(
         "ls -A '{state}'; cat '{state}/git-credentials' '{state}/metadata.json' 2>&1; \
          printf 'protocol=https\\nhost=git.example\\n\\n' | git credential fill 2>&1; \
@@ -425,7 +404,7 @@ async fn an_assignment_on_connect_waits_for_the_spec_before_the_switch() {
     let mut agent = AgentBuilder::new(&server.url(), &token).heartbeat_interval("200ms").spawn();
     let code = agent.wait_exit(EXIT).await;
     assert_exit(&agent, code, 0, "the run finished");
-    assert_eq!(kinds(&server, &execution_id), ["started", "exited"]);
+    assert_eq!(event_kinds(&server, &execution_id), ["started", "exited"]);
     assert!(marker.exists(), "the run did not run");
     let spec_calls: Vec<_> = server.http_calls().into_iter().filter(|call| call.endpoint == Endpoint::Spec).collect();
     assert!(
@@ -528,7 +507,7 @@ async fn a_private_ca_in_standby_ca_file_serves_both_wss_and_https() {
     let execution_id = server.assign(&token, sh(&script).attachment("a.txt", b"over https"));
     let code = agent.wait_exit(EXIT).await;
     assert_exit(&agent, code, 0, "the run finished over TLS");
-    assert_eq!(kinds(&server, &execution_id), ["started", "exited"]);
+    assert_eq!(event_kinds(&server, &execution_id), ["started", "exited"]);
     assert_eq!(std::fs::read(out.join("a.txt")).expect("the attachment"), b"over https");
     server.assert_no_violations();
 }

@@ -11,10 +11,10 @@ use std::time::Duration;
 
 use nix::sys::signal::Signal;
 use serde_json::{Value, json};
-use standby_e2e::harness::{read_pid_file, wait_group_gone, write_json};
+use standby_e2e::harness::{assert_exit, event_kinds, read_pid_file, ready_agent, wait_group_gone};
 use standby_e2e::server::{
     ConnectionId, CredentialKind, Endpoint, ExecutionSetup, Failure, InstallFailed, Records, Revocation,
-    ScriptedUpgrade, event_type,
+    ScriptedUpgrade,
 };
 use standby_e2e::{AgentBuilder, AgentProcess, GitRepo, TestServer};
 use standby_protocol::{AgentState, EventKind, Workspace};
@@ -106,31 +106,6 @@ fn workspace(value: &Value) -> Workspace {
     serde_json::from_value(value.clone()).expect("a workspace")
 }
 
-/// Spawns an agent on `spec` (written to a file in `dir`) after `configure`,
-/// and waits until it is ready.
-async fn ready_agent(
-    server: &TestServer,
-    token: &str,
-    dir: &Path,
-    spec: &Value,
-    configure: impl FnOnce(AgentBuilder) -> AgentBuilder,
-) -> AgentProcess {
-    let path = dir.join("spec.json");
-    write_json(&path, spec);
-    let builder = AgentBuilder::new(&server.url(), token).spec_file(&path).heartbeat_interval("200ms");
-    let mut agent = configure(builder).spawn();
-    agent.watch(server.wait_for_heartbeat(|heartbeat| heartbeat.state == AgentState::Ready)).await;
-    agent
-}
-
-fn assert_exit(agent: &AgentProcess, code: i32, expected: i32, what: &str) {
-    assert_eq!(code, expected, "{what}: exit {code}, expected {expected}\n{}", agent.output_tail());
-}
-
-fn kinds(server: &TestServer, execution_id: &str) -> Vec<&'static str> {
-    server.events(execution_id).iter().map(|event| event_type(&event.kind)).collect()
-}
-
 /// Statuses of the upgrade attempts made with the run credential.
 fn run_upgrades(server: &TestServer) -> Vec<u16> {
     server
@@ -216,7 +191,7 @@ async fn the_run_starts_exactly_once_under_replays_on_both_connections() {
 
     let code = agent.wait_exit(EXIT).await;
     assert_exit(&agent, code, 0, "the run finished");
-    assert_eq!(kinds(&server, &execution_id), ["started", "exited"], "{}", server.records().summary());
+    assert_eq!(event_kinds(&server, &execution_id), ["started", "exited"], "{}", server.records().summary());
     assert_eq!(line_count(&marker), 1, "the run's command ran more than once (or never)");
     server.assert_no_violations();
 }
@@ -312,7 +287,7 @@ async fn a_run_credential_refused_on_an_install_call_withdraws_the_run() {
     agent.watch(revoke_when_attempted(&server, &execution_id)).await;
     let code = agent.wait_exit(EXIT).await;
     assert!(!marker.exists(), "a withdrawn run never starts");
-    assert!(kinds(&server, &execution_id).iter().all(|kind| *kind != "started"));
+    assert!(event_kinds(&server, &execution_id).iter().all(|kind| *kind != "started"));
     let reported: Vec<InstallFailed> = server.install_failures(&execution_id);
     assert!(reported.is_empty(), "a withdrawn run is reported as a failed install, to be requeued: {reported:?}");
     assert_exit(&agent, code, 14, "the run credential was refused on an install call");
@@ -333,7 +308,7 @@ async fn delivery_is_confirmed_after_two_503s() {
     let code = agent.wait_exit(EXIT).await;
     assert_exit(&agent, code, 0, "the run finished");
     assert_eq!(run_upgrades(&server), [503, 503, 101]);
-    assert_eq!(kinds(&server, &execution_id), ["started", "exited"]);
+    assert_eq!(event_kinds(&server, &execution_id), ["started", "exited"]);
     assert_eq!(line_count(&marker), 1);
     // The server flags a `started` before its confirmation as a violation.
     server.assert_no_violations();
@@ -356,7 +331,7 @@ async fn unconfirmed_delivery_fails_the_install_at_the_confirm_timeout() {
     let failures = server.install_failures(&execution_id);
     assert_eq!(failures.len(), 1, "{:?}", server.events(&execution_id));
     assert_eq!((failures[0].stage.as_str(), failures[0].requeueable), ("confirm", true));
-    assert_eq!(kinds(&server, &execution_id), ["install_failed"]);
+    assert_eq!(event_kinds(&server, &execution_id), ["install_failed"]);
     assert!(!marker.exists(), "an unconfirmed run never starts");
     assert!(run_upgrades(&server).iter().all(|status| *status == 503));
     server.assert_no_violations();
@@ -399,7 +374,7 @@ async fn assert_install_fails(dir: &TempDir, case: FailingInstall<'_>) -> (TestS
     if let Some(needle) = case.names {
         assert!(failure.message.contains(needle), "the message does not name {needle:?}: {:?}", failure.message);
     }
-    assert_eq!(kinds(&server, &execution_id), ["install_failed"]);
+    assert_eq!(event_kinds(&server, &execution_id), ["install_failed"]);
     assert!(!marker.exists(), "the run's command ran although the install failed");
     server.assert_no_violations();
     (server, execution_id)
@@ -578,7 +553,7 @@ async fn a_non_strict_mcp_failure_degrades_the_run_which_still_starts() {
     let execution_id = server.assign(&token, setup(&mark(&marker)).mcp_env("PROBE_FAIL", "1"));
     let code = agent.wait_exit(EXIT).await;
     assert_exit(&agent, code, 0, "a degraded run still runs");
-    assert_eq!(kinds(&server, &execution_id), ["started", "exited"]);
+    assert_eq!(event_kinds(&server, &execution_id), ["started", "exited"]);
     assert_eq!(server.events(&execution_id)[1].kind, EventKind::Exited { code: 0 });
     assert_eq!(line_count(&marker), 1);
     server.assert_no_violations();
@@ -718,7 +693,7 @@ echo findings written"#,
     let execution_id = server.assign(&token, execution);
     let code = agent.wait_exit(EXIT).await;
     assert_exit(&agent, code, 0, "the run finished");
-    assert_eq!(kinds(&server, &execution_id), ["started", "exited"]);
+    assert_eq!(event_kinds(&server, &execution_id), ["started", "exited"]);
     assert_eq!(server.events(&execution_id)[1].kind, EventKind::Exited { code: 0 });
     assert!(contains(&server.log(&execution_id), b"findings written"), "the run's output is shipped");
 
@@ -880,7 +855,7 @@ async fn cancel_before_the_run_starts_means_it_never_starts() {
     server.cancel(&execution_id).expect("cancel");
     let code = agent.wait_exit(EXIT).await;
     assert_exit(&agent, code, 0, "cancelled before the start");
-    assert_eq!(kinds(&server, &execution_id), ["cancelled"]);
+    assert_eq!(event_kinds(&server, &execution_id), ["cancelled"]);
     assert!(!marker.exists(), "a run cancelled before its start ran");
     agent.wait_no_leftovers(EXIT).await;
     server.assert_no_violations();
@@ -915,7 +890,7 @@ async fn cancel_during_the_run_terminates_its_process_group() {
     server.cancel(&execution_id).expect("cancel");
     let code = agent.wait_exit(EXIT).await;
     assert_exit(&agent, code, 0, "cancelled during the run");
-    assert_eq!(kinds(&server, &execution_id), ["started", "cancelled"]);
+    assert_eq!(event_kinds(&server, &execution_id), ["started", "cancelled"]);
     assert_eq!(read(&signalled).trim(), "TERM", "the run got SIGTERM first");
     wait_group_gone(pid, EXIT).await;
     agent.wait_no_leftovers(EXIT).await;
@@ -933,7 +908,7 @@ async fn a_run_ignoring_sigterm_is_killed_after_the_cancel_grace() {
     // Without the SIGKILL the run would live for 100 s, past this wait.
     let code = agent.wait_exit(EXIT).await;
     assert_exit(&agent, code, 0, "cancelled during the run");
-    assert_eq!(kinds(&server, &execution_id), ["started", "cancelled"]);
+    assert_eq!(event_kinds(&server, &execution_id), ["started", "cancelled"]);
     wait_group_gone(pid, EXIT).await;
     agent.wait_no_leftovers(EXIT).await;
     server.assert_no_violations();
@@ -948,7 +923,7 @@ async fn sigterm_during_the_run_is_forwarded_and_the_exit_reported() {
     agent.signal(Signal::SIGTERM);
     let code = agent.wait_exit(EXIT).await;
     assert_exit(&agent, code, 0, "SIGTERM during the run");
-    assert_eq!(kinds(&server, &execution_id), ["started", "exited"]);
+    assert_eq!(event_kinds(&server, &execution_id), ["started", "exited"]);
     assert_eq!(server.events(&execution_id)[1].kind, EventKind::Exited { code: 42 });
     assert!(contains(&server.log(&execution_id), b"got-term"), "the run's trap output is shipped");
     wait_group_gone(pid, EXIT).await;
@@ -967,7 +942,7 @@ async fn the_exit_code_is_reported_and_the_log_is_complete_and_in_order() {
     let execution_id = server.assign(&token, setup("seq 1 20000; exit 7"));
     let code = agent.wait_exit(EXIT).await;
     assert_exit(&agent, code, 0, "the run finished (with 7)");
-    assert_eq!(kinds(&server, &execution_id), ["started", "exited"]);
+    assert_eq!(event_kinds(&server, &execution_id), ["started", "exited"]);
     assert_eq!(server.events(&execution_id)[1].kind, EventKind::Exited { code: 7 });
     let expected: String = (1..=20_000).map(|n| format!("{n}\r\n")).collect();
     let log = server.log(&execution_id);
@@ -1061,6 +1036,6 @@ async fn a_retried_event_keeps_its_event_id() {
         .collect();
     assert_eq!(of_started, [503, 503, 202], "the retries of `started` changed its event_id: {posts:?}");
     assert!(posts.iter().all(|(event_id, _)| event_id.is_some()), "an event without event_id: {posts:?}");
-    assert_eq!(kinds(&server, &execution_id), ["started", "exited"], "one event per report");
+    assert_eq!(event_kinds(&server, &execution_id), ["started", "exited"], "one event per report");
     server.assert_no_violations();
 }

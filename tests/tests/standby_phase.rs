@@ -9,7 +9,7 @@ use std::time::{Duration, SystemTime};
 
 use nix::sys::signal::Signal;
 use serde_json::{Value, json};
-use standby_e2e::harness::{read_pid_file, wait_processes_gone, write_json};
+use standby_e2e::harness::{assert_exit, read_pid_file, wait_processes_gone, write_json};
 use standby_e2e::server::{CredentialKind, Endpoint, ExecutionSetup, Failure, Frame, ScriptedUpgrade};
 use standby_e2e::{AgentBuilder, AgentProcess, GitRepo, TestServer};
 use standby_protocol::{AgentState, EventKind};
@@ -55,10 +55,6 @@ fn agent(server: &TestServer, token: &str, dir: &Path) -> AgentBuilder {
 
 async fn wait_ready(server: &TestServer) {
     server.wait_for_heartbeat(|heartbeat| heartbeat.state == AgentState::Ready).await;
-}
-
-fn assert_exit(agent: &AgentProcess, code: i32, expected: i32, what: &str) {
-    assert_eq!(code, expected, "{what}: exit {code}, expected {expected}\n{}", agent.output_tail());
 }
 
 fn line_count(path: &Path) -> usize {
