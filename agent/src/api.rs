@@ -165,15 +165,6 @@ fn redirect_policy() -> reqwest::redirect::Policy {
     })
 }
 
-/// Who a request goes to, which decides what it carries.
-#[derive(Debug, Clone, Copy)]
-pub enum To<'a> {
-    /// The server's origin: the bearer credential and `Standby-Protocol: 1`.
-    Server(&'a Secret),
-    /// Another origin: no credential and no protocol header of any kind.
-    Foreign,
-}
-
 /// A client for one server.
 #[derive(Debug, Clone)]
 pub struct Api {
@@ -234,38 +225,42 @@ impl Api {
     pub async fn send(
         &self,
         method: Method,
-        to: To<'_>,
+        credential: &Secret,
         path_or_url: &str,
         body: Option<&serde_json::Value>,
     ) -> Result<reqwest::Response, ApiError> {
         let call = call_name(&method, path_or_url);
-        let response = self.answer(method, to, path_or_url, body).await?;
+        let response = self.answer(method, credential, path_or_url, body, &call).await?;
         if response.status().is_success() { Ok(response) } else { Err(refusal(call, &response)) }
     }
 
-    /// One request, whatever the status of its answer. Only a request to
-    /// the server's origin carries the credential and the protocol header.
+    /// One request, whatever the status of its answer. This is the one
+    /// place a credential is attached (amendment 2): only a request to the
+    /// server's origin carries it and the protocol header; one to any other
+    /// origin (a pre-signed object-store URL) carries neither.
     async fn answer(
         &self,
         method: Method,
-        to: To<'_>,
+        credential: &Secret,
         path_or_url: &str,
         body: Option<&serde_json::Value>,
+        call: &str,
     ) -> Result<reqwest::Response, ApiError> {
-        let call = call_name(&method, path_or_url);
-        let mut request = self.client.request(method, self.url(path_or_url));
-        if let To::Server(credential) = to {
+        let url = Url::parse(&self.url(path_or_url))
+            .map_err(|e| ApiError::Refused { call: call.to_owned(), problem: format!("not a URL: {e}") })?;
+        let mut request = self.client.request(method, url.clone());
+        if same_origin(&self.server, &url) {
             request = request.bearer_auth(credential.expose()).header(PROTOCOL_HEADER, PROTOCOL_VERSION);
         }
         if let Some(body) = body {
             request = request.json(body);
         }
-        request.send().await.map_err(|source| transport(&call, source))
+        request.send().await.map_err(|source| transport(call, source))
     }
 
     /// One `GET`, decoded as JSON (at most [`MAX_JSON_BYTES`] of it).
     pub async fn get_json<T: DeserializeOwned>(&self, credential: &Secret, path: &str) -> Result<T, ApiError> {
-        let response = self.send(Method::GET, To::Server(credential), path, None).await?;
+        let response = self.send(Method::GET, credential, path, None).await?;
         decode(call_name(&Method::GET, path), response).await
     }
 
@@ -277,14 +272,14 @@ impl Api {
         body: Option<&B>,
     ) -> Result<T, ApiError> {
         let value = encode(path, body)?;
-        let response = self.send(Method::POST, To::Server(credential), path, Some(&value)).await?;
+        let response = self.send(Method::POST, credential, path, Some(&value)).await?;
         decode(call_name(&Method::POST, path), response).await
     }
 
     /// One `POST` whose answer only matters by its status (any `2xx`).
     pub async fn post<B: Serialize>(&self, credential: &Secret, path: &str, body: &B) -> Result<(), ApiError> {
         let value = encode(path, Some(body))?;
-        self.send(Method::POST, To::Server(credential), path, Some(&value)).await.map(drop)
+        self.send(Method::POST, credential, path, Some(&value)).await.map(drop)
     }
 
     /// One `POST` whose `409` answer carries a body the caller acts on (a
@@ -299,7 +294,7 @@ impl Api {
     ) -> Result<Option<C>, ApiError> {
         let value = encode(path, Some(body))?;
         let call = call_name(&Method::POST, path);
-        let response = self.answer(Method::POST, To::Server(credential), path, Some(&value)).await?;
+        let response = self.answer(Method::POST, credential, path, Some(&value), &call).await?;
         let status = response.status();
         if status.is_success() {
             return Ok(None);

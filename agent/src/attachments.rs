@@ -7,16 +7,16 @@
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use reqwest::Method;
+use reqwest::{Method, Url};
 use sha2::{Digest, Sha256};
 use standby_protocol::{Attachment, AttachmentsResponse, paths};
 use tokio::io::AsyncWriteExt;
 
-use crate::api::{ApiError, To, call_backoff, call_name, human_bytes, retry, transport};
+use crate::api::{ApiError, call_backoff, call_name, human_bytes, retry, transport};
 use crate::install::{InstallInput, attachments_dir, network};
 use crate::lifecycle::{Cause, InstallFailure};
 use crate::paths::check_file_name;
-use crate::urls::{Target, attachment_target, describe_url};
+use crate::urls::{attachment_target, describe_url};
 
 /// Largest attachment accepted.
 pub const MAX_ATTACHMENT_BYTES: u64 = 256 << 20;
@@ -65,9 +65,9 @@ async fn download(
     input: &InstallInput,
     dir: &Path,
     attachment: &Attachment,
-    target: &Target,
+    target: &Url,
 ) -> Result<(), InstallFailure> {
-    let call = call_name(&Method::GET, target.url().as_str());
+    let call = call_name(&Method::GET, target.as_str());
     let temp = dir.join(format!(
         ".{}.{}.{}.part",
         attachment.name,
@@ -106,15 +106,11 @@ async fn download(
 /// `Err`) why the file could not be written.
 async fn stream_to(
     input: &InstallInput,
-    target: &Target,
+    target: &Url,
     call: &str,
     temp: &Path,
 ) -> Result<Result<String, String>, ApiError> {
-    let to = match target {
-        Target::Server(_) => To::Server(&input.credential),
-        Target::Foreign(_) => To::Foreign,
-    };
-    let mut response = input.api.send(Method::GET, to, target.url().as_str(), None).await?;
+    let mut response = input.api.send(Method::GET, &input.credential, target.as_str(), None).await?;
     let too_large = || ApiError::TooLarge { call: call.to_owned(), cap: MAX_ATTACHMENT_BYTES };
     if response.content_length().is_some_and(|length| length > MAX_ATTACHMENT_BYTES) {
         return Err(too_large());
@@ -140,6 +136,6 @@ async fn stream_to(
     if let Err(e) = file.sync_all().await {
         return Ok(Err(io(e)));
     }
-    tracing::debug!(url = describe_url(target.url().as_str()), size = %human_bytes(written), "attachment fetched");
+    tracing::debug!(url = describe_url(target.as_str()), size = %human_bytes(written), "attachment fetched");
     Ok(Ok(hasher.finalize().iter().map(|b| format!("{b:02x}")).collect()))
 }

@@ -45,34 +45,16 @@ pub fn same_origin(a: &Url, b: &Url) -> bool {
     a.origin() == b.origin()
 }
 
-/// Where an attachment is fetched from.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Target {
-    /// On the server's origin: fetched with the run credential.
-    Server(Url),
-    /// Anywhere else (a pre-signed object-store URL, say): fetched with no
-    /// credential and no `Standby-Protocol` header.
-    Foreign(Url),
-}
-
-impl Target {
-    pub fn url(&self) -> &Url {
-        match self {
-            Self::Server(url) | Self::Foreign(url) => url,
-        }
-    }
-}
-
 /// Resolves an attachment's `url`: a path starting with `/` is appended to
 /// the server URL (prefix kept); any other must be an absolute `http(s)` URL.
 /// One on another origin must be `https` unless its host is loopback or
-/// `insecure` is set. The error names the URL without its query string.
-pub fn attachment_target(server: &Url, url: &str, insecure: bool) -> Result<Target, String> {
+/// `insecure` is set. Whether the request carries the credential is decided
+/// where every request is made ([`crate::api::Api::send`]), by the origin.
+/// The error names the URL without its query string.
+pub fn attachment_target(server: &Url, url: &str, insecure: bool) -> Result<Url, String> {
     if url.starts_with('/') {
         let joined = format!("{}{url}", server.as_str().trim_end_matches('/'));
-        return Url::parse(&joined)
-            .map(Target::Server)
-            .map_err(|e| format!("`{}` is not a valid path: {e}", describe_url(url)));
+        return Url::parse(&joined).map_err(|e| format!("`{}` is not a valid path: {e}", describe_url(url)));
     }
     let parsed = Url::parse(url).map_err(|e| format!("`{}` is not a URL: {e}", describe_url(url)))?;
     if !matches!(parsed.scheme(), "http" | "https") {
@@ -82,7 +64,7 @@ pub fn attachment_target(server: &Url, url: &str, insecure: bool) -> Result<Targ
         return Err(format!("`{}` carries userinfo", describe_url(url)));
     }
     if same_origin(server, &parsed) {
-        return Ok(Target::Server(parsed));
+        return Ok(parsed);
     }
     let host = parsed.host_str().unwrap_or_default();
     if parsed.scheme() == "http" && !insecure && !is_loopback(host) {
@@ -91,7 +73,7 @@ pub fn attachment_target(server: &Url, url: &str, insecure: bool) -> Result<Targ
             describe_url(url)
         ));
     }
-    Ok(Target::Foreign(parsed))
+    Ok(parsed)
 }
 
 #[cfg(test)]
@@ -120,12 +102,15 @@ mod tests {
     #[test]
     fn paths_and_the_servers_own_origin_get_the_credential() {
         let path = attachment_target(&server(), "/v1/x?y=1", false).expect("a path");
-        assert_eq!(path, Target::Server(Url::parse("https://cp.example:8443/base/v1/x?y=1").expect("a URL")));
+        assert_eq!(path, Url::parse("https://cp.example:8443/base/v1/x?y=1").expect("a URL"));
+        assert!(same_origin(&server(), &path));
         for same in ["https://cp.example:8443/elsewhere", "https://CP.example:8443/a"] {
-            assert!(matches!(attachment_target(&server(), same, false), Ok(Target::Server(_))), "{same}");
+            let target = attachment_target(&server(), same, false).expect(same);
+            assert!(same_origin(&server(), &target), "{same}");
         }
         let default_port = Url::parse("https://cp.example/base").expect("a URL");
-        assert!(matches!(attachment_target(&default_port, "https://cp.example:443/a", false), Ok(Target::Server(_))));
+        let target = attachment_target(&default_port, "https://cp.example:443/a", false).expect("a URL");
+        assert!(same_origin(&default_port, &target));
     }
 
     #[test]
@@ -137,7 +122,7 @@ mod tests {
             "https://cp.example.evil:8443/a",
         ] {
             match attachment_target(&server(), other, true) {
-                Ok(Target::Foreign(_)) => {}
+                Ok(target) if !same_origin(&server(), &target) => {}
                 other_target => panic!("{other}: {other_target:?}"),
             }
         }
@@ -148,9 +133,12 @@ mod tests {
         let error =
             attachment_target(&server(), "http://store.example/o?X-Amz-Signature=sekrit", false).expect_err("refused");
         assert!(error.contains("http://store.example/o") && !error.contains("sekrit"), "{error}");
-        assert!(matches!(attachment_target(&server(), "http://store.example/o", true), Ok(Target::Foreign(_))));
+        let foreign = |url| attachment_target(&server(), url, false).is_ok_and(|t| !same_origin(&server(), &t));
+        assert!(
+            attachment_target(&server(), "http://store.example/o", true).is_ok_and(|t| !same_origin(&server(), &t))
+        );
         for loopback in ["http://127.0.0.2:9/o", "http://localhost:9/o", "http://[::1]:9/o"] {
-            assert!(matches!(attachment_target(&server(), loopback, false), Ok(Target::Foreign(_))), "{loopback}");
+            assert!(foreign(loopback), "{loopback}");
         }
     }
 
