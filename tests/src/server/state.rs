@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use axum::http::HeaderMap;
 use sha2::{Digest, Sha256};
+use standby_protocol::log_ledger::{self, Verdict};
 use standby_protocol::{
     AgentMessage, Assignment, Attachment, AttachmentsResponse, Cancel, CloudCredentialsResponse, Event, EventKind,
     GitCredentialsResponse, LogChunk, LogReceived, PROTOCOL_HEADER, PROTOCOL_VERSION, Retired, Secret, SecretsResponse,
@@ -774,12 +775,12 @@ impl Inner {
         HttpAnswer::json(202, &serde_json::json!({}))
     }
 
-    /// Appends a chunk at its offset (amendment 6): a chunk at the stored
-    /// length plus its `dropped` is appended and the gap recorded; a
-    /// retried chunk (its bytes already received) is acknowledged without
-    /// being appended twice; anything else is answered `409` with
-    /// `{"received": n}`, and is a violation unless the test made the
-    /// server forget part of the log.
+    /// Takes a chunk by the contract's ledger rule
+    /// ([`log_ledger::accept`], amendment 6): appended after any declared
+    /// gap, a retry acknowledged without storing its bytes twice, anything
+    /// else answered `409` with `{"received": n}`, a violation unless the
+    /// test made the server forget part of the log. A retry whose bytes
+    /// differ from those received is a violation too.
     fn log_chunk(&mut self, execution_id: &str, body: &[u8]) -> HttpAnswer {
         let chunk = serde_json::from_slice::<LogChunk>(body)
             .map_err(|error| error.to_string())
@@ -796,31 +797,33 @@ impl Inner {
         };
         let (offset, dropped, received) = (chunk.offset, chunk.dropped, record.log_received);
         let len = bytes.len() as u64;
-        // Stored bytes since the last gap map one to one onto offsets.
+        let verdict = log_ledger::accept(received, offset, dropped, len);
+        // Stored bytes since the last gap map one to one onto offsets: a
+        // retry's bytes that are already held must be the same ones.
         let gap_end = record.log_gaps.last().map_or(0, |(at, dropped)| at + dropped);
-        let conflict = |record: &ExecutionRecord| HttpAnswer::json(409, &LogReceived { received: record.log_received });
-        let problem = if Some(offset) == received.checked_add(dropped) {
-            if dropped > 0 {
-                record.log_gaps.push((received, dropped));
-            }
-            record.log.extend_from_slice(&bytes);
-            record.log_received = offset + len;
-            None
-        } else if dropped == 0 && offset < received && offset >= gap_end {
-            let start = record.log.len() - usize::try_from(received - offset).unwrap_or(usize::MAX);
-            let overlap = usize::try_from((received - offset).min(len)).unwrap_or(usize::MAX);
-            if record.log[start..start + overlap] == bytes[..overlap] {
-                record.log.extend_from_slice(&bytes[overlap..]);
-                record.log_received = record.log_received.max(offset + len);
-                None
-            } else {
+        let overlap = usize::try_from(received.saturating_sub(offset).min(len)).unwrap_or(usize::MAX);
+        let held = usize::try_from(received.saturating_sub(offset))
+            .ok()
+            .and_then(|back| record.log.len().checked_sub(back))
+            .and_then(|start| record.log.get(start..start + overlap));
+        let problem = match verdict {
+            Verdict::Conflict => Some(format!(
+                "log chunk of {execution_id} at offset {offset} (dropped {dropped}) does not follow the {received} bytes received"
+            )),
+            _ if offset >= gap_end && held.is_some_and(|held| held != &bytes[..overlap]) => {
                 Some(format!("log chunk of {execution_id} at offset {offset} rewrites bytes already received"))
             }
-        } else {
-            Some(format!(
-                "log chunk of {execution_id} at offset {offset} (dropped {dropped}) does not follow the {received} bytes received"
-            ))
+            Verdict::Append { gap, skip, end } => {
+                if gap > 0 {
+                    record.log_gaps.push((received, gap));
+                }
+                record.log.extend_from_slice(&bytes[usize::try_from(skip).unwrap_or(usize::MAX).min(bytes.len())..]);
+                record.log_received = end;
+                None
+            }
+            Verdict::Duplicate => None,
         };
+        let conflict = |record: &ExecutionRecord| HttpAnswer::json(409, &LogReceived { received: record.log_received });
         if let Some(problem) = problem {
             let answer = conflict(record);
             if !record.log_forgotten {
