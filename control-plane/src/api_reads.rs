@@ -45,6 +45,13 @@ fn number(params: &HashMap<String, String>, field: &'static str) -> Result<Optio
         .map_err(|_| refused(OutOfBounds { field, problem: "must be a whole number of bytes".into() }))
 }
 
+/// A page's `limit` and the `cursor` it starts after, from the query.
+fn page(params: &HashMap<String, String>) -> Result<(usize, Option<(i64, String)>), ApiError> {
+    let limit = page_limit(params.get("limit").map(String::as_str)).map_err(refused)?;
+    let after = params.get("cursor").map(|raw| parse_cursor(raw)).transpose().map_err(refused)?;
+    Ok((limit, after))
+}
+
 /// `GET /v1/runs?limit=&cursor=&state=&thread_id=`: runs in submission
 /// order, a page at a time, from the store; `next_cursor` names the next
 /// page (`null`: this was the last).
@@ -54,8 +61,7 @@ pub(crate) async fn list(
     Query(params): Params,
 ) -> Result<Response, ApiError> {
     authorize(&state, &headers)?;
-    let limit = page_limit(params.get("limit").map(String::as_str)).map_err(refused)?;
-    let after = params.get("cursor").map(|raw| parse_cursor(raw)).transpose().map_err(refused)?;
+    let (limit, after) = page(&params)?;
     let run_state = params
         .get("state")
         .map(|raw| {
@@ -130,8 +136,7 @@ pub(crate) async fn events(
     Query(params): Params,
 ) -> Result<Response, ApiError> {
     authorize(&state, &headers)?;
-    let limit = page_limit(params.get("limit").map(String::as_str)).map_err(refused)?;
-    let after = params.get("cursor").map(|raw| parse_cursor(raw)).transpose().map_err(refused)?;
+    let (limit, after) = page(&params)?;
     let after = u64::try_from(after.map_or(0, |(seq, _)| seq)).unwrap_or(0);
     find(&state, &run_id).await?;
     let mut events = from_store(&state, move |store| store.events(&run_id, after, limit + 1)).await?;
@@ -160,8 +165,7 @@ pub(crate) async fn sandboxes(
     Query(params): Params,
 ) -> Result<Response, ApiError> {
     authorize(&state, &headers)?;
-    let limit = page_limit(params.get("limit").map(String::as_str)).map_err(refused)?;
-    let after = params.get("cursor").map(|raw| parse_cursor(raw)).transpose().map_err(refused)?;
+    let (limit, after) = page(&params)?;
     let page = SandboxPage { after: after.map(|(at, id)| (Millis(at), id)), limit: limit + 1 };
     let mut sandboxes = state.engine.sandboxes(page).await?;
     let next_cursor = (sandboxes.len() > limit).then(|| {
