@@ -443,6 +443,18 @@ pub(crate) mod tests {
         String::from_utf8_lossy(&output.stdout).trim().to_owned()
     }
 
+    /// Amendment 4: a git transfer that makes no progress for 60 s fails.
+    /// Every git the agent runs is told so (git's own low-speed bound).
+    #[tokio::test]
+    async fn every_git_fails_a_transfer_stalled_for_60_s() {
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let no_env = BTreeMap::new();
+        let git = Git { url: "the checkout", dir: dir.path(), extra_env: &no_env };
+        let env = git.run("env", &["-c", "alias.env=!env", "env"]).await.expect("git runs a shell alias");
+        assert!(env.lines().any(|line| line == "GIT_HTTP_LOW_SPEED_LIMIT=1"), "{env}");
+        assert!(env.lines().any(|line| line == "GIT_HTTP_LOW_SPEED_TIME=60"), "{env}");
+    }
+
     /// A non-bare upstream repository with one commit on `main`, reached
     /// through a `file://` URL.
     pub(crate) struct Upstream {
