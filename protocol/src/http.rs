@@ -66,6 +66,26 @@ pub enum EventKind {
     InstallFailed { requeueable: bool, stage: String, message: String },
 }
 
+impl EventKind {
+    /// Every event type's name on the wire, in the order a run reports them.
+    pub const NAMES: [&'static str; 4] = ["install_failed", "started", "exited", "cancelled"];
+
+    /// The `type` this event carries on the wire.
+    pub const fn name(&self) -> &'static str {
+        match self {
+            Self::Started => "started",
+            Self::Exited { .. } => "exited",
+            Self::Cancelled => "cancelled",
+            Self::InstallFailed { .. } => "install_failed",
+        }
+    }
+
+    /// Whether this event ends the run.
+    pub const fn is_terminal(&self) -> bool {
+        !matches!(self, Self::Started)
+    }
+}
+
 /// `POST /v1/executions/{id}/log`: a chunk of the run's redacted terminal
 /// output. `offset` counts bytes already sent, so the server recognises a
 /// retried chunk.

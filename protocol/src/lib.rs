@@ -4,19 +4,26 @@
 //! values into bytes, so both halves of the contract (and servers written in
 //! other languages, through `schema/` and `fixtures/`) agree on one shape.
 
+mod exit;
 mod fingerprint;
 mod http;
+mod install;
+pub mod layout;
 pub mod log_ledger;
 mod message;
+mod refusal;
 mod secret;
 mod spec;
 
+pub use exit::ExitCode;
 pub use fingerprint::{Fingerprint, fingerprint};
 pub use http::{
     Attachment, AttachmentsResponse, CloudCredentialsResponse, ErrorBody, Event, EventKind, GitCredential,
     GitCredentialsResponse, LogChunk, LogReceived, SecretsResponse,
 };
+pub use install::{Cause, Stage};
 pub use message::{AgentMessage, AgentState, Assignment, Cancel, DecodeError, Retired, Run, ServerMessage};
+pub use refusal::{Answer, CredentialKind, Refusal};
 pub use secret::Secret;
 pub use spec::{McpServer, McpTransport, Repo, SetupStep, Spec, Workspace};
 
@@ -51,7 +58,25 @@ pub const SPEC_PATH: &str = "/v1/standby/spec";
 pub const SOCKET_PATH: &str = "/ws";
 
 /// Paths of the per-execution HTTP calls, appended to the server's base URL.
+/// The `*_ROUTE` constants are the same paths as a router's patterns.
 pub mod paths {
+    /// Route pattern of [`secrets`].
+    pub const SECRETS_ROUTE: &str = "/v1/executions/{id}/secrets";
+    /// Route pattern of [`attachments`].
+    pub const ATTACHMENTS_ROUTE: &str = "/v1/executions/{id}/attachments";
+    /// Route pattern of [`attachment`].
+    pub const ATTACHMENT_ROUTE: &str = "/v1/executions/{id}/attachments/{name}";
+    /// Route pattern of [`git_credentials`].
+    pub const GIT_CREDENTIALS_ROUTE: &str = "/v1/executions/{id}/git-credentials";
+    /// Route pattern of [`metadata`].
+    pub const METADATA_ROUTE: &str = "/v1/executions/{id}/metadata";
+    /// Route pattern of [`cloud_credentials`].
+    pub const CLOUD_CREDENTIALS_ROUTE: &str = "/v1/executions/{id}/cloud-credentials";
+    /// Route pattern of [`events`].
+    pub const EVENTS_ROUTE: &str = "/v1/executions/{id}/events";
+    /// Route pattern of [`log`].
+    pub const LOG_ROUTE: &str = "/v1/executions/{id}/log";
+
     /// `GET`: the run's secrets.
     pub fn secrets(execution_id: &str) -> String {
         format!("/v1/executions/{execution_id}/secrets")
@@ -59,6 +84,11 @@ pub mod paths {
     /// `GET`: the list of attachments.
     pub fn attachments(execution_id: &str) -> String {
         format!("/v1/executions/{execution_id}/attachments")
+    }
+    /// `GET`: one attachment's content, as the reference server serves it
+    /// (the contract lets a server name any URL in the list).
+    pub fn attachment(execution_id: &str, name: &str) -> String {
+        format!("/v1/executions/{execution_id}/attachments/{name}")
     }
     /// `POST`: git credentials.
     pub fn git_credentials(execution_id: &str) -> String {
@@ -79,5 +109,27 @@ pub mod paths {
     /// `POST`: terminal output.
     pub fn log(execution_id: &str) -> String {
         format!("/v1/executions/{execution_id}/log")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::paths;
+
+    #[test]
+    fn every_path_matches_its_route() {
+        let cases = [
+            (paths::secrets("x"), paths::SECRETS_ROUTE),
+            (paths::attachments("x"), paths::ATTACHMENTS_ROUTE),
+            (paths::attachment("x", "n"), paths::ATTACHMENT_ROUTE),
+            (paths::git_credentials("x"), paths::GIT_CREDENTIALS_ROUTE),
+            (paths::metadata("x"), paths::METADATA_ROUTE),
+            (paths::cloud_credentials("x"), paths::CLOUD_CREDENTIALS_ROUTE),
+            (paths::events("x"), paths::EVENTS_ROUTE),
+            (paths::log("x"), paths::LOG_ROUTE),
+        ];
+        for (path, route) in cases {
+            assert_eq!(path, route.replace("{id}", "x").replace("{name}", "n"));
+        }
     }
 }

@@ -4,8 +4,9 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 /// What a standby prepares before any run exists: `GET /v1/standby/spec` or
-/// the file named by `STANDBY_SPEC`. Every field but `workspace` may be absent.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+/// the file named by `STANDBY_SPEC`. Every field but `workspace` may be absent;
+/// the default is the empty spec (no repos, no setup, no MCP servers).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct Spec {
     pub workspace: Workspace,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
