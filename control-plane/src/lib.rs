@@ -13,7 +13,6 @@
 //! - [`spool`]: the `spool` provider, standby credentials as files (load generation).
 //! - [`bounds`]: what one request may carry and one answer hold (pure).
 //! - [`metrics`]: the Prometheus text of `/metrics`.
-//! - [`demo`]: `standby-server demo`.
 
 pub mod agent_api;
 pub mod api;
@@ -21,7 +20,6 @@ pub mod api_reads;
 pub mod bounds;
 pub mod containment;
 pub mod credential;
-pub mod demo;
 pub mod dispatch;
 pub mod engine;
 pub mod listener;

@@ -1,5 +1,8 @@
 //! `standby-server`: the reference control plane (`serve`) and the demo
-//! (`demo`). Thin: parses flags, sets up logging, calls the library.
+//! (`demo`). Thin: parses flags, sets up logging, calls the library; the
+//! demo is the binary's own module, a client of the library.
+
+mod demo;
 
 use std::io::Write as _;
 use std::net::SocketAddr;
@@ -11,8 +14,8 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
+use demo::DemoOptions;
 use standby_control_plane::containment::ContainmentChoice;
-use standby_control_plane::demo::{self, DemoOptions};
 use standby_control_plane::dispatch::{Lifecycle, RunBounds};
 use standby_control_plane::listener::{self, ListenerLimits};
 use standby_control_plane::policy::AutoStop;
