@@ -339,8 +339,8 @@ pub async fn run_threads(
 ) -> Result<Vec<FollowUp>, DemoError> {
     let threads = DemoOptions { pool_size: 0, ..options.clone() };
     let configure = |config: &mut ServerConfig| {
-        config.lifecycle.warm_idle = DEMO_WARM_IDLE;
-        config.lifecycle.park_stopped = true;
+        config.pool_policy.warm_idle = DEMO_WARM_IDLE;
+        config.pool_policy.park_stopped = true;
     };
     with_server(&threads, Duration::from_millis(250), configure, async |server, key, sandboxes, _| {
         drive_threads(options, rounds, server, key, sandboxes, out).await

@@ -33,7 +33,7 @@
 //!   `started` arrives, may have started the run: the run fails (at most
 //!   once).
 //!
-//! The warm pool's lifecycle (in [`pool`] and [`threads`]):
+//! The warm pool's policy (in [`pool`] and [`threads`]):
 //! - Sandboxes that cost compute (a process exists or is being started:
 //!   standbys, busy ones, parked-running ones, retired ones not yet gone)
 //!   never exceed the running cap. A run that needs a new one at the cap
@@ -97,14 +97,14 @@ pub struct DispatchConfig {
     pub pool_workspace: standby_protocol::Workspace,
     /// Fingerprint of the pool spec's workspace.
     pub pool_fingerprint: Fingerprint,
-    pub lifecycle: Lifecycle,
+    pub pool_policy: PoolPolicy,
     /// What one run may cost: its log cap, its time in memory once finished.
     pub bounds: RunBounds,
 }
 
 /// The pool policy and the thread tiers.
 #[derive(Debug, Clone)]
-pub struct Lifecycle {
+pub struct PoolPolicy {
     /// Most sandboxes costing compute at once; `0`: no cap.
     pub running_cap: usize,
     /// A standby is replaced within this; zero: never.
@@ -121,7 +121,7 @@ pub struct Lifecycle {
     pub resume_timeout: Duration,
 }
 
-impl Default for Lifecycle {
+impl Default for PoolPolicy {
     fn default() -> Self {
         Self {
             running_cap: 0,
@@ -636,7 +636,7 @@ impl Dispatch {
         snapshot.requeues += self.evicted.requeues;
         snapshot.resume_fallbacks += self.evicted.resume_fallbacks;
         snapshot.runs_in_memory = self.runs.len() as u64;
-        snapshot.running_cap = self.config.lifecycle.running_cap as u64;
+        snapshot.running_cap = self.config.pool_policy.running_cap as u64;
         snapshot.duplicate_connections_refused = self.admissions.duplicates_refused;
         snapshot
     }
@@ -1466,7 +1466,7 @@ impl Dispatch {
         let workspace = run.run.workspace.clone();
         let fingerprint = run.fingerprint.clone().unwrap_or_else(|| self.config.pool_fingerprint.clone());
         let (sandbox_id, token) = self.create_sandbox(now, step, SandboxKind::Cold, workspace, fingerprint);
-        let auto_stop = self.config.lifecycle.auto_stop.minutes;
+        let auto_stop = self.config.pool_policy.auto_stop.minutes;
         self.update_sandbox(step, &sandbox_id, |record| record.auto_stop_minutes = Some(auto_stop));
         self.commit(now, step, run_id, &sandbox_id, RunPath::Cold);
         step.effects.push(Effect::Launch { sandbox_id: sandbox_id.clone(), token, create: true, auto_stop });

@@ -26,12 +26,12 @@ impl Dispatch {
     }
 
     pub(super) fn slot_free(&self) -> bool {
-        let cap = self.config.lifecycle.running_cap;
+        let cap = self.config.pool_policy.running_cap;
         cap == 0 || self.running_count() < cap
     }
 
     pub(super) fn cap_reason(&self) -> String {
-        format!("the running cap of {} sandboxes is reached", self.config.lifecycle.running_cap)
+        format!("the running cap of {} sandboxes is reached", self.config.pool_policy.running_cap)
     }
 
     /// Keeps `pool_size` warm standbys with no run that are not expiring,
@@ -47,12 +47,12 @@ impl Dispatch {
             .filter(|l| l.record.kind == SandboxKind::Warm && l.record.state == SandboxState::Standby && !l.exited)
             .filter(|l| l.record.expires_at.is_none_or(|expires_at| now < expires_at))
             .count();
-        let cap = self.config.lifecycle.running_cap;
+        let cap = self.config.pool_policy.running_cap;
         let room = if cap == 0 { usize::MAX } else { cap.saturating_sub(self.running_count()) };
         for _ in 0..self.config.pool_size.saturating_sub(live).min(room) {
             let fingerprint = self.config.pool_fingerprint.clone();
             let (sandbox_id, token) = self.create_sandbox(now, step, SandboxKind::Warm, None, fingerprint);
-            let schedule = ttl_schedule(&sandbox_id, now, self.config.lifecycle.standby_ttl);
+            let schedule = ttl_schedule(&sandbox_id, now, self.config.pool_policy.standby_ttl);
             self.update_sandbox(step, &sandbox_id, |record| {
                 record.expires_at = schedule.map(|s| s.expires_at);
                 record.deadline = schedule.map(|s| s.deadline);

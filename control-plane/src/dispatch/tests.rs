@@ -16,7 +16,7 @@ fn config(pool_size: usize) -> DispatchConfig {
         linger: Duration::from_secs(5),
         pool_workspace: Workspace::default(),
         pool_fingerprint: fingerprint(&Workspace::default()),
-        lifecycle: Lifecycle::default(),
+        pool_policy: PoolPolicy::default(),
         bounds: RunBounds::default(),
     }
 }

@@ -146,10 +146,10 @@ impl Dispatch {
             retire(self, step, reason);
             return;
         };
-        let lifecycle = &self.config.lifecycle;
-        let mode = if !lifecycle.warm_idle.is_zero() {
+        let policy = &self.config.pool_policy;
+        let mode = if !policy.warm_idle.is_zero() {
             ParkMode::Running
-        } else if lifecycle.park_stopped {
+        } else if policy.park_stopped {
             ParkMode::Stopped
         } else {
             retire(
@@ -159,8 +159,8 @@ impl Dispatch {
             );
             return;
         };
-        let until = (mode == ParkMode::Running).then(|| now.plus(lifecycle.warm_idle));
-        let auto_stop = lifecycle.auto_stop.effective(lifecycle.warm_idle);
+        let until = (mode == ParkMode::Running).then(|| now.plus(policy.warm_idle));
+        let auto_stop = policy.auto_stop.effective(policy.warm_idle);
         let expected = run.thread_generation.unwrap_or(0);
         let parked = self.write_thread(now, step, &thread_id, expected, |thread| {
             thread.sandbox_id = Some(sandbox_id.to_owned());
@@ -209,7 +209,7 @@ impl Dispatch {
     /// when parking stopped is off.
     pub(super) fn park_stopped_or_release(&mut self, now: Millis, step: &mut Step, sandbox_id: &str, reason: &str) {
         let Some(live) = self.sandboxes.get(sandbox_id) else { return };
-        if !self.config.lifecycle.park_stopped {
+        if !self.config.pool_policy.park_stopped {
             let notify = Some(ServerMessage::Retired(Retired { reason: Some(reason.to_owned()) }));
             self.retire_sandbox(now, step, sandbox_id, reason, CredentialState::Retired, notify, Duration::ZERO);
             return;
@@ -242,8 +242,8 @@ impl Dispatch {
         if self.credentials.get(&old).is_some_and(|c| c.state == CredentialState::Active) {
             self.set_credential(step, &old, CredentialState::Revoked);
         }
-        let lifecycle = &self.config.lifecycle;
-        let auto_stop = lifecycle.auto_stop.effective(lifecycle.warm_idle);
+        let policy = &self.config.pool_policy;
+        let auto_stop = policy.auto_stop.effective(policy.warm_idle);
         let (credential_id, token) = self.new_credential(step, CredentialKind::Standby, sandbox_id, None);
         self.update_sandbox(step, sandbox_id, |record| {
             record.standby_credential_id = credential_id;
@@ -459,7 +459,7 @@ impl Dispatch {
         if !claimed {
             return;
         }
-        let warm_idle = self.config.lifecycle.warm_idle;
+        let warm_idle = self.config.pool_policy.warm_idle;
         let park = Park { mode: ParkMode::Running, since: now, until: Some(now.plus(warm_idle)) };
         self.update_sandbox(step, &sandbox_id, |record| {
             record.state = SandboxState::Parked;
@@ -478,7 +478,7 @@ impl Dispatch {
     pub(super) fn tick_threads(&mut self, now: Millis, step: &mut Step) {
         let silence = self.config.silence();
         let launch_timeout = self.config.launch_timeout;
-        let resume_timeout = self.config.lifecycle.resume_timeout;
+        let resume_timeout = self.config.pool_policy.resume_timeout;
         let mut to_stop = Vec::new();
         let mut too_slow = Vec::new();
         for live in self.sandboxes.values() {

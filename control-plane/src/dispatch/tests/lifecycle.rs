@@ -10,7 +10,7 @@ const MINUTE: Duration = Duration::from_secs(60);
 
 fn lifecycle(pool_size: usize, running_cap: usize) -> DispatchConfig {
     let mut config = config(pool_size);
-    config.lifecycle = Lifecycle {
+    config.pool_policy = PoolPolicy {
         running_cap,
         standby_ttl: Duration::ZERO,
         warm_idle: MINUTE,
@@ -159,7 +159,7 @@ impl Sim {
     }
 
     fn cap(&self) -> usize {
-        self.world.machine.config.lifecycle.running_cap
+        self.world.machine.config.pool_policy.running_cap
     }
 
     /// Records what `step` asks of the agents, and checks the cap: neither
@@ -296,7 +296,7 @@ fn runs_come_before_standbys_at_the_cap() {
 #[test]
 fn a_run_that_cannot_take_a_standby_gets_one_retired_to_make_room() {
     let mut config = lifecycle(1, 1);
-    config.lifecycle.warm_idle = Duration::ZERO;
+    config.pool_policy.warm_idle = Duration::ZERO;
     let mut world = World::with(config);
     let pool = world.ready_pool();
     let (first, step) = turn(&mut world, "t1");
@@ -324,7 +324,7 @@ fn a_run_that_cannot_take_a_standby_gets_one_retired_to_make_room() {
 #[test]
 fn ttl_replacement_keeps_min_ready_standbys_ready() {
     let mut config = lifecycle(2, 3);
-    config.lifecycle.standby_ttl = Duration::from_secs(100);
+    config.pool_policy.standby_ttl = Duration::from_secs(100);
     let mut sim = Sim::new(config);
     let step = sim.world.tick();
     sim.observe(&step);
@@ -351,7 +351,7 @@ fn ttl_replacement_keeps_min_ready_standbys_ready() {
 #[test]
 fn without_a_spare_slot_a_standby_is_retired_before_its_deadline_then_replaced() {
     let mut config = lifecycle(1, 1);
-    config.lifecycle.standby_ttl = Duration::from_secs(100);
+    config.pool_policy.standby_ttl = Duration::from_secs(100);
     let mut sim = Sim::new(config);
     let step = sim.world.tick();
     sim.observe(&step);
@@ -568,7 +568,7 @@ fn a_stale_pointer_write_is_rejected() {
 fn at_the_cap_the_oldest_parked_running_sandbox_makes_room_for_a_waiting_run() {
     for park_stopped in [true, false] {
         let mut config = lifecycle(0, 2);
-        config.lifecycle.park_stopped = park_stopped;
+        config.pool_policy.park_stopped = park_stopped;
         let mut world = World::with(config);
         let oldest = parked_running(&mut world, "a");
         world.advance(SECOND);
@@ -592,8 +592,8 @@ fn at_the_cap_the_oldest_parked_running_sandbox_makes_room_for_a_waiting_run() {
 fn a_kept_sandbox_gets_an_auto_stop_above_the_warm_window() {
     for (window_s, configured, expected) in [(900, 15, 20), (125, 1, 8), (300, 0, 0), (300, 60, 60)] {
         let mut config = lifecycle(0, 8);
-        config.lifecycle.warm_idle = Duration::from_secs(window_s);
-        config.lifecycle.auto_stop = AutoStop { minutes: configured, minute: MINUTE };
+        config.pool_policy.warm_idle = Duration::from_secs(window_s);
+        config.pool_policy.auto_stop = AutoStop { minutes: configured, minute: MINUTE };
         let mut world = World::with(config);
         let (_, step) = turn(&mut world, "t1");
         assert!(
