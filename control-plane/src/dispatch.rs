@@ -59,7 +59,8 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::time::Duration;
 
 use standby_protocol::{
-    AgentState, Assignment, Cancel, Event, EventKind, Fingerprint, Retired, Run, Secret, ServerMessage, fingerprint,
+    AgentState, Assignment, Cancel, Event, EventKind, ExitCode, Fingerprint, Retired, Run, Secret, ServerMessage,
+    fingerprint,
 };
 
 use crate::credential::{CredentialKind, Mint, TokenHash};
@@ -242,6 +243,29 @@ pub enum Refusal {
     /// heard from again.
     #[error("a live control connection already uses this credential")]
     Duplicate { retry_after: Duration },
+}
+
+impl Refusal {
+    /// The contract's refusal this is, which the agent reads from its
+    /// status; `None` for a second socket, which refuses the connection,
+    /// not the credential.
+    pub const fn contract(self) -> Option<standby_protocol::Refusal> {
+        match self {
+            Self::Gone | Self::Ended => Some(standby_protocol::Refusal::Gone),
+            Self::Unauthorized => Some(standby_protocol::Refusal::Unauthorized),
+            Self::Duplicate { .. } => None,
+        }
+    }
+
+    /// The HTTP status the server answers with.
+    pub fn status(self) -> axum::http::StatusCode {
+        use axum::http::StatusCode;
+        match self.contract() {
+            // The contract's statuses are valid ones: the fallback is never taken.
+            Some(refusal) => StatusCode::from_u16(refusal.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
+            None => StatusCode::CONFLICT,
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -458,20 +482,6 @@ impl std::fmt::Debug for Dispatch {
             .field("conns", &self.conns.len())
             .field("draining", &self.draining)
             .finish_non_exhaustive()
-    }
-}
-
-fn describe_exit(code: Option<i32>) -> String {
-    match code {
-        Some(0) => "its agent exited 0".into(),
-        Some(10) => "its agent exited 10 (standby credential unavailable)".into(),
-        Some(11) => "its agent exited 11 (standby credential unauthorized)".into(),
-        Some(12) => "its agent exited 12 (standby deadline passed)".into(),
-        Some(13) => "its agent exited 13 (install failed)".into(),
-        Some(14) => "its agent exited 14 (assignment withdrawn)".into(),
-        Some(15) => "its agent exited 15 (preparation failed)".into(),
-        Some(code) => format!("its agent exited {code}"),
-        None => "its agent was killed by a signal".into(),
     }
 }
 
@@ -1070,7 +1080,7 @@ impl Dispatch {
             return step;
         }
         self.end_graces_of(&mut step, sandbox_id);
-        let reason = describe_exit(code);
+        let reason = ExitCode::describe(code);
         match state {
             SandboxState::Parked => self.parked_exited(now, &mut step, sandbox_id, &reason),
             SandboxState::Resuming => self.resuming_exited(now, &mut step, sandbox_id, &reason),

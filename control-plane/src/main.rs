@@ -24,7 +24,7 @@ use standby_control_plane::seal::SealKey;
 use standby_control_plane::server::{self, ServerConfig};
 use standby_control_plane::spool::SpoolProvider;
 use standby_control_plane::store::SqliteStore;
-use standby_protocol::{Secret, Spec, Workspace};
+use standby_protocol::{Secret, Spec};
 use tokio::signal::unix::{SignalKind, signal};
 
 /// The reference control plane for `standby`: the server half of the
@@ -377,7 +377,7 @@ async fn serve(args: Serve) -> anyhow::Result<()> {
                 )
             })?
         }
-        None => Spec { workspace: Workspace::default(), mcp_servers: Vec::new(), shell: None, deadline: None },
+        None => Spec::default(),
     };
     let api_key = api_key(args.api_key_file.as_deref(), args.api_key)?;
     let agent = match args.provider {

@@ -15,7 +15,7 @@ use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use standby_protocol::{Secret, Spec, fingerprint};
+use standby_protocol::{Secret, Spec, fingerprint, paths};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
@@ -190,14 +190,14 @@ fn router(state: AppState) -> Router {
         .route("/healthz", get(|| async { "ok" }))
         .route(standby_protocol::SOCKET_PATH, get(agent_api::socket))
         .route(standby_protocol::SPEC_PATH, get(agent_api::spec))
-        .route("/v1/executions/{id}/secrets", get(agent_api::secrets))
-        .route("/v1/executions/{id}/attachments", get(agent_api::attachments))
-        .route("/v1/executions/{id}/attachments/{name}", get(agent_api::attachment))
-        .route("/v1/executions/{id}/git-credentials", post(agent_api::git_credentials))
-        .route("/v1/executions/{id}/metadata", get(agent_api::metadata))
-        .route("/v1/executions/{id}/cloud-credentials", post(agent_api::cloud_credentials))
-        .route("/v1/executions/{id}/events", post(agent_api::events).layer(DefaultBodyLimit::max(EVENT_BODY_MAX)))
-        .route("/v1/executions/{id}/log", post(agent_api::log).layer(DefaultBodyLimit::max(LOG_BODY_MAX)))
+        .route(paths::SECRETS_ROUTE, get(agent_api::secrets))
+        .route(paths::ATTACHMENTS_ROUTE, get(agent_api::attachments))
+        .route(paths::ATTACHMENT_ROUTE, get(agent_api::attachment))
+        .route(paths::GIT_CREDENTIALS_ROUTE, post(agent_api::git_credentials))
+        .route(paths::METADATA_ROUTE, get(agent_api::metadata))
+        .route(paths::CLOUD_CREDENTIALS_ROUTE, post(agent_api::cloud_credentials))
+        .route(paths::EVENTS_ROUTE, post(agent_api::events).layer(DefaultBodyLimit::max(EVENT_BODY_MAX)))
+        .route(paths::LOG_ROUTE, post(agent_api::log).layer(DefaultBodyLimit::max(LOG_BODY_MAX)))
         .route("/v1/runs", post(api::submit).get(api_reads::list))
         .route("/v1/runs/{id}", get(api::get))
         .route("/v1/runs/{id}/log", get(api_reads::log))

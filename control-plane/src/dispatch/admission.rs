@@ -33,8 +33,6 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use standby_protocol::EventKind;
-
 use super::{Admission, ConnId, Dispatch, Effect, Refusal, Step};
 use crate::credential::{self, CredentialKind};
 use crate::model::{CredentialState, Millis, RunState};
@@ -238,7 +236,7 @@ impl Dispatch {
     /// An event arrived with the credential of `attempt`: the agent's last
     /// (anything but `started`) ends that credential's grace.
     pub fn event(&mut self, now: Millis, run_id: &str, attempt: u32, event: standby_protocol::Event) -> Step {
-        let last = !matches!(event.kind, EventKind::Started);
+        let last = event.kind.is_terminal();
         let mut step = self.record_event(now, run_id, attempt, event);
         if last {
             // A run not in memory has finished (evicted, or not loaded

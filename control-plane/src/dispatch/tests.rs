@@ -1,6 +1,6 @@
 use std::collections::BTreeMap;
 
-use standby_protocol::{Repo, Workspace};
+use standby_protocol::{Cause, Repo, Stage, Workspace};
 
 use super::*;
 use crate::credential::CountingMint;
@@ -389,8 +389,7 @@ fn a_run_whose_workspace_differs_is_tried_warm_then_cold_on_that_workspace() {
     });
     let (run_id, _) = world.submit(other.clone());
     assert_eq!(world.run(&run_id).path(), Some(RunPath::Warm), "the agent, not the server, compares workspaces");
-    let mismatch =
-        EventKind::InstallFailed { requeueable: true, stage: "same_preparation".into(), message: "fingerprint".into() };
+    let mismatch = EventKind::install_failed(Stage::SamePreparation, Cause::FingerprintMismatch, "fingerprint");
     let step = world.event(&run_id, "f", mismatch);
     let record = world.run(&run_id);
     let cold =
@@ -683,11 +682,7 @@ fn a_requeueable_install_failure_requeues_to_a_cold_sandbox_once_warm() {
     let (run_id, step) = world.submit(run("a"));
     let assignment = assignments(&step).remove(0).1;
     world.connect(&assignment.run_credential);
-    let failure = EventKind::InstallFailed {
-        requeueable: true,
-        stage: "same_preparation".into(),
-        message: "fingerprint mismatch".into(),
-    };
+    let failure = EventKind::install_failed(Stage::SamePreparation, Cause::FingerprintMismatch, "fingerprint mismatch");
     let step = world.event(&run_id, "f1", failure);
     let revoked = position(&step, revokes(&world.run(&run_id).attempts[0].credential_id));
     let requeued = position(&step, |w| matches!(w, Write::Run(r) if r.attempts.len() == 2));
@@ -718,11 +713,7 @@ fn a_final_install_failure_fails_the_run_with_the_agents_message() {
     let mut world = World::new(1);
     world.ready_pool();
     let (run_id, _) = world.submit(run("a"));
-    let failure = EventKind::InstallFailed {
-        requeueable: false,
-        stage: "cwd".into(),
-        message: "no such directory `nope`".into(),
-    };
+    let failure = EventKind::install_failed(Stage::Check, Cause::InvalidRun, "no such directory `nope`");
     let step = world.event(&run_id, "f", failure);
     let record = world.run(&run_id);
     assert_eq!(record.state, RunState::Failed);
@@ -738,8 +729,7 @@ fn requeues_stop_at_max_attempts() {
     for n in 1..=3 {
         let cold = launches(&step).remove(0);
         world.connect(&cold.token);
-        let failure =
-            EventKind::InstallFailed { requeueable: true, stage: "secrets".into(), message: format!("timeout {n}") };
+        let failure = EventKind::install_failed(Stage::Secrets, Cause::Network, format!("timeout {n}"));
         step = world.event(&run_id, &format!("f{n}"), failure);
     }
     let record = world.run(&run_id);

@@ -249,3 +249,22 @@ fn the_assignment_always_names_the_workspace_the_run_expects() {
     let (_, _, step) = world.connect(&cold.token);
     assert_eq!(assignments(&step).remove(0).1.run.workspace, Some(own));
 }
+
+#[test]
+fn refusals_answer_the_contracts_statuses() {
+    use standby_protocol::{Answer, CredentialKind, ExitCode};
+    // What the agent makes of each answer, for the credential it presented.
+    let cases = [
+        (Refusal::Gone, CredentialKind::Standby, 410, ExitCode::Unavailable),
+        (Refusal::Unauthorized, CredentialKind::Standby, 401, ExitCode::Unauthorized),
+        (Refusal::Unauthorized, CredentialKind::Run, 401, ExitCode::Withdrawn),
+        (Refusal::Ended, CredentialKind::Run, 410, ExitCode::Withdrawn),
+    ];
+    for (refusal, credential, status, exit) in cases {
+        assert_eq!(refusal.status().as_u16(), status, "{refusal:?}");
+        let Answer::Refused(read) = Answer::of(refusal.status().as_u16()) else { panic!("{refusal:?} is a refusal") };
+        assert_eq!(read.exit(credential), exit, "{refusal:?} of a {credential:?} credential");
+    }
+    let duplicate = Refusal::Duplicate { retry_after: Duration::from_secs(1) };
+    assert_eq!((duplicate.contract(), duplicate.status().as_u16()), (None, 409), "a second socket, not a refusal");
+}
