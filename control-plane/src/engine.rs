@@ -20,8 +20,8 @@ use standby_protocol::{AgentState, Event, Run, Secret, ServerMessage};
 use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::dispatch::{
-    Admission, Call, CancelError, ConnId, Dispatch, Effect, Found, LogError, MetricsSnapshot, Refusal, SandboxPage,
-    SandboxView, Step,
+    Admission, Call, CancelError, ConnId, Dispatch, Effect, Found, LogError, MetricsSnapshot, Provision, Refusal,
+    SandboxPage, SandboxView, Step,
 };
 use crate::model::{Millis, RunRecord, RunRequest, RunState, SandboxRecord, ThreadRecord};
 use crate::policy::raised_auto_stop;
@@ -488,15 +488,17 @@ impl<P: SandboxProvider> Engine<P> {
                     let _ = sender.send(Outbound::Close);
                 }
             }
-            Effect::Launch { sandbox_id, token, create, auto_stop } => {
+            Effect::Launch { sandbox_id, token, provision, auto_stop } => {
                 let provider = Arc::clone(&self.provider);
                 let handle = self.handle.clone();
                 let launch = self.agent_launch(token);
                 let id = sandbox_id.clone();
                 self.queue(&id, async move {
-                    let prepared =
-                        if create { provider.create(&sandbox_id).await } else { provider.start(&sandbox_id).await };
-                    if prepared.is_ok() && create {
+                    let prepared = match provision {
+                        Provision::Create => provider.create(&sandbox_id).await,
+                        Provision::Start => provider.start(&sandbox_id).await,
+                    };
+                    if prepared.is_ok() && provision == Provision::Create {
                         set_auto_stop(provider.as_ref(), &sandbox_id, auto_stop).await;
                     }
                     let launched = match prepared {

@@ -13,10 +13,9 @@
 
 use std::time::Duration;
 
-use standby_protocol::{Retired, ServerMessage};
-
-use super::{Dispatch, Effect, Step};
-use crate::model::{CredentialState, Millis, ParkMode, SandboxKind, SandboxState};
+use super::sandboxes::Retirement;
+use super::{Dispatch, Effect, Provision, Step};
+use crate::model::{Millis, ParkMode, SandboxKind, SandboxState};
 use crate::policy::{retire_at, ttl_schedule};
 
 impl Dispatch {
@@ -58,7 +57,7 @@ impl Dispatch {
                 record.deadline = schedule.map(|s| s.deadline);
                 record.auto_stop_minutes = Some(0);
             });
-            step.effects.push(Effect::Launch { sandbox_id, token, create: true, auto_stop: 0 });
+            step.effects.push(Effect::Launch { sandbox_id, token, provision: Provision::Create, auto_stop: 0 });
         }
     }
 
@@ -94,9 +93,8 @@ impl Dispatch {
             if hard || spare {
                 ready -= usize::from(candidate);
                 let reason = if hard { "standby TTL: retired before its deadline" } else { "standby TTL: replaced" };
-                let notify = Some(ServerMessage::Retired(Retired { reason: Some(reason.into()) }));
-                let linger = self.config.linger;
-                self.retire_sandbox(now, step, &sandbox_id, reason, CredentialState::Retired, notify, linger);
+                let retirement = Retirement::new(reason).told().lingering(self.config.linger);
+                self.retire_sandbox(now, step, &sandbox_id, retirement);
             }
         }
     }
@@ -138,8 +136,7 @@ impl Dispatch {
         standbys.sort();
         for (_, sandbox_id) in standbys.into_iter().take(short.min(self.blocked_cold)) {
             let reason = "retired to make room: the running cap is reached and runs that need a cold sandbox wait";
-            let notify = Some(ServerMessage::Retired(Retired { reason: Some(reason.into()) }));
-            self.retire_sandbox(now, step, &sandbox_id, reason, CredentialState::Retired, notify, Duration::ZERO);
+            self.retire_sandbox(now, step, &sandbox_id, Retirement::new(reason).told());
         }
     }
 }

@@ -16,9 +16,7 @@ fn ends_run(run_id: &str, state: RunState) -> impl Fn(&Write) -> bool + '_ {
 /// A warm run whose run credential connected and that started: the run,
 /// its assignment and the run connection.
 fn running(world: &mut World) -> (String, Assignment, ConnId) {
-    world.ready_pool();
-    let (run_id, step) = world.submit(run("a"));
-    let assignment = assignments(&step).remove(0).1;
+    let Warm { run_id, assignment, .. } = world.warm_run();
     let (_, run_conn, _) = world.connect(&assignment.run_credential);
     world.event(&run_id, "started", EventKind::Started);
     (run_id, assignment, run_conn)
@@ -248,6 +246,24 @@ fn the_assignment_always_names_the_workspace_the_run_expects() {
     let cold = launches(&step).remove(0);
     let (_, _, step) = world.connect(&cold.token);
     assert_eq!(assignments(&step).remove(0).1.run.workspace, Some(own));
+}
+
+// ---- refusals ----------------------------------------------------------------------
+
+#[test]
+fn refusals_distinguish_gone_from_unauthorized() {
+    let mut world = World::new(1);
+    let (standby, _) = world.ready_pool().remove(0);
+    assert_eq!(world.machine.authenticate("sby_unknown_secret"), Err(Refusal::Gone));
+    assert_eq!(world.machine.authenticate("run_unknown_secret"), Err(Refusal::Unauthorized));
+    assert_eq!(world.machine.authenticate("not a token"), Err(Refusal::Unauthorized));
+    let (_, id, _) = {
+        let text = standby.token.expose().to_owned();
+        let mut parts = text.splitn(3, '_');
+        (parts.next().map(str::to_owned), parts.next().map(str::to_owned).expect("an id"), ())
+    };
+    assert_eq!(world.machine.authenticate(&format!("sby_{id}_wrong")), Err(Refusal::Unauthorized));
+    assert_eq!(world.machine.authenticate(&format!("run_{id}_wrong")), Err(Refusal::Unauthorized), "kind mismatch");
 }
 
 #[test]
