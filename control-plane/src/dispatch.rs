@@ -88,6 +88,7 @@ use crate::policy::AutoStop;
 pub use admission::{Admission, Call, Refusal};
 pub use bounds::{Evicted, MAX_EVENTS_PER_RUN, RunBounds};
 pub use logs::{LogError, LogLedger};
+pub use resume::{ResumeFailure, ResumeStart};
 pub use runs::CancelError;
 pub use threads::StalePointer;
 pub use views::{MetricsSnapshot, SandboxPage, SandboxView};
@@ -205,10 +206,10 @@ pub enum Effect {
     Park { sandbox_id: String, linger: Duration, auto_stop: u32 },
     /// Stop the sandbox's processes and keep its filesystem (Tier 1).
     Stop { sandbox_id: String },
-    /// Make a kept sandbox run again: read its provider state, start it if
-    /// stopped or archived, raise a shorter auto-stop (bounded, best
-    /// effort), launch a fresh agent with `token`. Failures come back as
-    /// [`Dispatch::resume_failed`].
+    /// Make a kept sandbox run again, as [`ResumeStart::for_found`] says
+    /// by its provider state, raise a shorter auto-stop (bounded, best
+    /// effort), and launch a fresh agent with `token`. Failures come back
+    /// as [`Dispatch::resume_failed`].
     Resume { sandbox_id: String, token: Secret, auto_stop: u32 },
     /// The sandbox is busy (preparing, installing or running): the
     /// provider's idle auto-stop clock starts over.

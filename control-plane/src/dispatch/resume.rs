@@ -1,6 +1,16 @@
-//! A follow-up turn on its thread's parked sandbox: bound at once to a
-//! ready agent (Tier 2), or the sandbox started and the run bound once its
-//! agent is ready (Tier 1, or a Tier 2 sandbox whose agent is gone).
+//! A follow-up turn on its thread's parked sandbox: what it does is a
+//! pure decision ([`follow_up`], a table tested row by row), carried out
+//! here; so is what the engine does with the provider to make the sandbox
+//! run again ([`ResumeStart::for_found`]).
+//!
+//! | workspace | parked | its agent | running slot | the turn |
+//! |---|---|---|---|---|
+//! | changed | any | any | any | [`FollowUp::Fallback`]: the sandbox retired, the run placed like a new one |
+//! | same | running (Tier 2) | ready | any | [`FollowUp::BindNow`] |
+//! | same | any | exited | taken | [`FollowUp::WaitForSlot`] |
+//! | same | any | exited | free | [`FollowUp::Resume`]: start it, bind once its agent is ready |
+//! | same | stopped (Tier 1) | still running (being stopped) | any | [`FollowUp::ResumeAfterExit`] |
+//! | same | running (Tier 2) | starting | any | [`FollowUp::AwaitReady`] |
 //!
 //! A resume that fails (the sandbox is gone, the provider refuses to start
 //! it, its agent is not ready in time or ends first) retires the sandbox,
@@ -9,15 +19,118 @@
 
 use super::placement::{Need, Placement, SlotQueue};
 use super::sandboxes::Retirement;
-use super::{Dispatch, Effect, Live, Step};
+use super::{Dispatch, Effect, Found, Live, Step};
 use crate::credential::CredentialKind;
 use crate::model::{CredentialState, Millis, Park, ParkMode, Resume, RunPath, RunState, SandboxState};
 
+/// Whether the sandbox was prepared with the workspace the turn expects.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Preparation {
+    Same,
+    /// The run names another workspace, or the pool spec changed since.
+    Changed,
+}
+
+/// The agent of a parked sandbox, as a follow-up turn finds it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum ParkedAgent {
+    /// A fresh agent is running, connected, and said `ready` within the
+    /// silence limit.
+    Ready,
+    /// An agent is running but not ready: the last turn's agent is still
+    /// exiting, a fresh one is starting, or the sandbox is being stopped.
+    Starting,
+    /// No agent is running.
+    Exited,
+}
+
+/// Whether a new running slot is free for the turn.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Slot {
+    Free,
+    /// At the cap, or an earlier run waits for one.
+    Taken,
+}
+
+/// What a follow-up turn finds of its thread's parked sandbox.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Parked {
+    pub(super) preparation: Preparation,
+    pub(super) mode: ParkMode,
+    pub(super) agent: ParkedAgent,
+    pub(super) slot: Slot,
+}
+
+/// What a follow-up turn does with its thread's parked sandbox.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum FollowUp {
+    /// The sandbox is retired and the run placed like a new one.
+    Fallback,
+    /// Tier 2: the ready agent takes the run at once.
+    BindNow,
+    /// Start the sandbox's agent (the provider starts a stopped sandbox
+    /// first) and bind the run once it is ready.
+    Resume,
+    /// As [`FollowUp::Resume`], once the agent being stopped has exited.
+    ResumeAfterExit,
+    /// A fresh agent is on its way: bind the run once it is ready.
+    AwaitReady,
+    /// Starting the sandbox needs a running slot: wait for one.
+    WaitForSlot,
+}
+
+/// The decision table of the module documentation.
+pub(super) fn follow_up(parked: Parked) -> FollowUp {
+    use {ParkedAgent as Agent, Preparation::Changed};
+    match parked {
+        Parked { preparation: Changed, .. } => FollowUp::Fallback,
+        Parked { mode: ParkMode::Running, agent: Agent::Ready, .. } => FollowUp::BindNow,
+        Parked { agent: Agent::Exited, slot: Slot::Taken, .. } => FollowUp::WaitForSlot,
+        Parked { agent: Agent::Exited, slot: Slot::Free, .. } => FollowUp::Resume,
+        Parked { mode: ParkMode::Stopped, .. } => FollowUp::ResumeAfterExit,
+        Parked { mode: ParkMode::Running, .. } => FollowUp::AwaitReady,
+    }
+}
+
+/// How the engine makes a kept sandbox run again before it launches a
+/// fresh agent in it, by what the provider says of the sandbox.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ResumeStart {
+    /// Stopped or archived: start it.
+    Start,
+    /// Still running (an agent this server does not watch, or processes
+    /// left behind): stop it, then start it.
+    StopFirst,
+}
+
+impl ResumeStart {
+    /// The table: `running` → stop first; `stopped`, `archived` → start;
+    /// `missing` → the resume fails, the sandbox gone.
+    pub fn for_found(found: Found) -> Result<Self, ResumeFailure> {
+        match found {
+            Found::Stopped | Found::Archived => Ok(Self::Start),
+            Found::Running => Ok(Self::StopFirst),
+            Found::Missing => Err(ResumeFailure::Gone),
+        }
+    }
+}
+
+/// Why a kept sandbox could not be made to run again.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ResumeFailure {
+    #[error("the sandbox no longer exists (deleted by the provider)")]
+    Gone,
+    /// The provider failed or did not answer in time, or the agent could
+    /// not be launched: the message says which.
+    #[error("{0}")]
+    Failed(String),
+}
+
 impl Dispatch {
     /// Binds `run_id` to its thread's parked sandbox, or starts making it
-    /// ready; `None` when there is nothing to resume (or it cannot be, for
-    /// a reason now recorded on the run) and the run is placed like a new
-    /// one.
+    /// ready, as [`follow_up`] decides; `None` when there is nothing to
+    /// resume (or it cannot be, for a reason now recorded on the run) and
+    /// the run is placed like a new one.
     pub(super) fn place_on_thread(
         &mut self,
         now: Millis,
@@ -31,46 +144,70 @@ impl Dispatch {
         if live.record.state != SandboxState::Parked {
             return None;
         }
-        let from = live.park_mode()?;
-        if let Some(why) = self.fingerprint_changed(run_id, live) {
-            let resume = Resume { sandbox_id: sandbox_id.clone(), from, began_at: now, ready_at: None, fallback: None };
-            self.update_run(step, run_id, |run| run.resume = Some(resume));
-            self.give_up_resume(now, step, run_id, &sandbox_id, &why);
-            return None;
+        let mode = live.park_mode()?;
+        let changed = self.fingerprint_changed(run_id, live);
+        let agent = if live.exited {
+            ParkedAgent::Exited
+        } else if self.parked_ready(now, live) {
+            ParkedAgent::Ready
+        } else {
+            ParkedAgent::Starting
+        };
+        let parked = Parked {
+            preparation: if changed.is_some() { Preparation::Changed } else { Preparation::Same },
+            mode,
+            agent,
+            slot: if self.may_take_slot(slots) { Slot::Free } else { Slot::Taken },
+        };
+        let resume =
+            |ready_at| Resume { sandbox_id: sandbox_id.clone(), from: mode, began_at: now, ready_at, fallback: None };
+        match follow_up(parked) {
+            FollowUp::Fallback => {
+                self.update_run(step, run_id, |run| run.resume = Some(resume(None)));
+                let why = changed.unwrap_or_default();
+                self.give_up_resume(now, step, run_id, &sandbox_id, &why);
+                None
+            }
+            FollowUp::BindNow => {
+                self.update_run(step, run_id, |run| run.resume = Some(resume(Some(now))));
+                self.commit(now, step, run_id, &sandbox_id, RunPath::ParkedRunning);
+                self.claim_thread(now, step, run_id, &sandbox_id);
+                self.tell_standby(step, run_id, &sandbox_id);
+                Some(Placement::Placed)
+            }
+            FollowUp::WaitForSlot => Some(Placement::Wait { reason: self.cap_reason(), needs: Need::ColdSlot }),
+            FollowUp::Resume => {
+                self.claim_for_resume(now, step, run_id, &sandbox_id, resume(None));
+                self.emit_resume(now, step, &sandbox_id);
+                Some(Placement::Placed)
+            }
+            FollowUp::ResumeAfterExit => {
+                self.claim_for_resume(now, step, run_id, &sandbox_id, resume(None));
+                if let Some(live) = self.sandboxes.get_mut(&sandbox_id) {
+                    live.resume_after_exit = true;
+                }
+                Some(Placement::Placed)
+            }
+            FollowUp::AwaitReady => {
+                self.claim_for_resume(now, step, run_id, &sandbox_id, resume(None));
+                Some(Placement::Placed)
+            }
         }
-        if from == ParkMode::Running && self.parked_ready(now, live) {
-            let resume =
-                Resume { sandbox_id: sandbox_id.clone(), from, began_at: now, ready_at: Some(now), fallback: None };
-            self.update_run(step, run_id, |run| run.resume = Some(resume));
-            self.commit(now, step, run_id, &sandbox_id, RunPath::ParkedRunning);
-            self.claim_thread(now, step, run_id, &sandbox_id);
-            self.tell_standby(step, run_id, &sandbox_id);
-            return Some(Placement::Placed);
-        }
-        let exited = live.exited;
-        if exited && !self.may_take_slot(slots) {
-            return Some(Placement::Wait { reason: self.cap_reason(), needs: Need::ColdSlot });
-        }
-        let resume = Resume { sandbox_id: sandbox_id.clone(), from, began_at: now, ready_at: None, fallback: None };
+    }
+
+    /// `run_id` claims its thread's parked `sandbox_id`, to be bound once
+    /// the sandbox's agent is ready.
+    fn claim_for_resume(&mut self, now: Millis, step: &mut Step, run_id: &str, sandbox_id: &str, resume: Resume) {
         self.update_run(step, run_id, |run| {
             run.state = RunState::Resuming;
             run.wait = None;
             run.resume = Some(resume);
         });
-        self.claim_thread(now, step, run_id, &sandbox_id);
-        self.update_sandbox(step, &sandbox_id, |record| {
+        self.claim_thread(now, step, run_id, sandbox_id);
+        self.update_sandbox(step, sandbox_id, |record| {
             record.state = SandboxState::Resuming;
             record.run_id = Some(run_id.to_owned());
         });
-        if exited {
-            self.emit_resume(now, step, &sandbox_id);
-        } else if from == ParkMode::Stopped
-            && let Some(live) = self.sandboxes.get_mut(&sandbox_id)
-        {
-            // Still being stopped: start it again once it is.
-            live.resume_after_exit = true;
-        }
-        Some(Placement::Placed)
     }
 
     /// A parked-running sandbox whose fresh agent is ready and connected.
@@ -181,20 +318,19 @@ impl Dispatch {
         self.retire_sandbox(now, step, sandbox_id, retirement);
     }
 
-    /// The provider could not make `sandbox_id` run again (`gone`: it does
-    /// not exist any more).
-    pub fn resume_failed(&mut self, now: Millis, sandbox_id: &str, reason: &str, gone: bool) -> Step {
+    /// The provider could not make `sandbox_id` run again.
+    pub fn resume_failed(&mut self, now: Millis, sandbox_id: &str, failure: &ResumeFailure) -> Step {
         let mut step = Step::default();
         let Some(live) = self.sandboxes.get_mut(sandbox_id) else { return step };
         live.exited = true;
-        match live.record.state {
-            SandboxState::Resuming => self.resume_fallback(now, &mut step, sandbox_id, reason),
-            SandboxState::Parked if gone => {
-                let retirement = Retirement::new(format!("a parked sandbox could not be started: {reason}"));
+        match (live.record.state, failure) {
+            (SandboxState::Resuming, _) => self.resume_fallback(now, &mut step, sandbox_id, &failure.to_string()),
+            (SandboxState::Parked, ResumeFailure::Gone) => {
+                let retirement = Retirement::new(format!("a parked sandbox could not be started: {failure}"));
                 self.retire_sandbox(now, &mut step, sandbox_id, retirement.revoking());
             }
-            SandboxState::Parked => {
-                let reason = format!("its fresh agent could not be started: {reason}");
+            (SandboxState::Parked, ResumeFailure::Failed(_)) => {
+                let reason = format!("its fresh agent could not be started: {failure}");
                 self.park_stopped_or_release(now, &mut step, sandbox_id, &reason);
             }
             _ => {}

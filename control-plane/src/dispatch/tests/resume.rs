@@ -1,9 +1,83 @@
-//! A follow-up turn on its thread's parked sandbox: Tier 2, Tier 1 and the
-//! fallbacks end to end.
+//! A follow-up turn on its thread's parked sandbox: the decision tables
+//! row by row, then Tier 2, Tier 1 and the fallbacks end to end.
 
 use std::collections::HashMap;
 
+use super::super::resume::{FollowUp, Parked, ParkedAgent, Preparation, Slot, follow_up};
 use super::*;
+
+// ---- the decision tables ----------------------------------------------------------
+
+const MODES: [ParkMode; 2] = [ParkMode::Running, ParkMode::Stopped];
+const AGENTS: [ParkedAgent; 3] = [ParkedAgent::Ready, ParkedAgent::Starting, ParkedAgent::Exited];
+const SLOTS: [Slot; 2] = [Slot::Free, Slot::Taken];
+
+/// Every situation a follow-up turn can find its parked sandbox in.
+fn every_parked() -> Vec<Parked> {
+    let mut all = Vec::new();
+    for preparation in [Preparation::Same, Preparation::Changed] {
+        for mode in MODES {
+            for agent in AGENTS {
+                for slot in SLOTS {
+                    all.push(Parked { preparation, mode, agent, slot });
+                }
+            }
+        }
+    }
+    all
+}
+
+/// Asserts the decision for every situation `row` matches, so a row
+/// above it in the table that takes some of them fails the test.
+fn row(matches: impl Fn(&Parked) -> bool, expected: FollowUp) {
+    let situations: Vec<Parked> = every_parked().into_iter().filter(|parked| matches(parked)).collect();
+    assert!(!situations.is_empty(), "the row matches something");
+    for parked in situations {
+        assert_eq!(follow_up(parked), expected, "{parked:?}");
+    }
+}
+
+fn same(parked: &Parked) -> bool {
+    parked.preparation == Preparation::Same
+}
+
+#[test]
+fn follow_up_a_changed_workspace_falls_back_whatever_else_holds() {
+    row(|p| p.preparation == Preparation::Changed, FollowUp::Fallback);
+}
+
+#[test]
+fn follow_up_tier_2_with_a_ready_agent_binds_at_once_even_at_the_cap() {
+    row(|p| same(p) && p.mode == ParkMode::Running && p.agent == ParkedAgent::Ready, FollowUp::BindNow);
+}
+
+#[test]
+fn follow_up_with_no_agent_and_no_slot_waits_for_a_slot() {
+    row(|p| same(p) && p.agent == ParkedAgent::Exited && p.slot == Slot::Taken, FollowUp::WaitForSlot);
+}
+
+#[test]
+fn follow_up_with_no_agent_and_a_slot_resumes_at_once() {
+    row(|p| same(p) && p.agent == ParkedAgent::Exited && p.slot == Slot::Free, FollowUp::Resume);
+}
+
+#[test]
+fn follow_up_tier_1_still_being_stopped_resumes_once_it_exited() {
+    row(|p| same(p) && p.mode == ParkMode::Stopped && p.agent != ParkedAgent::Exited, FollowUp::ResumeAfterExit);
+}
+
+#[test]
+fn follow_up_tier_2_with_its_fresh_agent_starting_awaits_it() {
+    row(|p| same(p) && p.mode == ParkMode::Running && p.agent == ParkedAgent::Starting, FollowUp::AwaitReady);
+}
+
+#[test]
+fn resume_start_by_what_the_provider_found() {
+    assert_eq!(ResumeStart::for_found(Found::Stopped), Ok(ResumeStart::Start));
+    assert_eq!(ResumeStart::for_found(Found::Archived), Ok(ResumeStart::Start));
+    assert_eq!(ResumeStart::for_found(Found::Running), Ok(ResumeStart::StopFirst));
+    assert_eq!(ResumeStart::for_found(Found::Missing), Err(ResumeFailure::Gone));
+}
 
 // ---- end to end --------------------------------------------------------------------
 
@@ -98,7 +172,7 @@ fn a_resume_that_fails_falls_back_to_a_fresh_sandbox_and_records_why() {
         let (_, token, _) = resumes(&step).remove(0);
         let step = match failure {
             "deleted" => {
-                let step = world.machine.resume_failed(world.now, &sandbox_id, "the sandbox no longer exists", true);
+                let step = world.machine.resume_failed(world.now, &sandbox_id, &ResumeFailure::Gone);
                 world.keep(step)
             }
             "timeout" => {
