@@ -33,7 +33,7 @@
 //!   `started` arrives, may have started the run: the run fails (at most
 //!   once).
 //!
-//! The warm pool's policy (in [`pool`], [`threads`] and [`resume`]):
+//! The warm pool's policy (in `pool`, `threads` and `resume`):
 //! - Sandboxes that cost compute (a process exists or is being started:
 //!   standbys, busy ones, parked-running ones, retired ones not yet gone)
 //!   never exceed the running cap. A run that needs a new one at the cap
@@ -51,13 +51,13 @@
 //!   a pointer written compare-and-set.
 //!
 //! One file per input, each an `impl Dispatch` block over the state below:
-//! [`admission`] (credentials, one socket each), [`connections`] (control
-//! sockets, heartbeats, delivery), [`runs`] (submit, cancel, and how a run
-//! ends), [`events`], [`logs`], [`sandboxes`] (launch, exit, loss,
-//! probes after a restart), [`ticks`] (time passing), [`placement`]
-//! (binding queued runs), [`pool`], [`threads`] (the pointer, parking),
-//! [`resume`] (a follow-up turn on a parked sandbox), [`bounds`] (what a
-//! run may cost) and [`views`] (what the API and `/metrics` read).
+//! `admission` (credentials, one socket each), `connections` (control
+//! sockets, heartbeats, delivery), `runs` (submit, cancel, and how a run
+//! ends), `events`, `logs`, `sandboxes` (launch, exit, loss, probes after
+//! a restart), `ticks` (time passing), `placement` (binding queued runs),
+//! `pool`, `threads` (the pointer, parking), `resume` (a follow-up turn on
+//! a parked sandbox), `bounds` (what a run may cost) and `views` (what the
+//! API and `/metrics` read).
 
 mod admission;
 mod bounds;

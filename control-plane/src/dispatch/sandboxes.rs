@@ -9,7 +9,9 @@ use standby_protocol::{ExitCode, Fingerprint, Retired, Secret, ServerMessage, Wo
 use super::runs::{Retry, SandboxFate};
 use super::{Agent, Dispatch, Effect, Found, Live, Provision, Step, Write};
 use crate::credential::CredentialKind;
-use crate::model::{AttemptOutcome, CredentialState, Millis, RunState, SandboxKind, SandboxRecord, SandboxState};
+use crate::model::{
+    AttemptOutcome, CredentialState, Millis, RunRecord, RunState, SandboxKind, SandboxRecord, SandboxState,
+};
 
 /// How a sandbox is retired: why, what its standby credential becomes,
 /// whether its agent is told, and how long it has to exit on its own.
@@ -104,12 +106,18 @@ impl Dispatch {
     ) {
         let run_id = match (state, run_id) {
             (SandboxState::Retired, _) => return,
-            (SandboxState::Resuming, _) => return self.resume_fallback(now, step, sandbox_id, reason),
+            (SandboxState::Resuming, _) => {
+                self.resume_fallback(now, step, sandbox_id, reason);
+                return;
+            }
             (SandboxState::Assigned, Some(run_id)) => run_id,
-            _ => return self.retire_sandbox(now, step, sandbox_id, Retirement::new(reason)),
+            _ => {
+                self.retire_sandbox(now, step, sandbox_id, Retirement::new(reason));
+                return;
+            }
         };
-        let on_this = |run: &crate::model::RunRecord| run.current().is_some_and(|a| a.sandbox_id == sandbox_id);
-        match self.runs.get(&run_id).filter(|run| on_this(run)).map(|run| run.state) {
+        let on_this = |run: &&RunRecord| run.current().is_some_and(|a| a.sandbox_id == sandbox_id);
+        match self.runs.get(&run_id).filter(on_this).map(|run| run.state) {
             Some(RunState::Committed) => {
                 let why = format!("sandbox {sandbox_id} written off before delivery was confirmed: {reason}");
                 self.release(now, step, &run_id, Retry::Allowed, SandboxFate::WriteOff, why);
