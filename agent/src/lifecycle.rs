@@ -446,7 +446,7 @@ impl Lifecycle {
         match self.phase {
             Phase::Waiting => self.finish(None, ExitCode::Success),
             Phase::Installing { .. } => self.fail_install(
-                Stage::Install,
+                Stage::Terminated,
                 Cause::Terminated,
                 "the agent was stopped (SIGTERM) before the run started".into(),
             ),
@@ -910,7 +910,10 @@ mod tests {
         let (mut m, now) = installing();
         let (report, exit) = finish(&m.handle(now, Input::Terminate));
         assert_eq!(exit, ExitCode::InstallFailed);
-        assert!(matches!(report, Some(EventKind::InstallFailed { requeueable: true, .. })));
+        assert!(
+            matches!(report, Some(EventKind::InstallFailed { requeueable: true, ref stage, .. }) if stage == "terminated"),
+            "{report:?}"
+        );
 
         let (mut m, now) = running();
         assert_eq!(names(&m.handle(now, Input::Terminate)), ["term"]);
