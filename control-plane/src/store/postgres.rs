@@ -141,6 +141,8 @@ impl PostgresStore {
                 )
                 .await
                 .map_err(&failed)?;
+            // "already exists, skipping" at every start is no news.
+            transaction.batch_execute("SET LOCAL client_min_messages = warning").await.map_err(&failed)?;
             transaction.batch_execute(migrations::VERSIONS_TABLE).await.map_err(&failed)?;
             let row = transaction
                 .query_one("SELECT COALESCE(MAX(version), 0) FROM schema_migrations", &[])
