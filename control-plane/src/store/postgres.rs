@@ -204,11 +204,12 @@ impl PostgresStore {
         sql: &str,
         params: &[&(dyn ToSql + Sync)],
     ) -> Result<Vec<T>, StoreError> {
-        let rows = query(client, sql, params).await.map_err(self.failed("read"))?;
+        let failed = self.failed("read");
+        let rows = query(client, sql, params).await.map_err(&failed)?;
         rows.iter()
             .map(|row| {
-                let (id, doc): (String, String) =
-                    (row.try_get(0).map_err(self.failed("read"))?, row.try_get(1).map_err(self.failed("read"))?);
+                let id: String = row.try_get(0).map_err(&failed)?;
+                let doc: String = row.try_get(1).map_err(&failed)?;
                 decode(&self.name, table, &id, &doc)
             })
             .collect()
