@@ -4,6 +4,7 @@
 
 mod demo;
 
+use std::ffi::OsString;
 use std::io::Write as _;
 use std::net::SocketAddr;
 use std::os::unix::fs::{DirBuilderExt as _, PermissionsExt as _};
@@ -23,7 +24,7 @@ use standby_control_plane::provider::{LocalOptions, LocalProvider, SandboxProvid
 use standby_control_plane::seal::SealKey;
 use standby_control_plane::server::{self, ServerConfig};
 use standby_control_plane::spool::SpoolProvider;
-use standby_control_plane::store::SqliteStore;
+use standby_control_plane::store::{Store, StoreLocation};
 use standby_protocol::{Secret, Spec};
 use tokio::signal::unix::{SignalKind, signal};
 
@@ -60,9 +61,11 @@ struct Serve {
     /// Directory for the store (when --store is unset) and the local sandboxes.
     #[arg(long, env = "STANDBY_SERVER_DATA_DIR", default_value = "standby-data", value_name = "DIR")]
     data_dir: PathBuf,
-    /// The SQLite store file; `<data dir>/standby.db` when unset.
-    #[arg(long, env = "STANDBY_SERVER_STORE", value_name = "PATH")]
-    store: Option<PathBuf>,
+    /// The store: a SQLite file (`<data dir>/standby.db` when unset), or a
+    /// PostgreSQL URL (`postgres://user:password@host:5432/db`), best given
+    /// through the variable: a command line is readable by every local user.
+    #[arg(long, env = "STANDBY_SERVER_STORE", hide_env_values = true, value_name = "PATH|URL")]
+    store: Option<OsString>,
     /// Standbys kept ready (`min_ready`).
     #[arg(long, visible_alias = "min-ready", env = "STANDBY_SERVER_POOL_SIZE", default_value_t = 2, value_name = "N")]
     pool_size: usize,
@@ -399,8 +402,10 @@ async fn serve(args: Serve) -> anyhow::Result<()> {
     if generated {
         tracing::info!(path = %key_path.display(), "generated the secret key that seals run requests at rest");
     }
-    let store_path = args.store.unwrap_or_else(|| args.data_dir.join("standby.db"));
-    let store = Arc::new(SqliteStore::open(&store_path, &key)?);
+    let location = StoreLocation::from_arg(args.store, &args.data_dir);
+    tracing::info!(store = location.describe(), "opening the store");
+    let store =
+        tokio::task::spawn_blocking(move || location.open(&key)).await.context("opening the store panicked")??;
     let mut config = ServerConfig::new(api_key, spec);
     config.listen = args.listen;
     config.public_url = args.public_url;
@@ -445,7 +450,7 @@ async fn serve(args: Serve) -> anyhow::Result<()> {
 /// Serves until SIGTERM, SIGINT or a failure, then shuts down.
 async fn run_server<P: SandboxProvider>(
     config: ServerConfig,
-    store: Arc<SqliteStore>,
+    store: Arc<dyn Store>,
     provider: Arc<P>,
 ) -> anyhow::Result<()> {
     let mut running = server::start(config, store, provider).await?;

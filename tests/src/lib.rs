@@ -3,6 +3,7 @@
 //! real binary against it with real processes, git repos and sockets.
 
 pub mod harness;
+pub mod postgres;
 pub mod proxy;
 pub mod server;
 pub mod server_process;

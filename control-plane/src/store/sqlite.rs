@@ -1,111 +1,24 @@
-//! Durable records behind a trait, and the default implementation: an
-//! embedded SQLite file (WAL, `synchronous=FULL`), no external service.
-//!
-//! Records are kept as JSON documents keyed by id; a [`Step`]'s writes are
-//! applied in one transaction, so a crash leaves either all of a decision
-//! or none of it. Thread pointers are written compare-and-set on their
-//! generation: a write that expected another generation (a stale writer,
-//! such as a second server on the same file) fails the whole transaction. Credentials are stored only as hashes (see
-//! [`crate::credential`]). What a run was submitted with (secrets, cloud
-//! env, git passwords, attachments, metadata) must be served to its agent,
-//! so it is kept, but only sealed ([`crate::seal`], bound to the run id),
-//! and deleted in the transaction that makes the run terminal: after that
-//! nothing may fetch it. Deleted rows are overwritten (`secure_delete`).
+//! The SQLite [`Store`]: an embedded file (WAL, `synchronous=FULL`), no
+//! external service; the default. Deleted rows are overwritten
+//! (`secure_delete`), so a purged request leaves no bytes on a free page.
 //!
 //! The file and its `-wal`/`-shm` companions are mode 0600 whatever the
 //! umask (SQLite gives the companions the database file's mode), and a
-//! directory made for it is 0700.
-//!
-//! Calls block; the engine runs them on the blocking pool.
-//!
-//! [`Step`]: crate::dispatch::Step
+//! directory made for it is 0700. A file written by an earlier version is
+//! brought up to the rules on open: the run columns added, plain requests
+//! sealed or purged.
 
 use std::os::unix::fs::{DirBuilderExt as _, OpenOptionsExt as _, PermissionsExt as _};
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, PoisonError};
 
 use rusqlite::{Connection, OptionalExtension, params};
-use serde::Serialize;
 use serde::de::DeserializeOwned;
 
+use super::{RunQuery, Store, StoreError, decode, encode, finished_key, open_request, terminal_states, to_i64, to_u64};
 use crate::dispatch::{LogLedger, Snapshot, Write};
-use crate::model::{
-    CredentialRecord, Millis, RunPath, RunRecord, RunRequest, RunState, SandboxRecord, StoredEvent, ThreadRecord,
-};
+use crate::model::{CredentialRecord, RunRecord, RunRequest, RunState, SandboxRecord, StoredEvent, ThreadRecord};
 use crate::seal::{SealKey, Sealer};
-
-#[derive(Debug, thiserror::Error)]
-pub enum StoreError {
-    #[error("store {path}: {operation}: {source}")]
-    Sqlite {
-        path: String,
-        operation: &'static str,
-        #[source]
-        source: rusqlite::Error,
-    },
-    #[error("store {path}: record `{id}` in `{table}` is unreadable: {problem}")]
-    Corrupt { path: String, table: &'static str, id: String, problem: String },
-    #[error(
-        "store {path}: thread `{thread_id}` pointer expected at generation {expected} is at {found}: another writer moved it"
-    )]
-    StalePointer { path: String, thread_id: String, expected: u64, found: u64 },
-    #[error("store {path}: cannot create the directory {dir}: {source}")]
-    Directory {
-        path: String,
-        dir: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("store {path}: cannot make {file} readable by its owner only: {source}")]
-    Permissions {
-        path: String,
-        file: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
-}
-
-/// Where the server keeps runs, sandboxes, credentials, events and logs.
-pub trait Store: Send + Sync + 'static {
-    /// Everything the dispatch state machine needs after a restart.
-    fn load(&self) -> Result<Snapshot, StoreError>;
-    /// Applies `writes` in one transaction: all or nothing.
-    fn apply(&self, writes: &[Write]) -> Result<(), StoreError>;
-    /// What a run was submitted with (secrets included); `None` once the
-    /// run is terminal: a write of a terminal run deletes it in the same
-    /// transaction.
-    fn request(&self, run_id: &str) -> Result<Option<RunRequest>, StoreError>;
-    /// One run, finished or not.
-    fn run(&self, run_id: &str) -> Result<Option<RunRecord>, StoreError>;
-    /// A page of runs in submission order (`submitted_at`, then id).
-    fn runs(&self, query: &RunQuery) -> Result<Vec<RunRecord>, StoreError>;
-    /// Up to `limit` of the run's events received after sequence number
-    /// `after` (`0`: from the first), in arrival order, with their numbers.
-    fn events(&self, run_id: &str, after: u64, limit: usize) -> Result<Vec<(u64, StoredEvent)>, StoreError>;
-    /// Where the run's log stands; `None` before its first chunk.
-    fn log_ledger(&self, run_id: &str) -> Result<Option<LogLedger>, StoreError>;
-    /// Up to `limit` stored pieces of the run's log (as received, redacted
-    /// by the agent) that end after stream offset `from`, in order, each
-    /// with its stream offset. Bytes between pieces are gaps.
-    fn log_pieces(&self, run_id: &str, from: u64, limit: usize) -> Result<Vec<(u64, Vec<u8>)>, StoreError>;
-}
-
-/// Which runs a page of [`Store::runs`] holds.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct RunQuery {
-    /// The last run of the previous page (`submitted_at`, id).
-    pub after: Option<(Millis, String)>,
-    pub limit: usize,
-    pub state: Option<RunState>,
-    pub thread_id: Option<String>,
-}
-
-/// `'exited', 'failed', 'cancelled'`: the finished states, for SQL.
-fn terminal_states() -> String {
-    let states: Vec<String> =
-        RunState::ALL.into_iter().filter(|state| state.is_terminal()).map(|state| format!("'{state}'")).collect();
-    states.join(", ")
-}
 
 /// Columns of `runs` read from its document, indexed for paging and for
 /// loading only unfinished runs: added to stores created before them.
@@ -160,7 +73,7 @@ impl SqliteStore {
                 .recursive(true)
                 .mode(0o700)
                 .create(dir)
-                .map_err(|source| StoreError::Directory { path: name.clone(), dir: dir.to_owned(), source })?;
+                .map_err(|source| StoreError::Directory { store: name.clone(), dir: dir.to_owned(), source })?;
         }
         // Created owner-only before SQLite opens it, and tightened if it
         // already existed.
@@ -170,7 +83,7 @@ impl SqliteStore {
             .mode(0o600)
             .open(path)
             .and_then(|file| file.set_permissions(std::fs::Permissions::from_mode(0o600)))
-            .map_err(|source| StoreError::Permissions { path: name.clone(), file: path.to_owned(), source })?;
+            .map_err(|source| StoreError::Permissions { store: name.clone(), file: path.to_owned(), source })?;
         let connection = Connection::open(path).map_err(|source| sqlite(&name, "open", source))?;
         let store = Self::init(name, connection, key)?;
         // Companions left by an earlier run of the server keep their old
@@ -179,7 +92,7 @@ impl SqliteStore {
             let companion = PathBuf::from(format!("{}{suffix}", path.display()));
             match std::fs::set_permissions(&companion, std::fs::Permissions::from_mode(0o600)) {
                 Err(error) if error.kind() != std::io::ErrorKind::NotFound => {
-                    return Err(StoreError::Permissions { path: store.path.clone(), file: companion, source: error });
+                    return Err(StoreError::Permissions { store: store.path.clone(), file: companion, source: error });
                 }
                 _ => {}
             }
@@ -297,12 +210,7 @@ impl SqliteStore {
     }
 
     fn decode<T: DeserializeOwned>(&self, table: &'static str, id: &str, doc: &str) -> Result<T, StoreError> {
-        serde_json::from_str(doc).map_err(|error| StoreError::Corrupt {
-            path: self.path.clone(),
-            table,
-            id: id.to_owned(),
-            problem: standby_protocol::describe_json_error(&error),
-        })
+        decode(&self.path, table, id, doc)
     }
 }
 
@@ -322,21 +230,8 @@ fn add_run_columns(connection: &Connection) -> rusqlite::Result<()> {
     )
 }
 
-fn to_i64(value: u64) -> i64 {
-    i64::try_from(value).unwrap_or(i64::MAX)
-}
-
-fn to_u64(value: i64) -> u64 {
-    u64::try_from(value).unwrap_or(0)
-}
-
 fn sqlite(path: &str, operation: &'static str, source: rusqlite::Error) -> StoreError {
-    StoreError::Sqlite { path: path.to_owned(), operation, source }
-}
-
-fn encode(value: &impl Serialize) -> String {
-    // The records hold strings, numbers, maps and lists only.
-    serde_json::to_string(value).unwrap_or_default()
+    StoreError::Sqlite { store: path.to_owned(), operation, source }
 }
 
 impl Store for SqliteStore {
@@ -403,11 +298,7 @@ impl Store for SqliteStore {
             .collect::<Result<Vec<_>, _>>()
             .map_err(read)?
             .into_iter()
-            .filter_map(|(state, path, count)| {
-                let state: RunState = serde_json::from_value(serde_json::Value::String(state)).ok()?;
-                let path: Option<RunPath> = path.and_then(|path| serde_json::from_value(path.into()).ok());
-                Some(((state, path), count))
-            })
+            .filter_map(|(state, path, count)| Some((finished_key(&state, path.as_deref())?, count)))
             .collect();
         Ok(Snapshot { runs, sandboxes, credentials, event_ids, logs, finished, threads })
     }
@@ -484,19 +375,7 @@ impl Store for SqliteStore {
             // plain requests; the next open seals them.
             return self.decode("run_requests", run_id, &doc).map(Some);
         }
-        let plain = self.sealer.open(run_id, &doc).map_err(|error| StoreError::Corrupt {
-            path: self.path.clone(),
-            table: "run_requests",
-            id: run_id.to_owned(),
-            problem: error.to_string(),
-        })?;
-        let text = String::from_utf8(plain).map_err(|_| StoreError::Corrupt {
-            path: self.path.clone(),
-            table: "run_requests",
-            id: run_id.to_owned(),
-            problem: "the opened record is not UTF-8".into(),
-        })?;
-        self.decode("run_requests", run_id, &text).map(Some)
+        open_request(&self.sealer, &self.path, run_id, &doc).map(Some)
     }
 
     fn run(&self, run_id: &str) -> Result<Option<RunRecord>, StoreError> {
@@ -630,7 +509,7 @@ impl SqliteStore {
             .optional()
             .map_err(write)?;
         Err(StoreError::StalePointer {
-            path: self.path.clone(),
+            store: self.path.clone(),
             thread_id: record.id.clone(),
             expected,
             found: found.and_then(|g| u64::try_from(g).ok()).unwrap_or(0),
@@ -656,152 +535,10 @@ fn upsert(transaction: &rusqlite::Transaction<'_>, table: &str, id: &str, doc: &
 
 #[cfg(test)]
 mod tests {
-    use std::collections::BTreeMap;
-
-    use standby_protocol::{Event, EventKind, Run, Secret, Workspace, fingerprint};
+    use std::os::unix::fs::PermissionsExt as _;
 
     use super::*;
-    use crate::credential::{CredentialKind, TokenHash};
-    use crate::model::{CredentialState, Millis, RunState};
-
-    fn run(id: &str) -> RunRecord {
-        RunRecord {
-            id: id.into(),
-            submitted_at: Millis(5),
-            state: RunState::Queued,
-            run: Run {
-                command: vec!["true".into()],
-                cwd: None,
-                env: BTreeMap::new(),
-                mcp_env: BTreeMap::new(),
-                workspace: Some(Workspace::default()),
-                strict_mcp: true,
-                attachments: None,
-            },
-            fingerprint: Some(fingerprint(&Workspace::default())),
-            attempts: Vec::new(),
-            exit_code: None,
-            error: None,
-            ended_at: None,
-            thread_id: None,
-            thread_generation: None,
-            wait: None,
-            resume: None,
-        }
-    }
-
-    /// One key for the whole test binary, so a reopened file opens.
-    fn key() -> SealKey {
-        static KEY: std::sync::OnceLock<SealKey> = std::sync::OnceLock::new();
-        KEY.get_or_init(SealKey::random).clone()
-    }
-
-    fn request() -> RunRequest {
-        RunRequest {
-            secrets: BTreeMap::from([("TOKEN".into(), Secret::new("s3cret"))]),
-            cloud_env: BTreeMap::new(),
-            git_credentials: Vec::new(),
-            metadata: serde_json::json!({"ticket": 7}),
-            attachments: Vec::new(),
-        }
-    }
-
-    #[test]
-    fn records_survive_reopening_the_file() {
-        let dir = tempfile::tempdir().expect("a temp dir");
-        let path = dir.path().join("nested").join("standby.db");
-        let credential = CredentialRecord {
-            id: "c1".into(),
-            kind: CredentialKind::Standby,
-            hash: TokenHash::of("sby_c1_x"),
-            sandbox_id: "sbx_1".into(),
-            run_id: None,
-            attempt: None,
-            state: CredentialState::Active,
-        };
-        {
-            let store = SqliteStore::open(&path, &key()).expect("open");
-            let mut updated = run("exe_1");
-            updated.state = RunState::Running;
-            let mut finished = run("exe_2");
-            finished.state = RunState::Exited;
-            let event = StoredEvent {
-                run_id: "exe_1".into(),
-                attempt: 1,
-                received_at: Millis(9),
-                event: Event { event_id: "e1".into(), kind: EventKind::Exited { code: 4 } },
-            };
-            store
-                .apply(&[
-                    Write::NewRun(Box::new(run("exe_1")), Box::new(request())),
-                    Write::Credential(Box::new(credential.clone())),
-                    Write::Run(Box::new(updated)),
-                    Write::Event(Box::new(event.clone())),
-                    Write::Event(Box::new(event)),
-                    Write::Log {
-                        run_id: "exe_1".into(),
-                        offset: 0,
-                        data: b"hel".to_vec(),
-                        ledger: LogLedger { received: 3, held: 3, over_cap: 0 },
-                    },
-                    Write::Log {
-                        run_id: "exe_1".into(),
-                        offset: 3,
-                        data: b"lo".to_vec(),
-                        ledger: LogLedger { received: 5, held: 5, over_cap: 0 },
-                    },
-                    Write::NewRun(Box::new(finished), Box::new(request())),
-                ])
-                .expect("apply");
-        }
-        let store = SqliteStore::open(&path, &key()).expect("reopen");
-        let snapshot = store.load().expect("load");
-        assert_eq!(snapshot.runs.len(), 1, "the finished run is not loaded");
-        assert_eq!(snapshot.runs[0].state, RunState::Running);
-        assert_eq!(snapshot.finished, [((RunState::Exited, None), 1)], "only counted");
-        assert_eq!(store.run("exe_2").expect("run").map(|run| run.state), Some(RunState::Exited));
-        assert_eq!(snapshot.credentials, [credential]);
-        assert_eq!(snapshot.event_ids, [("exe_1".to_owned(), "e1".to_owned())]);
-        assert_eq!(snapshot.logs, [("exe_1".to_owned(), LogLedger { received: 5, held: 5, over_cap: 0 })]);
-        assert_eq!(store.log_pieces("exe_1", 0, 10).expect("log"), [(0, b"hel".to_vec()), (3, b"lo".to_vec())]);
-        assert_eq!(store.log_pieces("exe_1", 4, 10).expect("log"), [(3, b"lo".to_vec())]);
-        assert_eq!(store.log_pieces("exe_1", 5, 10).expect("log"), []);
-        assert_eq!(store.request("exe_1").expect("request"), Some(request()));
-        assert_eq!(store.events("exe_1", 0, 10).expect("events").len(), 1);
-        assert_eq!(store.request("exe_3").expect("request"), None);
-    }
-
-    #[test]
-    fn runs_page_in_submission_order_with_filters() {
-        let store = SqliteStore::in_memory().expect("open");
-        let writes: Vec<Write> = (0..25)
-            .map(|n| {
-                let mut record = run(&format!("exe_{n:02}"));
-                record.submitted_at = Millis(1000 - n % 5);
-                record.state = if n % 2 == 0 { RunState::Exited } else { RunState::Queued };
-                record.thread_id = (n % 3 == 0).then(|| "t".to_owned());
-                Write::NewRun(Box::new(record), Box::new(request()))
-            })
-            .collect();
-        store.apply(&writes).expect("apply");
-        let mut seen = Vec::new();
-        let mut query = RunQuery { limit: 7, ..RunQuery::default() };
-        loop {
-            let page = store.runs(&query).expect("page");
-            seen.extend(page.iter().map(|run| (run.submitted_at, run.id.clone())));
-            let Some(last) = page.last().filter(|_| page.len() == query.limit) else { break };
-            query.after = Some((last.submitted_at, last.id.clone()));
-        }
-        let mut sorted = seen.clone();
-        sorted.sort();
-        sorted.dedup();
-        assert_eq!(seen, sorted, "every run once, in order");
-        assert_eq!(seen.len(), 25);
-        let exited = store.runs(&RunQuery { limit: 100, state: Some(RunState::Exited), ..RunQuery::default() });
-        assert_eq!(exited.expect("page").len(), 13);
-        let thread = RunQuery { limit: 100, thread_id: Some("t".into()), ..RunQuery::default() };
-        assert_eq!(store.runs(&thread).expect("page").len(), 9);
-    }
+    use crate::store::contract_tests::{self, Backend as _, contains, full_request, key, request, run};
 
     #[test]
     fn a_store_made_before_the_run_columns_gets_them() {
@@ -818,185 +555,6 @@ mod tests {
         let page = store.runs(&RunQuery { limit: 10, state: Some(RunState::Queued), ..RunQuery::default() });
         assert_eq!(page.expect("page").len(), 1);
         assert_eq!(store.load().expect("load").runs.len(), 1);
-    }
-
-    #[test]
-    fn a_failing_write_leaves_nothing_half_written() {
-        let store = SqliteStore::in_memory().expect("open");
-        store.apply(&[Write::NewRun(Box::new(run("exe_1")), Box::new(request()))]).expect("apply");
-        let mut changed = run("exe_1");
-        changed.state = RunState::Failed;
-        // The second NewRun of the same id violates the primary key.
-        let error = store
-            .apply(&[Write::Run(Box::new(changed)), Write::NewRun(Box::new(run("exe_1")), Box::new(request()))])
-            .expect_err("a duplicate run is refused");
-        assert!(error.to_string().contains("write"), "{error}");
-        assert_eq!(store.load().expect("load").runs[0].state, RunState::Queued, "the first write was rolled back");
-    }
-
-    fn pointer(generation: u64, sandbox_id: &str) -> ThreadRecord {
-        ThreadRecord {
-            id: "thr_1".into(),
-            generation,
-            sandbox_id: Some(sandbox_id.into()),
-            holder: None,
-            updated_at: Millis(generation as i64),
-        }
-    }
-
-    /// Two servers on one file: the one that read an older generation of
-    /// the pointer cannot overwrite the newer one, and nothing else of its
-    /// step is written either.
-    #[test]
-    fn a_stale_pointer_write_is_rejected_with_its_whole_step() {
-        let dir = tempfile::tempdir().expect("a temp dir");
-        let path = dir.path().join("standby.db");
-        let first = SqliteStore::open(&path, &key()).expect("open");
-        let second = SqliteStore::open(&path, &key()).expect("open again");
-        first.apply(&[Write::Thread { record: Box::new(pointer(1, "sbx_a")), expected: 0 }]).expect("created");
-        // Both read generation 1; the first writer wins.
-        first.apply(&[Write::Thread { record: Box::new(pointer(2, "sbx_b")), expected: 1 }]).expect("moved on");
-        let error = second
-            .apply(&[
-                Write::NewRun(Box::new(run("exe_late")), Box::new(request())),
-                Write::Thread { record: Box::new(pointer(2, "sbx_stale")), expected: 1 },
-            ])
-            .expect_err("a stale writer is refused");
-        assert!(
-            matches!(&error, StoreError::StalePointer { expected: 1, found: 2, thread_id, .. } if thread_id == "thr_1"),
-            "{error}"
-        );
-        let snapshot = second.load().expect("load");
-        assert_eq!(snapshot.threads, [pointer(2, "sbx_b")], "the newer pointer stands");
-        assert!(snapshot.runs.is_empty(), "the stale step left nothing behind");
-        // Creating a pointer that exists is stale too.
-        let error = second
-            .apply(&[Write::Thread { record: Box::new(pointer(1, "sbx_c")), expected: 0 }])
-            .expect_err("already created");
-        assert!(matches!(error, StoreError::StalePointer { expected: 0, found: 2, .. }), "{error}");
-    }
-
-    #[test]
-    fn credentials_are_stored_as_hashes() {
-        let dir = tempfile::tempdir().expect("a temp dir");
-        let path = dir.path().join("standby.db");
-        let store = SqliteStore::open(&path, &key()).expect("open");
-        let token = "sby_c9_averyrecognisablesecret";
-        let credential = CredentialRecord {
-            id: "c9".into(),
-            kind: CredentialKind::Standby,
-            hash: TokenHash::of(token),
-            sandbox_id: "sbx_1".into(),
-            run_id: None,
-            attempt: None,
-            state: CredentialState::Active,
-        };
-        store.apply(&[Write::Credential(Box::new(credential))]).expect("apply");
-        drop(store);
-        let mut bytes = std::fs::read(&path).expect("read the file");
-        for suffix in ["-wal", "-shm"] {
-            bytes.extend(std::fs::read(format!("{}{suffix}", path.display())).unwrap_or_default());
-        }
-        let text = String::from_utf8_lossy(&bytes);
-        assert!(!text.contains("averyrecognisablesecret"));
-    }
-
-    /// Every byte SQLite keeps for the store at `path`.
-    fn raw_bytes(path: &Path) -> Vec<u8> {
-        let mut bytes = std::fs::read(path).expect("read the file");
-        for suffix in ["-wal", "-shm"] {
-            bytes.extend(std::fs::read(format!("{}{suffix}", path.display())).unwrap_or_default());
-        }
-        bytes
-    }
-
-    fn contains(haystack: &[u8], needle: &str) -> bool {
-        haystack.windows(needle.len()).any(|window| window == needle.as_bytes())
-    }
-
-    /// What is given with a run, each value recognisable in raw bytes.
-    fn full_request() -> (RunRequest, Vec<&'static str>) {
-        let values = vec![
-            "secret-value-7f3a",
-            "cloud-value-c91e",
-            "git-password-5d2b",
-            "attachment-content-88aa",
-            "metadata-value-4e0f",
-        ];
-        let attachment = base64::Engine::encode(&base64::engine::general_purpose::STANDARD, values[3]);
-        let request = RunRequest {
-            secrets: BTreeMap::from([("TOKEN".into(), Secret::new(values[0]))]),
-            cloud_env: BTreeMap::from([("AWS_SECRET".into(), Secret::new(values[1]))]),
-            git_credentials: vec![standby_protocol::GitCredential {
-                protocol: "https".into(),
-                host: "git.example".into(),
-                username: "bot".into(),
-                password: Secret::new(values[2]),
-            }],
-            metadata: serde_json::json!({"ticket": values[4]}),
-            attachments: vec![crate::model::StoredAttachment {
-                name: "a.txt".into(),
-                content_base64: attachment.clone(),
-                sha256: "0".repeat(64),
-            }],
-        };
-        // The attachment is stored base64: look for that form too.
-        let mut needles = values;
-        needles.push(Box::leak(attachment.into_boxed_str()));
-        (request, needles)
-    }
-
-    #[test]
-    fn requests_are_sealed_at_rest_and_purged_when_the_run_ends() {
-        let dir = tempfile::tempdir().expect("a temp dir");
-        let path = dir.path().join("standby.db");
-        let store = SqliteStore::open(&path, &key()).expect("open");
-        let (request, needles) = full_request();
-        store.apply(&[Write::NewRun(Box::new(run("exe_1")), Box::new(request.clone()))]).expect("apply");
-        assert_eq!(store.request("exe_1").expect("read"), Some(request), "served while the run lives");
-        let bytes = raw_bytes(&path);
-        for needle in &needles {
-            assert!(!contains(&bytes, needle), "`{needle}` is sealed, never in clear");
-        }
-        assert!(contains(&bytes, "sealed1:"), "the request is stored, sealed");
-
-        let mut ended = run("exe_1");
-        ended.state = RunState::Exited;
-        store.apply(&[Write::Run(Box::new(ended))]).expect("apply");
-        assert_eq!(store.request("exe_1").expect("read"), None, "purged with the terminal state");
-        drop(store);
-        let store = SqliteStore::open(&path, &key()).expect("reopen");
-        assert_eq!(store.run("exe_1").expect("read").map(|run| run.state), Some(RunState::Exited));
-        assert_eq!(store.request("exe_1").expect("read"), None);
-        let bytes = raw_bytes(&path);
-        for needle in &needles {
-            assert!(!contains(&bytes, needle), "`{needle}` is nowhere after the purge");
-        }
-    }
-
-    /// A sealed request copied onto another run's row does not open: the
-    /// run id is its associated data.
-    #[test]
-    fn a_sealed_request_cannot_be_moved_to_another_run() {
-        let dir = tempfile::tempdir().expect("a temp dir");
-        let path = dir.path().join("standby.db");
-        let store = SqliteStore::open(&path, &key()).expect("open");
-        let (request, _) = full_request();
-        store
-            .apply(&[
-                Write::NewRun(Box::new(run("exe_1")), Box::new(request)),
-                Write::NewRun(Box::new(run("exe_2")), Box::new(super::tests::request())),
-            ])
-            .expect("apply");
-        store
-            .connection()
-            .execute("UPDATE run_requests SET doc = (SELECT doc FROM run_requests WHERE run_id = 'exe_1') WHERE run_id = 'exe_2'", [])
-            .expect("moved");
-        let error = store.request("exe_2").expect_err("does not open as another run's");
-        assert!(matches!(&error, StoreError::Corrupt { id, .. } if id == "exe_2"), "{error}");
-        assert!(store.request("exe_1").is_ok());
-        let other_key = SqliteStore::open(&path, &SealKey::random()).expect("open with another key");
-        assert!(other_key.request("exe_1").is_err(), "another key does not open it either");
     }
 
     #[test]
@@ -1031,13 +589,14 @@ mod tests {
     /// the live one's sealed, and no plain copy is left in any file.
     #[test]
     fn an_earlier_versions_plain_requests_are_sealed_or_purged_on_open() {
-        let dir = tempfile::tempdir().expect("a temp dir");
-        let path = dir.path().join("standby.db");
+        let backend = contract_tests::Sqlite::new().expect("a SQLite backend");
+        let path = &backend.path;
+        std::fs::create_dir_all(path.parent().expect("a parent")).expect("its directory");
         let (live, needles) = full_request();
         let mut ended = run("exe_ended");
         ended.state = RunState::Failed;
         {
-            let connection = Connection::open(&path).expect("open");
+            let connection = Connection::open(path).expect("open");
             connection.execute_batch("PRAGMA journal_mode = WAL;").expect("wal");
             connection.execute_batch(SCHEMA).expect("schema");
             for (record, request) in [(run("exe_live"), &live), (ended, &live)] {
@@ -1052,13 +611,13 @@ mod tests {
                     .expect("request");
             }
         }
-        assert!(contains(&raw_bytes(&path), needles[0]), "the old version kept it in clear");
-        let store = SqliteStore::open(&path, &key()).expect("open");
+        assert!(contains(&backend.raw(), needles[0]), "the old version kept it in clear");
+        let store = backend.open();
         assert_eq!(store.request("exe_live").expect("read"), Some(live));
         assert_eq!(store.request("exe_ended").expect("read"), None);
-        let bytes = raw_bytes(&path);
+        let raw = backend.raw();
         for needle in &needles {
-            assert!(!contains(&bytes, needle), "`{needle}` is not in clear any more");
+            assert!(!contains(&raw, needle), "`{needle}` is not in clear any more");
         }
     }
 }

@@ -1,0 +1,261 @@
+//! Durable records behind a trait, and two implementations: an embedded
+//! SQLite file ([`SqliteStore`], the default: no external service) and a
+//! PostgreSQL database ([`PostgresStore`], `--store postgres://…`, for a
+//! control plane whose store lives on a database of its own).
+//!
+//! Both keep the same rules, held by one set of contract tests
+//! (`contract_tests.rs`, run on each):
+//! - Records are JSON documents keyed by id; a [`Step`]'s writes are
+//!   applied in one transaction, so a crash leaves either all of a decision
+//!   or none of it, and the engine tells nobody anything before the commit.
+//! - Thread pointers are written compare-and-set on their generation: a
+//!   write that expected another generation (a stale writer, such as a
+//!   second server on the same store) fails the whole transaction.
+//! - Credentials are stored only as hashes (see [`crate::credential`]).
+//! - What a run was submitted with (secrets, cloud env, git passwords,
+//!   attachments, metadata) must be served to its agent, so it is kept, but
+//!   only sealed ([`crate::seal`], bound to the run id), and deleted in the
+//!   transaction that makes the run terminal: after that nothing may fetch it.
+//! - Events are unique per (run, event id); a start loads only unfinished
+//!   runs (finished ones are counted, and read from the store when asked for).
+//!
+//! Calls block; the engine and the API run them on the blocking pool.
+//!
+//! [`Step`]: crate::dispatch::Step
+
+mod postgres;
+mod sqlite;
+
+#[cfg(test)]
+mod contract_tests;
+
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use standby_protocol::Secret;
+
+pub use self::postgres::{PostgresStore, redact_url};
+pub use self::sqlite::SqliteStore;
+use crate::dispatch::{LogLedger, Snapshot, Write};
+use crate::model::{Millis, RunPath, RunRecord, RunRequest, RunState, StoredEvent};
+use crate::seal::{SealKey, Sealer};
+
+/// A store operation that failed, naming the store (a file path, or a
+/// PostgreSQL URL without its password) and what was being done.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("store {store}: {operation}: {source}")]
+    Sqlite {
+        store: String,
+        operation: &'static str,
+        #[source]
+        source: rusqlite::Error,
+    },
+    /// `detail` is the driver's error with its causes (the server's
+    /// message, or why the connection failed).
+    #[error("store {store}: {operation}: {detail}")]
+    Postgres { store: String, operation: &'static str, detail: String },
+    #[error("store {store}: not a PostgreSQL connection URL: {problem}")]
+    Url { store: String, problem: String },
+    #[error(
+        "store {store}: the database's schema is at version {found}, newer than this standby-server's {known}: \
+         run a standby-server that knows version {found} (or restore the database)"
+    )]
+    SchemaTooNew { store: String, found: i32, known: i32 },
+    #[error("store {store}: record `{id}` in `{table}` is unreadable: {problem}")]
+    Corrupt { store: String, table: &'static str, id: String, problem: String },
+    #[error(
+        "store {store}: thread `{thread_id}` pointer expected at generation {expected} is at {found}: another writer moved it"
+    )]
+    StalePointer { store: String, thread_id: String, expected: u64, found: u64 },
+    #[error("store {store}: cannot create the directory {dir}: {source}")]
+    Directory {
+        store: String,
+        dir: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("store {store}: cannot make {file} readable by its owner only: {source}")]
+    Permissions {
+        store: String,
+        file: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("store {store}: cannot start the store's connection thread: {source}")]
+    Runtime {
+        store: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Where the server keeps runs, sandboxes, credentials, events and logs.
+pub trait Store: Send + Sync + 'static {
+    /// Everything the dispatch state machine needs after a restart.
+    fn load(&self) -> Result<Snapshot, StoreError>;
+    /// Applies `writes` in one transaction: all or nothing.
+    fn apply(&self, writes: &[Write]) -> Result<(), StoreError>;
+    /// What a run was submitted with (secrets included); `None` once the
+    /// run is terminal: a write of a terminal run deletes it in the same
+    /// transaction.
+    fn request(&self, run_id: &str) -> Result<Option<RunRequest>, StoreError>;
+    /// One run, finished or not.
+    fn run(&self, run_id: &str) -> Result<Option<RunRecord>, StoreError>;
+    /// A page of runs in submission order (`submitted_at`, then id).
+    fn runs(&self, query: &RunQuery) -> Result<Vec<RunRecord>, StoreError>;
+    /// Up to `limit` of the run's events received after sequence number
+    /// `after` (`0`: from the first), in arrival order, with their numbers.
+    fn events(&self, run_id: &str, after: u64, limit: usize) -> Result<Vec<(u64, StoredEvent)>, StoreError>;
+    /// Where the run's log stands; `None` before its first chunk.
+    fn log_ledger(&self, run_id: &str) -> Result<Option<LogLedger>, StoreError>;
+    /// Up to `limit` stored pieces of the run's log (as received, redacted
+    /// by the agent) that end after stream offset `from`, in order, each
+    /// with its stream offset. Bytes between pieces are gaps.
+    fn log_pieces(&self, run_id: &str, from: u64, limit: usize) -> Result<Vec<(u64, Vec<u8>)>, StoreError>;
+}
+
+/// Which runs a page of [`Store::runs`] holds.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RunQuery {
+    /// The last run of the previous page (`submitted_at`, id).
+    pub after: Option<(Millis, String)>,
+    pub limit: usize,
+    pub state: Option<RunState>,
+    pub thread_id: Option<String>,
+}
+
+/// Which store `--store` names: a PostgreSQL URL (`postgres://` or
+/// `postgresql://`), else a SQLite file. Debug never shows a password.
+#[derive(Clone, PartialEq, Eq)]
+pub enum StoreLocation {
+    Sqlite(PathBuf),
+    Postgres(Secret),
+}
+
+impl std::fmt::Debug for StoreLocation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Sqlite(path) => f.debug_tuple("Sqlite").field(path).finish(),
+            Self::Postgres(url) => f.debug_tuple("Postgres").field(&redact_url(url.expose())).finish(),
+        }
+    }
+}
+
+impl StoreLocation {
+    /// What `--store` says; `<data dir>/standby.db` when it is unset.
+    pub fn from_arg(given: Option<OsString>, data_dir: &Path) -> Self {
+        let Some(given) = given else { return Self::Sqlite(data_dir.join("standby.db")) };
+        match given.to_str() {
+            Some(url) if url.starts_with("postgres://") || url.starts_with("postgresql://") => {
+                Self::Postgres(Secret::new(url))
+            }
+            _ => Self::Sqlite(PathBuf::from(given)),
+        }
+    }
+
+    /// The store for people and logs: the path, or the URL without its password.
+    pub fn describe(&self) -> String {
+        match self {
+            Self::Sqlite(path) => path.display().to_string(),
+            Self::Postgres(url) => redact_url(url.expose()),
+        }
+    }
+
+    /// Opens the store (creating or migrating it as needed); run requests
+    /// are sealed with `key`. Blocks: call it off the async threads.
+    pub fn open(&self, key: &SealKey) -> Result<Arc<dyn Store>, StoreError> {
+        Ok(match self {
+            Self::Sqlite(path) => Arc::new(SqliteStore::open(path, key)?),
+            Self::Postgres(url) => Arc::new(PostgresStore::connect(url, key)?),
+        })
+    }
+}
+
+/// `'exited', 'failed', 'cancelled'`: the finished states, for SQL.
+fn terminal_states() -> String {
+    let states: Vec<String> =
+        RunState::ALL.into_iter().filter(|state| state.is_terminal()).map(|state| format!("'{state}'")).collect();
+    states.join(", ")
+}
+
+/// A row of the finished-run counts: its state and its last attempt's path
+/// as stored; `None` for a state or path this version does not know.
+fn finished_key(state: &str, path: Option<&str>) -> Option<(RunState, Option<RunPath>)> {
+    let state = RunState::ALL.into_iter().find(|known| known.as_str() == state)?;
+    match path {
+        None => Some((state, None)),
+        Some(path) => RunPath::ALL.into_iter().find(|known| known.as_str() == path).map(|path| (state, Some(path))),
+    }
+}
+
+fn to_i64(value: u64) -> i64 {
+    i64::try_from(value).unwrap_or(i64::MAX)
+}
+
+fn to_u64(value: i64) -> u64 {
+    u64::try_from(value).unwrap_or(0)
+}
+
+fn encode(value: &impl Serialize) -> String {
+    // The records hold strings, numbers, maps and lists only.
+    serde_json::to_string(value).unwrap_or_default()
+}
+
+fn decode<T: DeserializeOwned>(store: &str, table: &'static str, id: &str, doc: &str) -> Result<T, StoreError> {
+    serde_json::from_str(doc).map_err(|error| StoreError::Corrupt {
+        store: store.to_owned(),
+        table,
+        id: id.to_owned(),
+        problem: standby_protocol::describe_json_error(&error),
+    })
+}
+
+/// Opens a run's sealed request: it opens only with this key and only as
+/// this run's.
+fn open_request(sealer: &Sealer, store: &str, run_id: &str, sealed: &str) -> Result<RunRequest, StoreError> {
+    let corrupt = |problem: String| StoreError::Corrupt {
+        store: store.to_owned(),
+        table: "run_requests",
+        id: run_id.to_owned(),
+        problem,
+    };
+    let plain = sealer.open(run_id, sealed).map_err(|error| corrupt(error.to_string()))?;
+    let text = String::from_utf8(plain).map_err(|_| corrupt("the opened record is not UTF-8".into()))?;
+    decode(store, "run_requests", run_id, &text)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_postgres_url_selects_postgres_and_anything_else_a_sqlite_file() {
+        let data = Path::new("data");
+        assert_eq!(StoreLocation::from_arg(None, data), StoreLocation::Sqlite(data.join("standby.db")));
+        assert_eq!(StoreLocation::from_arg(Some("x/s.db".into()), data), StoreLocation::Sqlite("x/s.db".into()));
+        for url in ["postgres://u:pw@db/standby", "postgresql://db/standby"] {
+            assert_eq!(StoreLocation::from_arg(Some(url.into()), data), StoreLocation::Postgres(Secret::new(url)));
+        }
+        // A file whose name merely starts like a scheme is a file.
+        assert_eq!(StoreLocation::from_arg(Some("postgres".into()), data), StoreLocation::Sqlite("postgres".into()));
+    }
+
+    #[test]
+    fn a_locations_description_and_debug_hide_the_password() {
+        let location = StoreLocation::Postgres(Secret::new("postgres://standby:hunter2@db:5432/standby"));
+        assert_eq!(location.describe(), "postgres://standby:[REDACTED]@db:5432/standby");
+        assert!(!format!("{location:?}").contains("hunter2"));
+    }
+
+    #[test]
+    fn finished_keys_read_known_states_and_paths_only() {
+        assert_eq!(finished_key("exited", Some("warm")), Some((RunState::Exited, Some(RunPath::Warm))));
+        assert_eq!(finished_key("cancelled", None), Some((RunState::Cancelled, None)));
+        assert_eq!(finished_key("vanished", None), None);
+        assert_eq!(finished_key("failed", Some("teleported")), None);
+    }
+}

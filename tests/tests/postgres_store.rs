@@ -1,0 +1,98 @@
+//! The real `standby-server serve --store postgres://…` with its local
+//! provider and real agents: a run goes warm, the server is killed, and a
+//! new one on the same database has every record of it.
+//!
+//! Needs PostgreSQL (`STANDBY_TEST_POSTGRES`, see `scripts/postgres`): each
+//! test gets a schema of its own; under `CI=true` a missing one fails it.
+
+use std::hash::{BuildHasher, RandomState};
+use std::time::Duration;
+
+use nix::sys::signal::Signal;
+use serde_json::{Value, json};
+use standby_e2e::GitRepo;
+use standby_e2e::harness::write_json;
+use standby_e2e::postgres::TestSchema;
+use standby_e2e::server_process::{ServerBuilder, ServerProcess};
+
+const WAIT: Duration = Duration::from_secs(60);
+
+async fn ready(server: &ServerProcess, n: usize) -> Vec<String> {
+    server
+        .until(&format!("{n} ready standbys"), WAIT, async || {
+            let ready: Vec<String> = server
+                .sandboxes()
+                .await
+                .iter()
+                .filter(|sandbox| sandbox["candidate"] == true)
+                .filter_map(|sandbox| sandbox["id"].as_str().map(str::to_owned))
+                .collect();
+            (ready.len() >= n).then_some(ready)
+        })
+        .await
+}
+
+/// The password of a `scheme://user:password@host/…` URL, if it has one.
+fn password(url: &str) -> Option<&str> {
+    let (_, rest) = url.split_once("://")?;
+    let (user_info, _) = rest.split_once('?').map_or(rest, |(location, _)| location).rsplit_once('@')?;
+    user_info.split_once(':').map(|(_, password)| password)
+}
+
+#[tokio::test]
+async fn a_server_on_postgres_runs_warm_and_a_restart_keeps_every_record() {
+    let Some(schema) =
+        TestSchema::create("postgres_store::a_server_on_postgres_runs_warm_and_a_restart_keeps_every_record")
+    else {
+        return;
+    };
+    let repo = GitRepo::new(&[("README.md", "sample\n")]);
+    let dir = tempfile::Builder::new().prefix("standby-pg-e2e-").tempdir().expect("a temp dir");
+    let spec = dir.path().join("spec.json");
+    write_json(
+        &spec,
+        &json!({"workspace": {"repos": [{"url": repo.url(), "path": "app", "ref": "main"}]}, "shell": ["/bin/sh"]}),
+    );
+    let mark = format!("{:016x}", RandomState::new().hash_one((std::process::id(), dir.path())));
+    let data = dir.path().join("data");
+    let url = schema.url();
+    let builder = ServerBuilder::new(&data, &dir.path().join("server.log"), &mark)
+        .args(&["--linger", "3s", "--stop-grace", "5s", "--pool-size", "1", "--heartbeat-interval", "500ms"])
+        .args(&["--spec", &spec.display().to_string(), "--store", &url]);
+
+    let server = builder.start().await;
+    ready(&server, 1).await;
+    let id = server.submit(&json!({"command": ["sh", "-c", "echo kept in postgres; exit 3"]})).await;
+    let before = server.finished(&id, WAIT).await;
+    assert_eq!((before["state"].as_str(), before["exit_code"].as_i64()), (Some("exited"), Some(3)), "{before}");
+    assert_eq!(before["path"], "warm", "{before}");
+    let log_before = server.log(&id).await;
+    assert!(String::from_utf8_lossy(&log_before).contains("kept in postgres"));
+    let events_before: Value = server.get(&format!("/v1/runs/{id}/events")).await;
+    // The standby that replaced the one the run took.
+    let pool = ready(&server, 1).await;
+    // The hard way: SIGKILL, nothing flushed on the way out.
+    server.stop_leaving_nothing(Signal::SIGKILL).await;
+
+    assert!(!data.join("standby.db").exists(), "no SQLite file beside the PostgreSQL store");
+    assert_eq!(schema.query_text(&format!("SELECT state FROM runs WHERE id = '{id}'")), ["exited"]);
+
+    let server = builder.start().await;
+    let after = server.run(&id).await;
+    for field in ["state", "exit_code", "path", "attempts", "timestamps"] {
+        assert_eq!(after[field], before[field], "{field} after the restart");
+    }
+    assert_eq!(server.log(&id).await, log_before, "the log after the restart");
+    assert_eq!(server.get(&format!("/v1/runs/{id}/events")).await, events_before, "the events after the restart");
+    let back = ready(&server, 1).await;
+    assert_eq!(back, pool, "the same standby, relaunched on its workspace");
+    let next = server.submit(&json!({"command": ["true"]})).await;
+    assert_eq!(server.finished(&next, WAIT).await["path"], "warm");
+    let logs = server.logs();
+    server.stop_leaving_nothing(Signal::SIGTERM).await;
+
+    assert!(logs.contains("[REDACTED]@"), "the store is named, without its password:\n{logs}");
+    if let Some(password) = password(&url) {
+        assert!(!logs.contains(&format!(":{password}@")), "the password is in the server's log:\n{logs}");
+    }
+}
