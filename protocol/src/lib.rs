@@ -19,11 +19,11 @@ pub use exit::ExitCode;
 pub use fingerprint::{Fingerprint, fingerprint};
 pub use http::{
     Attachment, AttachmentsResponse, CloudCredentialsResponse, ErrorBody, Event, EventKind, GitCredential,
-    GitCredentialsResponse, LogChunk, LogReceived, SecretsResponse,
+    GitCredentialsResponse, LogChunk, LogReceived, OutOfOrder, SecretsResponse,
 };
 pub use install::{Cause, Stage};
 pub use message::{AgentMessage, AgentState, Assignment, Cancel, DecodeError, Retired, Run, ServerMessage};
-pub use refusal::{Answer, CredentialKind, Refusal};
+pub use refusal::{Answer, CredentialKind, Purpose, Refusal, Standing};
 pub use secret::Secret;
 pub use spec::{McpServer, McpTransport, Repo, SetupStep, Spec, Workspace};
 
