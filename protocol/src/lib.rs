@@ -4,6 +4,7 @@
 //! values into bytes, so both halves of the contract (and servers written in
 //! other languages, through `schema/` and `fixtures/`) agree on one shape.
 
+mod endpoint;
 mod exit;
 mod fingerprint;
 mod http;
@@ -15,6 +16,7 @@ mod refusal;
 mod secret;
 mod spec;
 
+pub use endpoint::{Endpoint, Method};
 pub use exit::ExitCode;
 pub use fingerprint::{Fingerprint, fingerprint};
 pub use http::{
