@@ -13,18 +13,17 @@ use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use base64::Engine as _;
 use standby_protocol::{
-    AgentMessage, Attachment, AttachmentsResponse, CloudCredentialsResponse, Event, GitCredentialsResponse, LogChunk,
-    LogReceived, Secret, SecretsResponse, Spec,
+    AgentMessage, Attachment, AttachmentsResponse, CloudCredentialsResponse, Event, EventKind, GitCredentialsResponse,
+    LogChunk, LogReceived, Secret, SecretsResponse, Spec,
 };
 use tokio::sync::mpsc;
 
-use crate::api::parse_json;
+use crate::app::{ApiError, AppState, bearer, from_store, parse_json};
 use crate::bounds::bound_event;
 use crate::dispatch::{Admission, Call, ConnId, LogError, Refusal};
 use crate::engine::{EngineHandle, LogInput, Outbound};
 use crate::listener::ConnectionSlot;
 use crate::model::RunRequest;
-use crate::server::{ApiError, AppState, bearer, from_store};
 
 /// Agents send heartbeats of under a hundred bytes: a small read buffer per
 /// socket keeps thousands of idle standbys cheap.
@@ -339,8 +338,6 @@ pub(crate) async fn cloud_credentials(
     Ok(Json(CloudCredentialsResponse { env: request(&state, &run_id).await?.cloud_env }))
 }
 
-const EVENT_TYPES: [&str; 4] = ["started", "exited", "cancelled", "install_failed"];
-
 /// The field to blame in an event body that did not parse, when serde could
 /// not say: an event is an internally tagged enum, which serde buffers
 /// before it reads the fields, so its type errors carry no path.
@@ -393,7 +390,7 @@ pub(crate) async fn events(
         Ok(event) => event,
         Err(error) => {
             let value: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
-            let unknown = value.get("type").and_then(|t| t.as_str()).is_some_and(|t| !EVENT_TYPES.contains(&t));
+            let unknown = value.get("type").and_then(|t| t.as_str()).is_some_and(|t| !EventKind::NAMES.contains(&t));
             if unknown && value.get("event_id").is_some_and(serde_json::Value::is_string) {
                 tracing::info!(run_id, "event of an unknown type acknowledged and dropped");
                 return Ok((StatusCode::ACCEPTED, Json(serde_json::json!({}))).into_response());

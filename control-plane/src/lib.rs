@@ -5,7 +5,10 @@
 //! - [`store`]: durable records behind a trait; SQLite by default.
 //! - [`seal`]: what a run was submitted with, encrypted at rest.
 //! - [`engine`]: drives the state machine: store first, then effects.
-//! - [`server`]: HTTP and the control socket on one listener.
+//! - [`server`]: HTTP and the control socket on one listener: the router.
+//! - `app`: what every handler shares (state, error answer, store reads).
+//! - [`agent_api`]: the agent-facing contract's handlers.
+//! - [`user_api`]: the user API's handlers.
 //! - [`listener`]: the accept loop: header timeout, connection cap.
 //! - [`provider`]: where sandboxes come from; the `local` provider.
 //! - [`containment`]: how the local provider keeps every process of a sandbox killable.
@@ -16,8 +19,7 @@
 //! - [`demo`]: `standby-server demo`.
 
 pub mod agent_api;
-pub mod api;
-pub mod api_reads;
+mod app;
 pub mod bounds;
 pub mod containment;
 pub mod credential;
@@ -34,3 +36,4 @@ pub mod server;
 pub mod spool;
 pub mod store;
 mod submit_checks;
+pub mod user_api;

@@ -9,24 +9,23 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::Json;
 use axum::Router;
 use axum::extract::{DefaultBodyLimit, State};
-use axum::http::{HeaderMap, StatusCode, header};
-use axum::response::{IntoResponse, Response};
+use axum::response::Response;
 use axum::routing::{get, post};
-use standby_protocol::{Secret, Spec, fingerprint};
+use standby_protocol::{Secret, Spec, fingerprint, paths};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
+use crate::app::AppState;
 use crate::bounds::{EVENT_BODY_MAX, LOG_BODY_MAX};
 use crate::credential::{RandomMint, TokenHash};
 use crate::dispatch::{Dispatch, DispatchConfig, Lifecycle, RunBounds};
-use crate::engine::{Engine, EngineConfig, EngineGone, EngineHandle};
+use crate::engine::{Engine, EngineConfig, EngineHandle};
 use crate::listener::{ListenerLimits, ListenerStats};
 use crate::provider::SandboxProvider;
 use crate::store::{Store, StoreError};
-use crate::{agent_api, api, api_reads};
+use crate::{agent_api, user_api};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
@@ -95,117 +94,27 @@ impl ServerConfig {
     }
 }
 
-#[derive(Clone)]
-pub(crate) struct AppState {
-    pub engine: EngineHandle,
-    pub store: Arc<dyn Store>,
-    pub api_key: Arc<TokenHash>,
-    pub spec: Arc<Spec>,
-    /// A control connection that sends nothing for this long is closed.
-    pub idle_timeout: Duration,
-    /// The listener's bounds and counters (`/metrics`, the upgrade bound).
-    pub listener: Arc<ListenerStats>,
-    /// How the provider contains a sandbox's processes (`/metrics`).
-    pub containment: &'static str,
-}
-
-/// An error answer: `{"error": "...", "field": "..."}` (`field` when one
-/// field is to blame).
-#[derive(Debug)]
-pub struct ApiError {
-    status: StatusCode,
-    message: String,
-    field: Option<String>,
-}
-
-impl ApiError {
-    pub fn new(status: StatusCode, message: impl Into<String>) -> Self {
-        Self { status, message: message.into(), field: None }
-    }
-
-    pub fn with_field(mut self, field: impl Into<String>) -> Self {
-        self.field = Some(field.into());
-        self
-    }
-
-    pub fn status(&self) -> StatusCode {
-        self.status
-    }
-
-    pub fn field(&self) -> Option<&str> {
-        self.field.as_deref()
-    }
-}
-
-impl std::fmt::Display for ApiError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}: {}", self.status, self.message)
-    }
-}
-
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
-        let mut body = serde_json::json!({ "error": self.message });
-        if let Some(field) = self.field {
-            body["field"] = serde_json::Value::String(field);
-        }
-        (self.status, Json(body)).into_response()
-    }
-}
-
-impl From<EngineGone> for ApiError {
-    fn from(_: EngineGone) -> Self {
-        Self::new(StatusCode::SERVICE_UNAVAILABLE, "the server is shutting down")
-    }
-}
-
-impl From<StoreError> for ApiError {
-    fn from(error: StoreError) -> Self {
-        tracing::error!(%error, "store read failed");
-        Self::new(StatusCode::INTERNAL_SERVER_ERROR, "the store could not be read")
-    }
-}
-
-/// The credential of an `Authorization: Bearer …` header.
-pub(crate) fn bearer(headers: &HeaderMap) -> Option<&str> {
-    let value = headers.get(header::AUTHORIZATION)?.to_str().ok()?;
-    let (scheme, token) = value.split_once(' ')?;
-    scheme.eq_ignore_ascii_case("bearer").then(|| token.trim()).filter(|token| !token.is_empty())
-}
-
-/// A blocking store read, off the async threads.
-pub(crate) async fn from_store<T: Send + 'static>(
-    state: &AppState,
-    call: impl FnOnce(&dyn Store) -> Result<T, StoreError> + Send + 'static,
-) -> Result<T, ApiError> {
-    let store = Arc::clone(&state.store);
-    match tokio::task::spawn_blocking(move || call(store.as_ref())).await {
-        Ok(result) => Ok(result?),
-        Err(join) => std::panic::resume_unwind(join.into_panic()),
-    }
-}
-
 fn router(state: AppState) -> Router {
     Router::new()
         .route("/healthz", get(|| async { "ok" }))
         .route(standby_protocol::SOCKET_PATH, get(agent_api::socket))
         .route(standby_protocol::SPEC_PATH, get(agent_api::spec))
-        .route("/v1/executions/{id}/secrets", get(agent_api::secrets))
-        .route("/v1/executions/{id}/attachments", get(agent_api::attachments))
-        .route("/v1/executions/{id}/attachments/{name}", get(agent_api::attachment))
-        .route("/v1/executions/{id}/git-credentials", post(agent_api::git_credentials))
-        .route("/v1/executions/{id}/metadata", get(agent_api::metadata))
-        .route("/v1/executions/{id}/cloud-credentials", post(agent_api::cloud_credentials))
-        .route("/v1/executions/{id}/events", post(agent_api::events).layer(DefaultBodyLimit::max(EVENT_BODY_MAX)))
-        .route("/v1/executions/{id}/log", post(agent_api::log).layer(DefaultBodyLimit::max(LOG_BODY_MAX)))
-        .route("/v1/runs", post(api::submit).get(api_reads::list))
-        .route("/v1/runs/{id}", get(api::get))
-        .route("/v1/runs/{id}/log", get(api_reads::log))
-        .route("/v1/runs/{id}/events", get(api_reads::events))
-        .route("/v1/runs/{id}/cancel", post(api::cancel))
-        .route("/v1/sandboxes", get(api_reads::sandboxes))
-        .route("/v1/threads/{id}", get(api::thread))
-        .route("/metrics", get(api::metrics))
+        .route(paths::SECRETS_ROUTE, get(agent_api::secrets))
+        .route(paths::ATTACHMENTS_ROUTE, get(agent_api::attachments))
+        .route(paths::ATTACHMENT_ROUTE, get(agent_api::attachment))
+        .route(paths::GIT_CREDENTIALS_ROUTE, post(agent_api::git_credentials))
+        .route(paths::METADATA_ROUTE, get(agent_api::metadata))
+        .route(paths::CLOUD_CREDENTIALS_ROUTE, post(agent_api::cloud_credentials))
+        .route(paths::EVENTS_ROUTE, post(agent_api::events).layer(DefaultBodyLimit::max(EVENT_BODY_MAX)))
+        .route(paths::LOG_ROUTE, post(agent_api::log).layer(DefaultBodyLimit::max(LOG_BODY_MAX)))
+        .route("/v1/runs", post(user_api::submit).get(user_api::reads::list))
+        .route("/v1/runs/{id}", get(user_api::get))
+        .route("/v1/runs/{id}/log", get(user_api::reads::log))
+        .route("/v1/runs/{id}/events", get(user_api::reads::events))
+        .route("/v1/runs/{id}/cancel", post(user_api::cancel))
+        .route("/v1/sandboxes", get(user_api::reads::sandboxes))
+        .route("/v1/threads/{id}", get(user_api::thread))
+        .route("/metrics", get(user_api::metrics))
         .with_state(state)
 }
 

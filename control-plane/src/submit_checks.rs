@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 
 use standby_protocol::{Secret, Workspace};
 
-use crate::api::Submission;
+use crate::user_api::Submission;
 
 /// The path of the first string of `submission` holding a NUL byte, in the
 /// API's field syntax (`env.NAME`, `command[2]`, `git_credentials[0].host`).

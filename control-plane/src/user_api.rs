@@ -1,5 +1,6 @@
 //! The user API: submit, inspect and cancel runs, list sandboxes, metrics.
-//! Every call needs `Authorization: Bearer <api key>`.
+//! Every call needs `Authorization: Bearer <api key>`. The reads (lists,
+//! logs, events) are in [`reads`].
 
 use std::collections::{BTreeMap, HashSet};
 
@@ -13,10 +14,12 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use standby_protocol::{GitCredential, Run, Secret, Workspace};
 
+pub(crate) mod reads;
+
+use crate::app::{ApiError, AppState, bad, bearer, from_store, parse_json};
 use crate::credential::hex;
 use crate::dispatch::CancelError;
 use crate::model::{Attempt, Millis, Resume, RunRecord, RunRequest, RunState, StoredAttachment, ThreadRecord};
-use crate::server::{ApiError, AppState, bearer, from_store};
 
 /// `POST /v1/runs`.
 #[derive(Debug, Deserialize)]
@@ -58,53 +61,6 @@ pub struct AttachmentInput {
     pub content: Option<String>,
     #[serde(default)]
     pub content_base64: Option<String>,
-}
-
-fn bad(field: impl Into<String>, problem: impl std::fmt::Display) -> ApiError {
-    let field = field.into();
-    ApiError::new(StatusCode::BAD_REQUEST, format!("{field}: {problem}")).with_field(field)
-}
-
-/// Parses a JSON body, naming the offending field on failure and never
-/// quoting a value (it may be a secret).
-pub(crate) fn parse_json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
-    let mut deserializer = serde_json::Deserializer::from_slice(body);
-    let value = serde_path_to_error::deserialize(&mut deserializer).map_err(|error| {
-        let path = error.path().to_string();
-        let inner = error.into_inner();
-        let message = inner.to_string();
-        let named =
-            |prefix: &str| message.strip_prefix(prefix).and_then(|rest| rest.split('`').nth(1)).map(str::to_owned);
-        if let Some(name) = named("missing field ") {
-            let field = if path == "." { name.clone() } else { format!("{path}.{name}") };
-            return bad(field, "missing");
-        }
-        if let Some(name) = named("unknown field ") {
-            // The path already ends with the unknown field's name.
-            return bad(if path == "." { name } else { path }, "unknown field");
-        }
-        if path == "." {
-            return ApiError::new(
-                StatusCode::BAD_REQUEST,
-                format!(
-                    "the body is not a JSON object of the expected shape: {}",
-                    standby_protocol::describe_json_error(&inner)
-                ),
-            );
-        }
-        // serde's "invalid type: <value>, expected <what>": keep only what
-        // was expected.
-        match message.rsplit_once(", expected ") {
-            Some((_, expected)) => {
-                bad(path, format!("expected {}", expected.split(" at line ").next().unwrap_or(expected)))
-            }
-            None => bad(path, "wrong type or value"),
-        }
-    })?;
-    deserializer
-        .end()
-        .map_err(|_| ApiError::new(StatusCode::BAD_REQUEST, "trailing characters after the JSON body"))?;
-    Ok(value)
 }
 
 fn check_relative(field: &str, path: &str) -> Result<(), ApiError> {

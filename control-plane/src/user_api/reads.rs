@@ -10,11 +10,11 @@ use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 
-use crate::api::{RunView, authorize, check_thread_id, find, view};
+use super::{RunView, authorize, check_thread_id, find, view};
+use crate::app::{ApiError, AppState, from_store};
 use crate::bounds::{LogView, OutOfBounds, cursor, page_limit, parse_cursor};
 use crate::dispatch::SandboxPage;
 use crate::model::{Millis, RunState};
-use crate::server::{ApiError, AppState, from_store};
 use crate::store::RunQuery;
 
 /// Stored pieces of a log read per store call while streaming: at most 16

@@ -1,0 +1,154 @@
+//! What every HTTP handler shares: the application state, the error
+//! answer, the bearer credential, JSON bodies and store reads. Handlers
+//! (`agent_api`, `user_api`) depend on this module and the router
+//! (`server`) on them; nothing here depends on a handler.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Json;
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use standby_protocol::Spec;
+
+use crate::credential::TokenHash;
+use crate::engine::{EngineGone, EngineHandle};
+use crate::listener::ListenerStats;
+use crate::store::{Store, StoreError};
+
+#[derive(Clone)]
+pub(crate) struct AppState {
+    pub engine: EngineHandle,
+    pub store: Arc<dyn Store>,
+    pub api_key: Arc<TokenHash>,
+    pub spec: Arc<Spec>,
+    /// A control connection that sends nothing for this long is closed.
+    pub idle_timeout: Duration,
+    /// The listener's bounds and counters (`/metrics`, the upgrade bound).
+    pub listener: Arc<ListenerStats>,
+    /// How the provider contains a sandbox's processes (`/metrics`).
+    pub containment: &'static str,
+}
+
+/// An error answer: `{"error": "...", "field": "..."}` (`field` when one
+/// field is to blame).
+#[derive(Debug)]
+pub struct ApiError {
+    status: StatusCode,
+    message: String,
+    field: Option<String>,
+}
+
+impl ApiError {
+    pub fn new(status: StatusCode, message: impl Into<String>) -> Self {
+        Self { status, message: message.into(), field: None }
+    }
+
+    pub fn with_field(mut self, field: impl Into<String>) -> Self {
+        self.field = Some(field.into());
+        self
+    }
+
+    pub fn status(&self) -> StatusCode {
+        self.status
+    }
+
+    pub fn field(&self) -> Option<&str> {
+        self.field.as_deref()
+    }
+}
+
+impl std::fmt::Display for ApiError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.status, self.message)
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut body = serde_json::json!({ "error": self.message });
+        if let Some(field) = self.field {
+            body["field"] = serde_json::Value::String(field);
+        }
+        (self.status, Json(body)).into_response()
+    }
+}
+
+impl From<EngineGone> for ApiError {
+    fn from(_: EngineGone) -> Self {
+        Self::new(StatusCode::SERVICE_UNAVAILABLE, "the server is shutting down")
+    }
+}
+
+impl From<StoreError> for ApiError {
+    fn from(error: StoreError) -> Self {
+        tracing::error!(%error, "store read failed");
+        Self::new(StatusCode::INTERNAL_SERVER_ERROR, "the store could not be read")
+    }
+}
+
+/// The credential of an `Authorization: Bearer …` header.
+pub(crate) fn bearer(headers: &HeaderMap) -> Option<&str> {
+    let value = headers.get(header::AUTHORIZATION)?.to_str().ok()?;
+    let (scheme, token) = value.split_once(' ')?;
+    scheme.eq_ignore_ascii_case("bearer").then(|| token.trim()).filter(|token| !token.is_empty())
+}
+
+/// A blocking store read, off the async threads.
+pub(crate) async fn from_store<T: Send + 'static>(
+    state: &AppState,
+    call: impl FnOnce(&dyn Store) -> Result<T, StoreError> + Send + 'static,
+) -> Result<T, ApiError> {
+    let store = Arc::clone(&state.store);
+    match tokio::task::spawn_blocking(move || call(store.as_ref())).await {
+        Ok(result) => Ok(result?),
+        Err(join) => std::panic::resume_unwind(join.into_panic()),
+    }
+}
+
+pub(crate) fn bad(field: impl Into<String>, problem: impl std::fmt::Display) -> ApiError {
+    let field = field.into();
+    ApiError::new(StatusCode::BAD_REQUEST, format!("{field}: {problem}")).with_field(field)
+}
+
+/// Parses a JSON body, naming the offending field on failure and never
+/// quoting a value (it may be a secret).
+pub(crate) fn parse_json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    let mut deserializer = serde_json::Deserializer::from_slice(body);
+    let value = serde_path_to_error::deserialize(&mut deserializer).map_err(|error| {
+        let path = error.path().to_string();
+        let inner = error.into_inner();
+        let message = inner.to_string();
+        let named =
+            |prefix: &str| message.strip_prefix(prefix).and_then(|rest| rest.split('`').nth(1)).map(str::to_owned);
+        if let Some(name) = named("missing field ") {
+            let field = if path == "." { name.clone() } else { format!("{path}.{name}") };
+            return bad(field, "missing");
+        }
+        if let Some(name) = named("unknown field ") {
+            // The path already ends with the unknown field's name.
+            return bad(if path == "." { name } else { path }, "unknown field");
+        }
+        if path == "." {
+            return ApiError::new(
+                StatusCode::BAD_REQUEST,
+                format!(
+                    "the body is not a JSON object of the expected shape: {}",
+                    standby_protocol::describe_json_error(&inner)
+                ),
+            );
+        }
+        // serde's "invalid type: <value>, expected <what>": keep only what
+        // was expected.
+        match message.rsplit_once(", expected ") {
+            Some((_, expected)) => {
+                bad(path, format!("expected {}", expected.split(" at line ").next().unwrap_or(expected)))
+            }
+            None => bad(path, "wrong type or value"),
+        }
+    })?;
+    deserializer
+        .end()
+        .map_err(|_| ApiError::new(StatusCode::BAD_REQUEST, "trailing characters after the JSON body"))?;
+    Ok(value)
+}
