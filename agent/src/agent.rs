@@ -10,24 +10,24 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use nix::sys::signal::{Signal, killpg};
-use nix::unistd::Pid;
-use standby_protocol::{Event, EventKind, Secret, ServerMessage, Spec, paths};
+use nix::sys::signal::Signal;
+use standby_protocol::layout::StateDir;
+use standby_protocol::{CredentialKind, Event, EventKind, ExitCode, Refusal, Secret, ServerMessage, Spec, paths};
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-use crate::api::{Api, ApiError, Class, call_backoff, retry};
+use crate::api::{Api, ApiError, call_backoff, retry};
 use crate::config::{Config, Deadline};
 use crate::control::{self, ControlConfig, ControlEvent, Login};
-use crate::exit::Exit;
 use crate::install::{self, InstallInput, Installed, Prepared};
-use crate::lifecycle::{Action, Cause, Credential, Input, InstallFailure, Lifecycle, RunSignal, Timeouts};
+use crate::lifecycle::{Action, Input, InstallFailure, Lifecycle, RunSignal, Timeouts};
 use crate::logship::{self, ShipReport};
 use crate::mcp::McpSupervisor;
+use crate::reconnect::BACKOFF_CAP;
 use crate::redact::Redactor;
-use crate::shell::{IdleShell, ShellError};
+use crate::shell::{IdleShell, RunGroup, ShellError};
 use crate::{prepare, process, reaper, time};
 
 /// How long the agent waits for the log shipper once the run has exited: a
@@ -69,14 +69,15 @@ enum PrepEvent {
 }
 
 enum PrepFailure {
-    Refused(u16),
+    /// The spec fetch was refused; the message says how.
+    Refused(Refusal, String),
     Failed(String),
 }
 
 /// The run once started.
 struct Started {
     execution_id: String,
-    pgid: i32,
+    group: RunGroup,
     /// `None` once the run's exit has been collected.
     exit: Option<JoinHandle<i32>>,
     shipper: JoinHandle<ShipReport>,
@@ -85,7 +86,7 @@ struct Started {
 
 /// Runs one agent life to its end and returns how it ended. `tls` is the
 /// one trust store of the control socket and every HTTP call.
-pub async fn run(config: Config, spec_source: SpecSource, tls: Arc<rustls::ClientConfig>) -> Exit {
+pub async fn run(config: Config, spec_source: SpecSource, tls: Arc<rustls::ClientConfig>) -> ExitCode {
     if let Err(e) = reaper::become_subreaper() {
         tracing::warn!(error = %e, "cannot become a child subreaper; orphans of children will not be reaped");
     }
@@ -95,7 +96,7 @@ pub async fn run(config: Config, spec_source: SpecSource, tls: Arc<rustls::Clien
         Ok(driver) => driver.run(spec_source).await,
         Err(message) => {
             tracing::error!(message, "cannot start");
-            Exit::Internal
+            ExitCode::Internal
         }
     };
     let _ = shutdown_tx.send(true);
@@ -150,12 +151,12 @@ impl Driver {
         })
     }
 
-    async fn run(mut self, spec_source: SpecSource) -> Exit {
+    async fn run(mut self, spec_source: SpecSource) -> ExitCode {
         let mut sigterm = signal(SignalKind::terminate()).ok();
         let mut sigint = signal(SignalKind::interrupt()).ok();
 
         let (login_tx, login_rx) =
-            watch::channel(Login { kind: Credential::Standby, secret: self.config.token.clone() });
+            watch::channel(Login { kind: CredentialKind::Standby, secret: self.config.token.clone() });
         let (status_tx, status_rx) = watch::channel(self.machine.heartbeat());
         let (control_tx, mut control_rx) = mpsc::channel(16);
         let control_config = ControlConfig {
@@ -176,10 +177,10 @@ impl Driver {
             let input = tokio::select! {
                 Some(event) = control_rx.recv() => match event {
                     ControlEvent::Connected(credential) => Input::Connected(credential),
-                    ControlEvent::Refused { credential, status } => Input::Refused { credential, status },
+                    ControlEvent::Refused { credential, refusal } => Input::Refused { credential, refusal },
                     ControlEvent::Message { credential, message } => {
                         let message = *message;
-                        if credential == Credential::Run
+                        if credential == CredentialKind::Run
                             && self.confirmed_at.is_none()
                             && matches!(&message, ServerMessage::Assignment(a) if Some(a.execution_id.as_str()) == self.machine.execution_id())
                         {
@@ -205,12 +206,7 @@ impl Driver {
                             self.prepared = Some(prepared);
                             Input::PrepareFinished(Ok(()))
                         }
-                        // With an assignment held, a refused spec fetch is a
-                        // failed preparation (requeueable), not a standby refusal.
-                        Err(PrepFailure::Refused(status)) if self.machine.execution_id().is_some() => {
-                            Input::PrepareFinished(Err(format!("fetching the spec: the server answered {status} after the assignment was accepted")))
-                        }
-                        Err(PrepFailure::Refused(status)) => Input::Refused { credential: Credential::Standby, status },
+                        Err(PrepFailure::Refused(refusal, message)) => Input::SpecRefused { refusal, message },
                         Err(PrepFailure::Failed(message)) => {
                             tracing::error!(error = message, "preparation failed");
                             Input::PrepareFinished(Err(message))
@@ -221,7 +217,7 @@ impl Driver {
                     self.install = None;
                     let Ok((prepared, result)) = result else {
                         tracing::error!("the install task failed");
-                        finish = Some((None, Exit::Internal));
+                        finish = Some((None, ExitCode::Internal));
                         continue;
                     };
                     self.prepared = Some(prepared);
@@ -250,7 +246,7 @@ impl Driver {
             }
             let _ = status_tx.send(self.machine.heartbeat());
         }
-        let (report, exit) = finish.unwrap_or((None, Exit::Internal));
+        let (report, exit) = finish.unwrap_or((None, ExitCode::Internal));
         if let Some(prep) = prep {
             // Dropping the preparation kills what it started (git and setup
             // process groups, MCP servers); wait until it is dropped.
@@ -286,7 +282,7 @@ impl Driver {
                 self.run_credential = Some((execution_id, credential));
             }
             Action::Confirm { credential } => {
-                let _ = login.send(Login { kind: Credential::Run, secret: credential });
+                let _ = login.send(Login { kind: CredentialKind::Run, secret: credential });
             }
             Action::Install(assignment) => {
                 let Some(mut prepared) = self.prepared.take() else {
@@ -299,12 +295,7 @@ impl Driver {
                     execution_id: assignment.execution_id.clone(),
                     run: assignment.run,
                     root: self.config.workspace.clone(),
-                    spec: self.spec.clone().unwrap_or_else(|| Spec {
-                        workspace: Default::default(),
-                        mcp_servers: Vec::new(),
-                        shell: None,
-                        deadline: None,
-                    }),
+                    spec: self.spec.clone().unwrap_or_default(),
                     plan: self.config.install_plan,
                     deadline: time::after(Instant::now(), self.config.install_timeout),
                 };
@@ -335,7 +326,9 @@ impl Driver {
                         RunSignal::Kill => Signal::SIGKILL,
                     };
                     tracing::info!(execution_id = %started.execution_id, ?signal, "signalling the run's process group");
-                    let _ = killpg(Pid::from_raw(started.pgid), signal);
+                    if let Err(error) = started.group.signal(signal) {
+                        tracing::warn!(execution_id = %started.execution_id, %error, "cannot signal the run");
+                    }
                 }
             }
             Action::Finish { .. } => {}
@@ -346,14 +339,11 @@ impl Driver {
     /// Spawns the run on the prepared terminal, then (off the critical
     /// path) reports `started` and ships its output.
     async fn start_run(&mut self) -> Result<(), InstallFailure> {
-        let missing = |what: &str| InstallFailure::new("start", what, Cause::Sandbox);
+        let missing = InstallFailure::missing;
         let installed = self.installed.take().ok_or_else(|| missing("nothing installed"))?;
         let prepared = self.prepared.as_mut().ok_or_else(|| missing("no prepared terminal"))?;
         let (execution_id, credential) = self.run_credential.clone().ok_or_else(|| missing("no run credential"))?;
-        let shell = prepared
-            .shell
-            .take()
-            .ok_or_else(|| InstallFailure::new("terminal", "the idle shell is gone", Cause::RefusedShell))?;
+        let shell = prepared.shell.take().ok_or_else(InstallFailure::shell_gone)?;
         // Killing and reaping the shell and forking the run block: off the
         // runtime, which keeps the heartbeats going meanwhile.
         let (installed, replaced) = process::off_runtime(move || {
@@ -362,9 +352,9 @@ impl Driver {
         })
         .await
         .ok_or_else(|| missing("the task starting the run failed"))?;
-        let mut run = replaced.map_err(|e| start_failure(&installed.argv[0], &e))?;
+        let mut run = replaced.map_err(|e| InstallFailure::start_failed(&installed.argv[0], &e))?;
         let started_at = Instant::now();
-        let pgid = i32::try_from(run.pid()).unwrap_or(i32::MAX);
+        let group = run.group();
         self.log_timing(&execution_id, &installed, started_at);
 
         let redactor = Redactor::new(installed.secrets.iter().map(Secret::expose).chain([self.config.token.expose()]));
@@ -376,7 +366,7 @@ impl Driver {
             output,
             redactor,
             logship::ShipConfig {
-                spool_dir: self.config.workspace.join(install::STATE_DIR),
+                spool_dir: StateDir::of(&self.config.workspace).path().to_path_buf(),
                 bound: self.config.log_spool_max,
                 drain: logship::DRAIN_BOUND,
             },
@@ -390,7 +380,7 @@ impl Driver {
             }
         });
         let exit = tokio::spawn(async move { run.wait().await });
-        self.started = Some(Started { execution_id, pgid, exit: Some(exit), shipper, started_event });
+        self.started = Some(Started { execution_id, group, exit: Some(exit), shipper, started_event });
         Ok(())
     }
 
@@ -428,7 +418,8 @@ impl Driver {
         if let Some(started) = self.started.take() {
             if let Some(exit) = started.exit {
                 if !exit.is_finished() {
-                    let _ = killpg(Pid::from_raw(started.pgid), Signal::SIGKILL);
+                    // Best effort: the run is killed at the end whatever it does.
+                    let _ = started.group.signal(Signal::SIGKILL);
                 }
                 let _ = exit.await;
             }
@@ -448,7 +439,7 @@ impl Driver {
             crate::hygiene::remove_run_files(&self.config.workspace, repos).await;
         }
         if let (Some(kind), Some((execution_id, credential))) = (report_kind, &self.run_credential) {
-            let name = event_name(&kind);
+            let name = kind.name();
             match report(&self.api, credential, execution_id, kind, self.config.event_timeout).await {
                 Ok(()) => tracing::info!(execution_id, event = name, "reported"),
                 Err(e) => tracing::error!(execution_id, event = name, error = %e, "report was not acknowledged"),
@@ -463,45 +454,16 @@ impl Driver {
     }
 }
 
-/// The install failure for a run that could not replace the idle shell:
-/// a shell that refuses to be replaced (it died or became busy since the
-/// install checked it) is this sandbox's problem, a command that cannot
-/// start is the run's.
-fn start_failure(program: &str, error: &ShellError) -> InstallFailure {
-    let message = format!("starting `{program}`: {error}");
-    match error {
-        ShellError::NotAlive { .. } | ShellError::Busy { .. } | ShellError::NoForeground | ShellError::NotWritable => {
-            InstallFailure::new("terminal", message, Cause::RefusedShell)
-        }
-        ShellError::EmptyCommand | ShellError::Cwd { .. } | ShellError::Spawn { .. } => {
-            InstallFailure::new("start", message, Cause::InvalidRun)
-        }
-        ShellError::OpenPty { .. } | ShellError::Io { .. } | ShellError::Signal { .. } => {
-            InstallFailure::new("start", message, Cause::Sandbox)
-        }
-    }
-}
-
-fn event_name(kind: &EventKind) -> &'static str {
-    match kind {
-        EventKind::Started => "started",
-        EventKind::Exited { .. } => "exited",
-        EventKind::Cancelled => "cancelled",
-        EventKind::InstallFailed { .. } => "install_failed",
-    }
-}
-
 /// Posts an event until it is acknowledged, keeping its `event_id` across
 /// retries, for at most `timeout`.
-pub async fn report(
+async fn report(
     api: &Api,
     credential: &Secret,
     execution_id: &str,
     kind: EventKind,
     timeout: Duration,
 ) -> Result<(), ApiError> {
-    let event =
-        Event { event_id: format!("{execution_id}-{}-{:016x}", event_name(&kind), rand::random::<u64>()), kind };
+    let event = Event { event_id: format!("{execution_id}-{}-{:016x}", kind.name(), rand::random::<u64>()), kind };
     let path = paths::events(execution_id);
     let deadline = time::after(Instant::now(), timeout);
     retry(&format!("POST {path}"), deadline, call_backoff(), || api.post(credential, &path, &event)).await
@@ -554,12 +516,10 @@ async fn fetch_spec(api: &Api, token: &Secret) -> Result<Spec, PrepFailure> {
     let path = standby_protocol::SPEC_PATH;
     let forever = time::after(Instant::now(), time::FOREVER);
     tracing::info!("fetching the spec");
-    let backoff = call_backoff().with_max_delay(control::BACKOFF_CAP);
-    retry(&format!("GET {path}"), forever, backoff, || api.get_json(token, path)).await.map_err(|e| {
-        match (e.class(), e.status()) {
-            (Class::Unauthorized | Class::Gone, Some(status)) => PrepFailure::Refused(status),
-            _ => PrepFailure::Failed(format!("fetching the spec: {e}")),
-        }
+    let backoff = call_backoff().with_max_delay(BACKOFF_CAP);
+    retry(&format!("GET {path}"), forever, backoff, || api.get_json(token, path)).await.map_err(|e| match e.refusal() {
+        Some(refusal) => PrepFailure::Refused(refusal, e.to_string()),
+        None => PrepFailure::Failed(format!("fetching the spec: {e}")),
     })
 }
 
@@ -608,38 +568,5 @@ async fn sleep_until(deadline: Option<Instant>) {
     match deadline {
         Some(at) => tokio::time::sleep_until(at).await,
         None => std::future::pending().await,
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use std::path::PathBuf;
-
-    use super::*;
-
-    #[test]
-    fn a_shell_refusing_replacement_is_requeueable_a_command_that_cannot_start_is_not() {
-        let refusals = [
-            ShellError::Busy { foreground_pgid: 42 },
-            ShellError::NotAlive { status: "exit status 1".into() },
-            ShellError::NoForeground,
-            ShellError::NotWritable,
-        ];
-        for error in refusals {
-            let failure = start_failure("agent.sh", &error);
-            assert_eq!((failure.stage.as_str(), failure.requeueable), ("terminal", true), "{failure:?}");
-        }
-        let invalid = [
-            ShellError::EmptyCommand,
-            ShellError::Cwd { path: PathBuf::from("/nope"), source: std::io::ErrorKind::NotFound.into() },
-            ShellError::Spawn { program: "agent.sh".into(), source: "not found".into() },
-        ];
-        for error in invalid {
-            let failure = start_failure("agent.sh", &error);
-            assert_eq!((failure.stage.as_str(), failure.requeueable), ("start", false), "{failure:?}");
-        }
-        let failure = start_failure("agent.sh", &ShellError::OpenPty { source: "no ptys left".into() });
-        assert_eq!((failure.stage.as_str(), failure.requeueable), ("start", true), "{failure:?}");
-        assert!(failure.message.starts_with("starting `agent.sh`: "), "{}", failure.message);
     }
 }

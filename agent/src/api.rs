@@ -1,5 +1,5 @@
-//! HTTP calls to the server, and the one place errors are classified as
-//! retryable or not.
+//! HTTP calls to the server, and the one place a failed call is read as
+//! retryable or not (a status by the contract's [`Answer`]).
 //!
 //! A request to the server's origin carries the bearer credential and
 //! `Standby-Protocol: 1`; one to any other origin (an attachment's
@@ -14,39 +14,14 @@ use backon::{BackoffBuilder, ExponentialBuilder};
 use reqwest::{Method, StatusCode, Url, header};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
-use standby_protocol::{PROTOCOL_HEADER, PROTOCOL_VERSION, Secret};
+use standby_protocol::{Answer, PROTOCOL_HEADER, PROTOCOL_VERSION, Refusal, Secret};
 use tokio::time::Instant;
 
 use crate::urls::{describe_url, same_origin};
 
-/// What to do about a failure.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Class {
-    /// Worth another attempt: refused or reset connections, timeouts, `408`,
-    /// `429` and `5xx`.
-    Transient,
-    /// `401` or `403`: this credential is not (or no longer) accepted.
-    Unauthorized,
-    /// `410`: the credential's subject is gone.
-    Gone,
-    /// Anything else: retrying cannot help.
-    Fatal,
-}
-
-/// Classifies an HTTP status, for HTTP calls and WebSocket upgrades alike.
-pub fn classify_status(status: StatusCode) -> Class {
-    match status.as_u16() {
-        401 | 403 => Class::Unauthorized,
-        410 => Class::Gone,
-        408 | 429 => Class::Transient,
-        s if s >= 500 => Class::Transient,
-        _ => Class::Fatal,
-    }
-}
-
 /// A failed call, naming the call (method and path) and what went wrong.
 #[derive(Debug, thiserror::Error)]
-pub enum ApiError {
+pub(crate) enum ApiError {
     #[error("{call}: server answered {status}")]
     Status { call: String, status: StatusCode, retry_after: Option<Duration> },
     #[error("{call}: {source}")]
@@ -69,24 +44,23 @@ pub enum ApiError {
 }
 
 impl ApiError {
-    pub fn class(&self) -> Class {
+    /// What the failure means to the caller, as the contract reads an
+    /// answer: a call that got no answer counts as a transient one, an
+    /// answer the agent would not read (too large, off the origin) as fatal.
+    pub(crate) fn answer(&self) -> Answer {
         match self {
-            Self::Status { status, .. } => classify_status(*status),
-            Self::Transport { .. } => Class::Transient,
-            Self::Decode { .. } | Self::TooLarge { .. } | Self::Refused { .. } => Class::Fatal,
-            Self::Exhausted { last, .. } => match last.class() {
-                Class::Transient => Class::Transient,
-                other => other,
-            },
+            Self::Status { status, .. } => Answer::of(status.as_u16()),
+            Self::Transport { .. } => Answer::Transient,
+            Self::Decode { .. } | Self::TooLarge { .. } | Self::Refused { .. } => Answer::Fatal,
+            Self::Exhausted { last, .. } => last.answer(),
         }
     }
 
-    /// The HTTP status the server answered, if it answered.
-    pub fn status(&self) -> Option<u16> {
-        match self {
-            Self::Status { status, .. } => Some(status.as_u16()),
-            Self::Exhausted { last, .. } => last.status(),
-            Self::Transport { .. } | Self::Decode { .. } | Self::TooLarge { .. } | Self::Refused { .. } => None,
+    /// The credential's refusal, if the server refused it.
+    pub(crate) fn refusal(&self) -> Option<Refusal> {
+        match self.answer() {
+            Answer::Refused(refusal) => Some(refusal),
+            Answer::Success | Answer::Transient | Answer::Fatal => None,
         }
     }
 
@@ -99,7 +73,7 @@ impl ApiError {
 }
 
 /// `1 MiB`, `64 KiB` or `100 bytes`: a cap as people read it.
-pub fn human_bytes(bytes: u64) -> String {
+pub(crate) fn human_bytes(bytes: u64) -> String {
     match bytes {
         b if b >= 1 << 20 && b % (1 << 20) == 0 => format!("{} MiB", b >> 20),
         b if b >= 1 << 10 && b % (1 << 10) == 0 => format!("{} KiB", b >> 10),
@@ -108,7 +82,7 @@ pub fn human_bytes(bytes: u64) -> String {
 }
 
 /// Parses `Retry-After`: delay-seconds or an HTTP date.
-pub fn parse_retry_after(value: &str, now: std::time::SystemTime) -> Option<Duration> {
+pub(crate) fn parse_retry_after(value: &str, now: std::time::SystemTime) -> Option<Duration> {
     let value = value.trim();
     if let Ok(seconds) = value.parse::<u64>() {
         return Some(Duration::from_secs(seconds));
@@ -128,7 +102,7 @@ pub fn install_tls_provider() {
 /// Largest JSON answer read from any call (spec, secrets, attachments list,
 /// git and cloud credentials, metadata): read by streaming and abandoned at
 /// the cap, so a broken or hostile server cannot grow the agent's memory.
-pub const MAX_JSON_BYTES: u64 = 1 << 20;
+pub(crate) const MAX_JSON_BYTES: u64 = 1 << 20;
 
 /// Most redirects followed for one request.
 const MAX_REDIRECTS: usize = 10;
@@ -167,7 +141,7 @@ fn redirect_policy() -> reqwest::redirect::Policy {
 
 /// A client for one server.
 #[derive(Debug, Clone)]
-pub struct Api {
+pub(crate) struct Api {
     client: reqwest::Client,
     base: String,
     server: Url,
@@ -175,15 +149,16 @@ pub struct Api {
 }
 
 impl Api {
-    /// A client trusting the system's roots, for loopback servers and tests.
-    pub fn new(base: &Url) -> Result<Self, reqwest::Error> {
+    /// A client trusting the system's roots, for loopback test servers.
+    #[cfg(test)]
+    pub(crate) fn new(base: &Url) -> Result<Self, reqwest::Error> {
         Self::build(base, None, false)
     }
 
     /// The agent's client: `tls` is the one trust store it shares with the
     /// control socket; `insecure` allows plain http to attachments off
     /// loopback.
-    pub fn with_tls(base: &Url, tls: Arc<rustls::ClientConfig>, insecure: bool) -> Result<Self, reqwest::Error> {
+    pub(crate) fn with_tls(base: &Url, tls: Arc<rustls::ClientConfig>, insecure: bool) -> Result<Self, reqwest::Error> {
         Self::build(base, Some(tls), insecure)
     }
 
@@ -206,23 +181,23 @@ impl Api {
     }
 
     /// The server's base URL.
-    pub fn server(&self) -> &Url {
+    pub(crate) fn server(&self) -> &Url {
         &self.server
     }
 
     /// Plain http allowed off loopback.
-    pub fn insecure(&self) -> bool {
+    pub(crate) fn insecure(&self) -> bool {
         self.insecure
     }
 
     /// A path (starting with `/`) appended to the base URL, prefix kept; any
     /// other URL as is.
-    pub fn url(&self, path_or_url: &str) -> String {
+    pub(crate) fn url(&self, path_or_url: &str) -> String {
         if path_or_url.starts_with('/') { format!("{}{path_or_url}", self.base) } else { path_or_url.to_owned() }
     }
 
     /// Sends one request; a non-`2xx` answer is an error.
-    pub async fn send(
+    pub(crate) async fn send(
         &self,
         method: Method,
         credential: &Secret,
@@ -259,13 +234,13 @@ impl Api {
     }
 
     /// One `GET`, decoded as JSON (at most [`MAX_JSON_BYTES`] of it).
-    pub async fn get_json<T: DeserializeOwned>(&self, credential: &Secret, path: &str) -> Result<T, ApiError> {
+    pub(crate) async fn get_json<T: DeserializeOwned>(&self, credential: &Secret, path: &str) -> Result<T, ApiError> {
         let response = self.send(Method::GET, credential, path, None).await?;
         decode(call_name(&Method::GET, path), response).await
     }
 
     /// One `POST` of `body` (an empty object when `None`), the answer decoded as JSON.
-    pub async fn post_json<B: Serialize, T: DeserializeOwned>(
+    pub(crate) async fn post_json<B: Serialize, T: DeserializeOwned>(
         &self,
         credential: &Secret,
         path: &str,
@@ -277,7 +252,7 @@ impl Api {
     }
 
     /// One `POST` whose answer only matters by its status (any `2xx`).
-    pub async fn post<B: Serialize>(&self, credential: &Secret, path: &str, body: &B) -> Result<(), ApiError> {
+    pub(crate) async fn post<B: Serialize>(&self, credential: &Secret, path: &str, body: &B) -> Result<(), ApiError> {
         let value = encode(path, Some(body))?;
         self.send(Method::POST, credential, path, Some(&value)).await.map(drop)
     }
@@ -286,7 +261,7 @@ impl Api {
     /// log chunk's `{"received": n}`): `Ok(None)` for any `2xx`,
     /// `Ok(Some(body))` for a `409` with a body of type `C`, an error
     /// otherwise (a `409` without one included).
-    pub async fn post_or_conflict<B: Serialize, C: DeserializeOwned>(
+    pub(crate) async fn post_or_conflict<B: Serialize, C: DeserializeOwned>(
         &self,
         credential: &Secret,
         path: &str,
@@ -312,14 +287,14 @@ impl Api {
 
 /// How a call is named in errors and logs: the method and the URL or path,
 /// without a query string.
-pub fn call_name(method: &Method, path_or_url: &str) -> String {
+pub(crate) fn call_name(method: &Method, path_or_url: &str) -> String {
     format!("{method} {}", describe_url(path_or_url))
 }
 
 /// A request that got no answer. A refused redirect is final; anything
 /// else (refused, reset, timed out) is transient. The URL is dropped from
 /// reqwest's message: the call names it, without its query string.
-pub fn transport(call: &str, error: reqwest::Error) -> ApiError {
+pub(crate) fn transport(call: &str, error: reqwest::Error) -> ApiError {
     if error.is_redirect() {
         let problem =
             std::error::Error::source(&error).map_or_else(|| "a redirect was refused".to_owned(), ToString::to_string);
@@ -329,7 +304,7 @@ pub fn transport(call: &str, error: reqwest::Error) -> ApiError {
 }
 
 /// Reads a body to its end, failing at `cap` bytes without reading further.
-pub async fn read_capped(call: &str, mut response: reqwest::Response, cap: u64) -> Result<Vec<u8>, ApiError> {
+pub(crate) async fn read_capped(call: &str, mut response: reqwest::Response, cap: u64) -> Result<Vec<u8>, ApiError> {
     let too_large = || ApiError::TooLarge { call: call.to_owned(), cap };
     if response.content_length().is_some_and(|length| length > cap) {
         return Err(too_large());
@@ -371,7 +346,7 @@ async fn decode<T: DeserializeOwned>(call: String, response: reqwest::Response) 
 }
 
 /// Backoff for HTTP calls: 100 ms doubling to 5 s, with jitter.
-pub fn call_backoff() -> ExponentialBuilder {
+pub(crate) fn call_backoff() -> ExponentialBuilder {
     ExponentialBuilder::default()
         .with_min_delay(Duration::from_millis(100))
         .with_max_delay(Duration::from_secs(5))
@@ -382,7 +357,7 @@ pub fn call_backoff() -> ExponentialBuilder {
 /// Runs `op` until it succeeds, fails with a non-transient error, or the
 /// next attempt would start after `deadline`. A `Retry-After` longer than
 /// the backoff's delay is honoured.
-pub async fn retry<T, F, Fut>(
+pub(crate) async fn retry<T, F, Fut>(
     call: &str,
     deadline: Instant,
     backoff: ExponentialBuilder,
@@ -398,7 +373,7 @@ where
         attempts += 1;
         let error = match op().await {
             Ok(value) => return Ok(value),
-            Err(error) if error.class() != Class::Transient => return Err(error),
+            Err(error) if error.answer() != Answer::Transient => return Err(error),
             Err(error) => error,
         };
         let delay = delays.next().unwrap_or(Duration::from_secs(5)).max(error.retry_after().unwrap_or_default());
@@ -416,13 +391,24 @@ mod tests {
 
     #[test]
     fn classification() {
-        assert_eq!(classify_status(StatusCode::UNAUTHORIZED), Class::Unauthorized);
-        assert_eq!(classify_status(StatusCode::FORBIDDEN), Class::Unauthorized);
-        assert_eq!(classify_status(StatusCode::GONE), Class::Gone);
-        assert_eq!(classify_status(StatusCode::TOO_MANY_REQUESTS), Class::Transient);
-        assert_eq!(classify_status(StatusCode::SERVICE_UNAVAILABLE), Class::Transient);
-        assert_eq!(classify_status(StatusCode::NOT_FOUND), Class::Fatal);
-        assert_eq!(classify_status(StatusCode::BAD_REQUEST), Class::Fatal);
+        let status = |status: StatusCode| ApiError::Status { call: "GET /x".into(), status, retry_after: None };
+        let cases = [
+            (StatusCode::UNAUTHORIZED, Answer::Refused(Refusal::Unauthorized)),
+            (StatusCode::FORBIDDEN, Answer::Refused(Refusal::Unauthorized)),
+            (StatusCode::GONE, Answer::Refused(Refusal::Gone)),
+            (StatusCode::TOO_MANY_REQUESTS, Answer::Transient),
+            (StatusCode::SERVICE_UNAVAILABLE, Answer::Transient),
+            (StatusCode::NOT_FOUND, Answer::Fatal),
+            (StatusCode::BAD_REQUEST, Answer::Fatal),
+        ];
+        for (code, expected) in cases {
+            assert_eq!(status(code).answer(), expected, "{code}");
+            let exhausted = ApiError::Exhausted { call: "GET /x".into(), attempts: 2, last: Box::new(status(code)) };
+            assert_eq!(exhausted.answer(), expected, "{code}, after retries");
+        }
+        assert_eq!(status(StatusCode::GONE).refusal(), Some(Refusal::Gone));
+        assert_eq!(status(StatusCode::BAD_GATEWAY).refusal(), None);
+        assert_eq!(ApiError::TooLarge { call: "GET /x".into(), cap: 1 }.answer(), Answer::Fatal);
     }
 
     #[test]

@@ -9,19 +9,20 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use reqwest::{Method, Url};
 use sha2::{Digest, Sha256};
-use standby_protocol::{Attachment, AttachmentsResponse, paths};
+use standby_protocol::layout::StateDir;
+use standby_protocol::{Attachment, AttachmentsResponse, Cause, Stage, paths};
 use tokio::io::AsyncWriteExt;
 
 use crate::api::{ApiError, call_backoff, call_name, human_bytes, retry, transport};
-use crate::install::{InstallInput, attachments_dir, network};
-use crate::lifecycle::{Cause, InstallFailure};
+use crate::install::InstallInput;
+use crate::lifecycle::InstallFailure;
 use crate::paths::check_file_name;
 use crate::urls::{attachment_target, describe_url};
 
 /// Largest attachment accepted.
 pub const MAX_ATTACHMENT_BYTES: u64 = 256 << 20;
 
-const STAGE: &str = "attachments";
+const STAGE: Stage = Stage::Attachments;
 
 /// Distinguishes the temporary files of concurrent downloads.
 static TEMP_COUNTER: AtomicU64 = AtomicU64::new(0);
@@ -36,7 +37,7 @@ pub async fn attachments(input: &InstallInput) -> Result<(), InstallFailure> {
                 input.api.get_json(&input.credential, &path)
             })
             .await
-            .map_err(network(STAGE))?;
+            .map_err(InstallFailure::call_failed(STAGE))?;
             response.attachments
         }
     };
@@ -44,16 +45,16 @@ pub async fn attachments(input: &InstallInput) -> Result<(), InstallFailure> {
     let mut targets = Vec::with_capacity(listed.len());
     for attachment in &listed {
         check_file_name(&attachment.name)
-            .map_err(|e| InstallFailure::new(STAGE, format!("attachment name: {e}"), Cause::InvalidRun))?;
+            .map_err(|e| InstallFailure::new(STAGE, Cause::InvalidRun, format!("attachment name: {e}")))?;
         let target = attachment_target(input.api.server(), &attachment.url, input.api.insecure()).map_err(|e| {
-            InstallFailure::new(STAGE, format!("attachment `{}`: {e}", attachment.name), Cause::InvalidRun)
+            InstallFailure::new(STAGE, Cause::InvalidRun, format!("attachment `{}`: {e}", attachment.name))
         })?;
         targets.push(target);
     }
-    let dir = attachments_dir(&input.root);
+    let dir = StateDir::of(&input.root).attachments_dir();
     tokio::fs::create_dir_all(&dir)
         .await
-        .map_err(|e| InstallFailure::new(STAGE, format!("creating {}: {e}", dir.display()), Cause::Sandbox))?;
+        .map_err(|e| InstallFailure::new(STAGE, Cause::Sandbox, format!("creating {}: {e}", dir.display())))?;
     let downloads = listed.iter().zip(&targets).map(|(attachment, target)| download(input, &dir, attachment, target));
     futures::future::try_join_all(downloads).await?;
     Ok(())
@@ -78,19 +79,19 @@ async fn download(
         // A disk error is the inner `Err`: retrying the call cannot help.
         let actual = retry(&call, input.deadline, call_backoff(), || stream_to(input, target, &call, &temp))
             .await
-            .map_err(network(STAGE))?
-            .map_err(|message| InstallFailure::new(STAGE, message, Cause::Sandbox))?;
+            .map_err(InstallFailure::call_failed(STAGE))?
+            .map_err(|message| InstallFailure::new(STAGE, Cause::Sandbox, message))?;
         if !actual.eq_ignore_ascii_case(attachment.sha256.trim()) {
             return Err(InstallFailure::new(
                 STAGE,
-                format!("attachment `{}`: SHA-256 is {actual}, expected {}", attachment.name, attachment.sha256),
                 Cause::Network,
+                format!("attachment `{}`: SHA-256 is {actual}, expected {}", attachment.name, attachment.sha256),
             ));
         }
         let file = dir.join(&attachment.name);
         tokio::fs::rename(&temp, &file)
             .await
-            .map_err(|e| InstallFailure::new(STAGE, format!("writing {}: {e}", file.display()), Cause::Sandbox))
+            .map_err(|e| InstallFailure::new(STAGE, Cause::Sandbox, format!("writing {}: {e}", file.display())))
     }
     .await;
     if result.is_err() {

@@ -7,9 +7,8 @@ use std::time::{Duration, SystemTime};
 
 use clap::{Parser, ValueEnum};
 use reqwest::Url;
-use standby_protocol::Secret;
+use standby_protocol::{ExitCode, Secret};
 
-use crate::exit;
 use crate::urls::is_loopback;
 
 /// `standby`: the pre-warmed sandbox agent.
@@ -22,75 +21,75 @@ use crate::urls::is_loopback;
 /// terminal. A failure before the run starts is reported as requeueable so
 /// the server can dispatch the run on a cold sandbox instead.
 #[derive(Debug, Parser)]
-#[command(name = "standby", version, about, long_about, after_help = exit::HELP)]
+#[command(name = "standby", version, about, long_about, after_help = ExitCode::help_text())]
 pub struct Args {
     /// Base URL of the server, `http(s)://host:port[/prefix]`. The control
     /// socket is the same URL with `ws(s)` and `/ws` appended.
     #[arg(long, env = "STANDBY_SERVER_URL", value_name = "URL")]
-    pub server_url: String,
+    pub(crate) server_url: String,
 
     /// The standby credential identifying this sandbox. Never logged.
     /// Exactly one of this and --token-file.
     #[arg(long, env = "STANDBY_TOKEN", value_name = "TOKEN", hide_env_values = true,
           value_parser = parse_secret)]
-    pub token: Option<Secret>,
+    pub(crate) token: Option<Secret>,
 
     /// A file holding the standby credential (a mounted secret), read once
     /// at start; a trailing line break is trimmed. Exactly one of this and
     /// --token.
     #[arg(long, env = "STANDBY_TOKEN_FILE", value_name = "FILE")]
-    pub token_file: Option<PathBuf>,
+    pub(crate) token_file: Option<PathBuf>,
 
     /// Directory the workspace is prepared in.
     #[arg(long, env = "STANDBY_WORKSPACE", value_name = "DIR", default_value = "/workspace")]
-    pub workspace: PathBuf,
+    pub(crate) workspace: PathBuf,
 
     /// Path of a spec file (JSON). When unset the spec is fetched from
     /// `GET /v1/standby/spec`.
     #[arg(long, env = "STANDBY_SPEC", value_name = "FILE")]
-    pub spec: Option<PathBuf>,
+    pub(crate) spec: Option<PathBuf>,
 
     /// How often a heartbeat is sent on the control socket (e.g. 250ms, 15s, 2m).
     #[arg(long, env = "STANDBY_HEARTBEAT_INTERVAL", value_name = "DURATION", default_value = "15s",
           value_parser = parse_duration)]
-    pub heartbeat_interval: Duration,
+    pub(crate) heartbeat_interval: Duration,
 
     /// With no assignment by then, exit 12. An RFC 3339 time or a duration
     /// from start. The earlier of this and the spec's `deadline` applies.
     #[arg(long, env = "STANDBY_DEADLINE", value_name = "TIME|DURATION", value_parser = parse_deadline)]
-    pub deadline: Option<Deadline>,
+    pub(crate) deadline: Option<Deadline>,
 
     /// How long delivery confirmation retries transient failures.
     #[arg(long, env = "STANDBY_CONFIRM_TIMEOUT", value_name = "DURATION", default_value = "5m",
           value_parser = parse_duration)]
-    pub confirm_timeout: Duration,
+    pub(crate) confirm_timeout: Duration,
 
     /// Bound on installing the run, retries included.
     #[arg(long, env = "STANDBY_INSTALL_TIMEOUT", value_name = "DURATION", default_value = "5m",
           value_parser = parse_duration)]
-    pub install_timeout: Duration,
+    pub(crate) install_timeout: Duration,
 
     /// Bound on the whole preparation (spec, clones, setup, MCP servers, idle
     /// shell). When it passes with no assignment held, exit 15; with one
     /// held, the install fails (stage `prepare`, requeueable) and exit 13.
     #[arg(long, env = "STANDBY_PREPARE_TIMEOUT", value_name = "DURATION", default_value = "30m",
           value_parser = parse_duration)]
-    pub prepare_timeout: Duration,
+    pub(crate) prepare_timeout: Duration,
 
     /// After a cancel or SIGTERM, how long the run has between SIGTERM and SIGKILL.
     #[arg(long, env = "STANDBY_CANCEL_GRACE", value_name = "DURATION", default_value = "10s",
           value_parser = parse_duration)]
-    pub cancel_grace: Duration,
+    pub(crate) cancel_grace: Duration,
 
     /// How long each MCP server has to become ready.
     #[arg(long, env = "STANDBY_MCP_READY_TIMEOUT", value_name = "DURATION", default_value = "20s",
           value_parser = parse_duration)]
-    pub mcp_ready_timeout: Duration,
+    pub(crate) mcp_ready_timeout: Duration,
 
     /// How long an event (started, exited, ...) is retried before it is given up.
     #[arg(long, env = "STANDBY_EVENT_TIMEOUT", value_name = "DURATION", default_value = "10m",
           value_parser = parse_duration)]
-    pub event_timeout: Duration,
+    pub(crate) event_timeout: Duration,
 
     /// Log filter in `tracing` EnvFilter syntax; `RUST_LOG` is read when unset.
     #[arg(long = "log", env = "STANDBY_LOG", value_name = "FILTER")]
@@ -103,22 +102,22 @@ pub struct Args {
     /// Allow plain `http://`/`ws://` to a host that is not a loopback address
     /// (the server, and attachments on another origin).
     #[arg(long, env = "STANDBY_INSECURE")]
-    pub insecure: bool,
+    pub(crate) insecure: bool,
 
     /// Bytes of the run's output kept while the log endpoint fails (testing only).
     #[arg(long, env = "STANDBY_LOG_SPOOL_MAX", value_name = "BYTES", default_value_t = crate::logship::SPOOL_BOUND,
           value_parser = clap::value_parser!(u64).range(1..), hide = true)]
-    pub log_spool_max: u64,
+    pub(crate) log_spool_max: u64,
     /// A PEM file of extra CA certificates, trusted next to the system's
     /// roots for both the control socket (wss) and HTTP calls (https): a
     /// server or object store behind a private CA. Unreadable, or holding
     /// no certificate: exit 2.
     #[arg(long, env = "STANDBY_CA_FILE", value_name = "FILE")]
-    pub ca_file: Option<PathBuf>,
+    pub(crate) ca_file: Option<PathBuf>,
 
     /// Run the install steps one after another (benchmarking only).
     #[arg(long, env = "STANDBY_INSTALL_PLAN", value_name = "PLAN", default_value = "parallel", hide = true)]
-    pub install_plan: InstallPlan,
+    pub(crate) install_plan: InstallPlan,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -128,14 +127,14 @@ pub enum LogFormat {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum InstallPlan {
+pub(crate) enum InstallPlan {
     Parallel,
     Sequential,
 }
 
 /// A deadline as configured: absolute, or relative to the agent's start.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Deadline {
+pub(crate) enum Deadline {
     At(SystemTime),
     After(Duration),
 }
@@ -162,7 +161,7 @@ fn parse_deadline(text: &str) -> Result<Deadline, String> {
 }
 
 /// Parses an RFC 3339 time, with `Z` or a numeric offset.
-pub fn parse_time(text: &str) -> Result<SystemTime, String> {
+pub(crate) fn parse_time(text: &str) -> Result<SystemTime, String> {
     let timestamp: jiff::Timestamp =
         text.trim().parse().map_err(|e| format!("`{text}` is not an RFC 3339 time: {e}"))?;
     SystemTime::try_from(timestamp).map_err(|e| format!("`{text}` is out of range: {e}"))
@@ -172,22 +171,22 @@ pub fn parse_time(text: &str) -> Result<SystemTime, String> {
 #[derive(Debug, Clone)]
 pub struct Config {
     pub server_url: Url,
-    pub socket_url: Url,
-    pub token: Secret,
+    pub(crate) socket_url: Url,
+    pub(crate) token: Secret,
     pub workspace: PathBuf,
-    pub spec: Option<PathBuf>,
-    pub heartbeat_interval: Duration,
-    pub deadline: Option<Deadline>,
-    pub confirm_timeout: Duration,
-    pub install_timeout: Duration,
-    pub prepare_timeout: Duration,
-    pub cancel_grace: Duration,
-    pub mcp_ready_timeout: Duration,
-    pub event_timeout: Duration,
-    pub install_plan: InstallPlan,
-    pub log_spool_max: u64,
+    pub(crate) spec: Option<PathBuf>,
+    pub(crate) heartbeat_interval: Duration,
+    pub(crate) deadline: Option<Deadline>,
+    pub(crate) confirm_timeout: Duration,
+    pub(crate) install_timeout: Duration,
+    pub(crate) prepare_timeout: Duration,
+    pub(crate) cancel_grace: Duration,
+    pub(crate) mcp_ready_timeout: Duration,
+    pub(crate) event_timeout: Duration,
+    pub(crate) install_plan: InstallPlan,
+    pub(crate) log_spool_max: u64,
     /// Plain http allowed off loopback (`--insecure`).
-    pub insecure: bool,
+    pub(crate) insecure: bool,
     /// Extra trusted CA certificates (`STANDBY_CA_FILE`), loaded by [`crate::tls`].
     pub ca_file: Option<PathBuf>,
 }
@@ -196,8 +195,8 @@ pub struct Config {
 #[derive(Debug, thiserror::Error)]
 #[error("invalid {setting}: {problem}")]
 pub struct ConfigError {
-    pub setting: &'static str,
-    pub problem: String,
+    pub(crate) setting: &'static str,
+    pub(crate) problem: String,
 }
 
 impl Args {
@@ -292,13 +291,6 @@ fn socket_url(server_url: &Url) -> Url {
     url
 }
 
-impl Config {
-    /// `path` appended to the server URL, keeping any prefix it has.
-    pub fn endpoint(&self, path: &str) -> String {
-        format!("{}{}", self.server_url.as_str().trim_end_matches('/'), path)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -314,7 +306,8 @@ mod tests {
     fn socket_url_keeps_prefix_and_switches_scheme() {
         let config = args(&["--server-url", "https://cp.example/base/"]).expect("valid");
         assert_eq!(config.socket_url.as_str(), "wss://cp.example/base/ws");
-        assert_eq!(config.endpoint("/v1/standby/spec"), "https://cp.example/base/v1/standby/spec");
+        let api = crate::api::Api::new(&config.server_url).expect("an HTTP client");
+        assert_eq!(api.url(standby_protocol::SPEC_PATH), "https://cp.example/base/v1/standby/spec");
         let config = args(&["--server-url", "http://127.0.0.1:8080"]).expect("valid");
         assert_eq!(config.socket_url.as_str(), "ws://127.0.0.1:8080/ws");
     }

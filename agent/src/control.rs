@@ -1,5 +1,5 @@
 //! The control socket: one task owns the WebSocket (reader and writer),
-//! sends heartbeats, and reconnects with jittered exponential backoff.
+//! sends heartbeats, and reconnects when [`crate::reconnect`]'s policy says.
 //!
 //! The task knows nothing of the lifecycle: it reports what happened as
 //! [`ControlEvent`]s and takes two inputs, the credential to connect with
@@ -9,10 +9,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use backon::{BackoffBuilder, ExponentialBuilder};
 use futures::{SinkExt, StreamExt};
 use reqwest::Url;
-use standby_protocol::{AgentMessage, AgentState, PROTOCOL_HEADER, PROTOCOL_VERSION, Secret, ServerMessage};
+use standby_protocol::{
+    AgentMessage, AgentState, Answer, CredentialKind, PROTOCOL_HEADER, PROTOCOL_VERSION, Refusal, Secret, ServerMessage,
+};
 use tokio::sync::{mpsc, watch};
 use tokio::time::{Instant, MissedTickBehavior};
 use tokio_tungstenite::tungstenite::client::IntoClientRequest;
@@ -20,63 +21,55 @@ use tokio_tungstenite::tungstenite::http::{HeaderValue, header};
 use tokio_tungstenite::tungstenite::protocol::WebSocketConfig;
 use tokio_tungstenite::tungstenite::{self, Message};
 
-use crate::api::{Class, classify_status, parse_retry_after};
-use crate::lifecycle::Credential;
+use crate::api::parse_retry_after;
+/// The reconnect policy's bounds, where the soak test's simulated fleet
+/// reads them.
+pub use crate::reconnect::{BACKOFF_CAP, BACKOFF_MIN, STABLE_AFTER};
+use crate::reconnect::{Ended, Next, Reconnect};
 
 /// Largest server message accepted. An assignment carries a workspace
 /// description and environment maps; 1 MiB is far above any real one, and a
 /// larger frame closes the connection (then the agent reconnects) instead of
 /// growing memory without bound.
-pub const MAX_MESSAGE_BYTES: usize = 1 << 20;
-
-/// Upper bound of the reconnect backoff.
-pub const BACKOFF_CAP: Duration = Duration::from_secs(30);
-/// First reconnect delay (before jitter, which adds up to as much again).
-/// The 500 ms jitter window spreads a fleet dropped at once (a server
-/// restart) so that about a fifth of it comes back in any 100 ms.
-pub const BACKOFF_MIN: Duration = Duration::from_millis(500);
-/// A connection that stayed up this long resets the backoff. A shorter one
-/// does not: a server that accepts upgrades and then drops them must meet a
-/// growing delay, not a reconnect every quarter second.
-pub const STABLE_AFTER: Duration = Duration::from_secs(10);
+const MAX_MESSAGE_BYTES: usize = 1 << 20;
 
 #[derive(Debug)]
-pub enum ControlEvent {
-    Connected(Credential),
+pub(crate) enum ControlEvent {
+    Connected(CredentialKind),
     Message {
-        credential: Credential,
+        credential: CredentialKind,
         /// Boxed: an assignment is far larger than the other events.
         message: Box<ServerMessage>,
     },
     /// `401`, `403` or `410`: this credential will not be retried; the task
     /// waits for another credential.
     Refused {
-        credential: Credential,
-        status: u16,
+        credential: CredentialKind,
+        refusal: Refusal,
     },
 }
 
 /// The credential the task connects with.
 #[derive(Debug, Clone)]
-pub struct Login {
-    pub kind: Credential,
-    pub secret: Secret,
+pub(crate) struct Login {
+    pub(crate) kind: CredentialKind,
+    pub(crate) secret: Secret,
 }
 
 /// What each heartbeat says.
-pub type Status = (AgentState, Option<String>);
+pub(crate) type Status = (AgentState, Option<String>);
 
 #[derive(Debug, Clone)]
-pub struct ControlConfig {
-    pub socket_url: Url,
-    pub heartbeat_interval: Duration,
+pub(crate) struct ControlConfig {
+    pub(crate) socket_url: Url,
+    pub(crate) heartbeat_interval: Duration,
     /// The agent's one trust store, shared with its HTTP calls.
-    pub tls: Arc<rustls::ClientConfig>,
+    pub(crate) tls: Arc<rustls::ClientConfig>,
 }
 
 /// Spawns the connection task. It ends when `shutdown` turns true (closing
 /// the socket politely) or when `events` is dropped.
-pub fn spawn(
+pub(crate) fn spawn(
     config: ControlConfig,
     login: watch::Receiver<Login>,
     status: watch::Receiver<Status>,
@@ -86,20 +79,9 @@ pub fn spawn(
     tokio::spawn(run(config, login, status, events, shutdown))
 }
 
-/// The reconnect delays: exponential from [`BACKOFF_MIN`], capped at
-/// [`BACKOFF_CAP`], each with jitter of up to the delay itself.
-pub fn backoff() -> impl Iterator<Item = Duration> {
-    ExponentialBuilder::default()
-        .with_min_delay(BACKOFF_MIN)
-        .with_max_delay(BACKOFF_CAP)
-        .with_jitter()
-        .without_max_times()
-        .build()
-}
-
 enum Attempt {
     Connected(Box<Socket>),
-    Refused(u16),
+    Refused { refusal: Refusal, why: String },
     Transient { error: String, retry_after: Option<Duration> },
 }
 
@@ -118,7 +100,7 @@ async fn run(
     events: mpsc::Sender<ControlEvent>,
     mut shutdown: watch::Receiver<bool>,
 ) {
-    let mut delays = backoff();
+    let mut policy = Reconnect::default();
     let mut attempts = 0u32;
     loop {
         if *shutdown.borrow() {
@@ -129,61 +111,61 @@ async fn run(
         let attempt = tokio::select! {
             attempt = connect(&config.socket_url, &config.tls, &current.secret) => attempt,
             _ = login.changed() => {
-                delays = backoff();
+                policy.credential_changed();
                 continue;
             }
             _ = shutdown.changed() => return,
         };
-        let delay = match attempt {
+        let (ended, why) = match attempt {
             Attempt::Connected(socket) => {
                 tracing::info!(credential = ?current.kind, attempts, "control socket connected");
                 attempts = 0;
                 if events.send(ControlEvent::Connected(current.kind)).await.is_err() {
                     return;
                 }
-                let since = Instant::now();
-                let end =
-                    session(*socket, &config, current.kind, &mut status, &events, &mut login, &mut shutdown).await;
-                if since.elapsed() >= STABLE_AFTER {
-                    delays = backoff();
-                }
-                match end {
+                policy.connected(Instant::now());
+                match session(*socket, &config, current.kind, &mut status, &events, &mut login, &mut shutdown).await {
                     SessionEnd::Shutdown => return,
                     SessionEnd::LoginChanged => {
-                        delays = backoff();
+                        policy.credential_changed();
                         continue;
                     }
-                    SessionEnd::Dropped(reason) => {
-                        tracing::warn!(credential = ?current.kind, reason, "control socket lost; reconnecting");
-                        delays.next().unwrap_or(BACKOFF_CAP)
-                    }
+                    SessionEnd::Dropped(reason) => (Ended::Dropped, format!("control socket lost: {reason}")),
                 }
             }
-            Attempt::Refused(status) => {
-                tracing::warn!(credential = ?current.kind, status, "control socket refused");
-                if events.send(ControlEvent::Refused { credential: current.kind, status }).await.is_err() {
+            Attempt::Refused { refusal, why } => {
+                if events.send(ControlEvent::Refused { credential: current.kind, refusal }).await.is_err() {
                     return;
                 }
-                tokio::select! {
-                    _ = login.changed() => {
-                        delays = backoff();
-                        continue;
-                    }
-                    _ = shutdown.changed() => return,
-                }
+                (Ended::Refused, format!("control socket refused: {why}"))
             }
             Attempt::Transient { error, retry_after } => {
-                let delay = delays.next().unwrap_or(BACKOFF_CAP).max(retry_after.unwrap_or_default());
-                tracing::warn!(credential = ?current.kind, attempt = attempts, error,
-                    retry_in_ms = delay.as_millis() as u64, "control socket unavailable");
-                delay
+                (Ended::Failed { retry_after }, format!("control socket unavailable: {error}"))
+            }
+        };
+        let delay = match policy.next(Instant::now(), ended, rand::random()) {
+            Next::After(delay) => {
+                tracing::warn!(credential = ?current.kind, attempt = attempts, retry_in_ms = delay.as_millis() as u64, "{why}");
+                Some(delay)
+            }
+            Next::AwaitCredential => {
+                tracing::warn!(credential = ?current.kind, "{why}; waiting for another credential");
+                None
             }
         };
         tokio::select! {
-            _ = tokio::time::sleep(delay) => {}
-            _ = login.changed() => delays = backoff(),
+            _ = sleep(delay) => {}
+            _ = login.changed() => policy.credential_changed(),
             _ = shutdown.changed() => return,
         }
+    }
+}
+
+/// Sleeps for `delay`; never wakes when there is none.
+async fn sleep(delay: Option<Duration>) {
+    match delay {
+        Some(delay) => tokio::time::sleep(delay).await,
+        None => std::future::pending().await,
     }
 }
 
@@ -194,7 +176,8 @@ async fn connect(url: &Url, tls: &Arc<rustls::ClientConfig>, secret: &Secret) ->
     };
     let Ok(mut bearer) = HeaderValue::from_str(&format!("Bearer {}", secret.expose())) else {
         // A credential that cannot be a header value can never be accepted.
-        return Attempt::Refused(401);
+        let why = "the credential cannot be sent in a header".to_owned();
+        return Attempt::Refused { refusal: Refusal::Unauthorized, why };
     };
     bearer.set_sensitive(true);
     request.headers_mut().insert(header::AUTHORIZATION, bearer);
@@ -211,9 +194,9 @@ async fn connect(url: &Url, tls: &Arc<rustls::ClientConfig>, secret: &Secret) ->
         Ok(Ok((socket, _))) => Attempt::Connected(Box::new(socket)),
         Ok(Err(tungstenite::Error::Http(response))) => {
             let status = response.status();
-            match classify_status(status) {
-                Class::Unauthorized | Class::Gone => Attempt::Refused(status.as_u16()),
-                Class::Transient | Class::Fatal => Attempt::Transient {
+            match Answer::of(status.as_u16()) {
+                Answer::Refused(refusal) => Attempt::Refused { refusal, why: format!("upgrade answered {status}") },
+                Answer::Success | Answer::Transient | Answer::Fatal => Attempt::Transient {
                     error: format!("upgrade answered {status}"),
                     retry_after: response
                         .headers()
@@ -230,7 +213,7 @@ async fn connect(url: &Url, tls: &Arc<rustls::ClientConfig>, secret: &Secret) ->
 async fn session(
     socket: Socket,
     config: &ControlConfig,
-    kind: Credential,
+    kind: CredentialKind,
     status: &mut watch::Receiver<Status>,
     events: &mpsc::Sender<ControlEvent>,
     login: &mut watch::Receiver<Login>,

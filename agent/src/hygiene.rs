@@ -13,16 +13,17 @@ use std::io::ErrorKind;
 use std::path::Path;
 
 use standby_protocol::Repo;
+use standby_protocol::layout::StateDir;
 
-use crate::install::{attachments_dir, git_credentials_file, metadata_file};
 use crate::paths::resolve_inside;
 
 /// Removes one run's files from the workspace at `root`, whose repos are
 /// `repos`. Best effort: a file that cannot be removed is logged (by path,
 /// never by content) and the rest are still removed.
-pub async fn remove_run_files(root: &Path, repos: &[Repo]) {
-    let store = git_credentials_file(root);
-    let files = [metadata_file(root), store.clone()];
+pub(crate) async fn remove_run_files(root: &Path, repos: &[Repo]) {
+    let state_dir = StateDir::of(root);
+    let store = state_dir.git_credentials();
+    let files = [state_dir.metadata_file(), store.clone()];
     for file in &files {
         match tokio::fs::remove_file(file).await {
             Ok(()) => tracing::debug!(file = %file.display(), "run file removed"),
@@ -30,7 +31,7 @@ pub async fn remove_run_files(root: &Path, repos: &[Repo]) {
             Err(e) => tracing::warn!(file = %file.display(), error = %e, "cannot remove a run file"),
         }
     }
-    let dir = attachments_dir(root);
+    let dir = state_dir.attachments_dir();
     match tokio::fs::remove_dir_all(&dir).await {
         Ok(()) => tracing::debug!(dir = %dir.display(), "attachments removed"),
         Err(e) if e.kind() == ErrorKind::NotFound => {}
@@ -71,10 +72,11 @@ mod tests {
         let app = root.join("app");
         std::fs::create_dir_all(&app).expect("create the repo");
         git(&app, &["init", "-q"]);
-        let store = git_credentials_file(root);
-        std::fs::create_dir_all(attachments_dir(root)).expect("create the attachments dir");
-        std::fs::write(attachments_dir(root).join("spec.md"), "spec").expect("write");
-        std::fs::write(metadata_file(root), "{}").expect("write");
+        let state_dir = StateDir::of(root);
+        let store = state_dir.git_credentials();
+        std::fs::create_dir_all(state_dir.attachments_dir()).expect("create the attachments dir");
+        std::fs::write(state_dir.attachments_dir().join("spec.md"), "spec").expect("write");
+        std::fs::write(state_dir.metadata_file(), "{}").expect("write");
         std::fs::write(&store, "https://u:turn1@git.example\n").expect("write");
         git(&app, &["config", "--local", "--add", "credential.helper", &format!("store --file={}", store.display())]);
         git(&app, &["config", "--local", "--add", "credential.helper", "cache"]);
@@ -83,7 +85,7 @@ mod tests {
             Repo { url: "https://git.example/app.git".into(), path: "app".into(), git_ref: None, expected_sha: None };
         remove_run_files(root, std::slice::from_ref(&repo)).await;
 
-        assert!(!attachments_dir(root).exists() && !metadata_file(root).exists() && !store.exists());
+        assert!(!state_dir.attachments_dir().exists() && !state_dir.metadata_file().exists() && !store.exists());
         assert_eq!(git(&app, &["config", "--local", "--get-all", "credential.helper"]).trim(), "cache");
         // Nothing left: a second pass is a no-op.
         remove_run_files(root, &[repo]).await;

@@ -23,21 +23,19 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::Duration;
 
+use standby_protocol::layout::StateDir;
 use standby_protocol::{
-    CloudCredentialsResponse, Fingerprint, GitCredential, GitCredentialsResponse, Run, Secret, SecretsResponse, Spec,
-    fingerprint, paths,
+    Cause, CloudCredentialsResponse, Fingerprint, GitCredential, GitCredentialsResponse, Run, Secret, SecretsResponse,
+    Spec, Stage, fingerprint, paths,
 };
 use tokio::time::Instant;
 
-use crate::api::{Api, ApiError, Class, call_backoff, retry};
+use crate::api::{Api, call_backoff, retry};
 use crate::config::InstallPlan;
-use crate::lifecycle::{Cause, InstallFailure};
+use crate::lifecycle::InstallFailure;
 use crate::mcp::McpSupervisor;
 use crate::paths::{resolve_inside, write_atomic};
 use crate::shell::IdleShell;
-
-/// The agent's directory inside the workspace.
-pub const STATE_DIR: &str = ".standby";
 
 /// What preparation leaves for the install: the idle shell, the MCP
 /// servers, and the fingerprint they were prepared under.
@@ -73,7 +71,7 @@ pub struct Installed {
     /// Every secret value the run received, for redaction of its output.
     pub secrets: Vec<Secret>,
     /// Duration of each step, in the order they finished.
-    pub steps: Vec<(&'static str, Duration)>,
+    pub steps: Vec<(Stage, Duration)>,
     /// Why MCP servers failed to restart, one message each (the run is degraded).
     pub degraded: Vec<String>,
 }
@@ -87,34 +85,20 @@ struct Fetched {
     git_passwords: Vec<Secret>,
 }
 
-struct Steps(Mutex<Vec<(&'static str, Duration)>>);
+/// How long each step took: a step is named by the stage its failure
+/// would report.
+struct Steps(Mutex<Vec<(Stage, Duration)>>);
 
 impl Steps {
-    async fn time<T>(&self, name: &'static str, step: impl Future<Output = T>) -> T {
+    async fn time<T>(&self, stage: Stage, step: impl Future<Output = T>) -> T {
         let start = Instant::now();
         let value = step.await;
-        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push((name, start.elapsed()));
+        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push((stage, start.elapsed()));
         value
     }
 
-    fn into_inner(self) -> Vec<(&'static str, Duration)> {
+    fn into_inner(self) -> Vec<(Stage, Duration)> {
         self.0.into_inner().unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-}
-
-/// A failed call fails the install, requeueable; a refused run credential
-/// means the run was withdrawn (cancelled, superseded or requeued). An
-/// answer over its cap, or a URL or redirect the origin rule refuses, is the
-/// run's data at fault: a cold sandbox would meet it too (not requeueable).
-pub(crate) fn network(stage: &'static str) -> impl Fn(ApiError) -> InstallFailure {
-    move |error| match (&error, error.class(), error.status()) {
-        (_, Class::Unauthorized | Class::Gone, Some(status)) => {
-            InstallFailure::refused(stage, error.to_string(), status)
-        }
-        (ApiError::TooLarge { .. } | ApiError::Refused { .. }, ..) => {
-            InstallFailure::new(stage, error.to_string(), Cause::InvalidRun)
-        }
-        _ => InstallFailure::new(stage, error.to_string(), Cause::Network),
     }
 }
 
@@ -123,33 +107,31 @@ pub(crate) fn network(stage: &'static str) -> impl Fn(ApiError) -> InstallFailur
 /// `kill_on_drop`), and nothing the run would do has happened.
 pub async fn install(input: &InstallInput, prepared: &mut Prepared) -> Result<Installed, InstallFailure> {
     let steps = Steps(Mutex::new(Vec::new()));
-    let state_dir = input.root.join(STATE_DIR);
+    let state_dir = StateDir::of(&input.root);
     // `.standby/` holds credentials; a repo checked out at the workspace
     // root must never pick them up with `git add -A`.
-    write_atomic(&state_dir.join(".gitignore"), b"*\n", 0o644)
-        .await
-        .map_err(|e| InstallFailure::new("check", format!("writing {}: {e}", state_dir.display()), Cause::Sandbox))?;
+    write_atomic(&state_dir.gitignore(), b"*\n", 0o644).await.map_err(|e| {
+        InstallFailure::new(Stage::Check, Cause::Sandbox, format!("writing {}: {e}", state_dir.path().display()))
+    })?;
     // A previous turn's agent may have been killed before its cleanup. Only
     // the files, to keep git off the critical path: a helper entry left
     // behind points at this run's store or at nothing.
     crate::hygiene::remove_run_files(&input.root, &[]).await;
 
     let Prepared { shell, mcp, fingerprint: prepared_fingerprint } = prepared;
-    let mcp_restart = steps.time("mcp", restart_mcp(mcp, &input.run.mcp_env));
+    let mcp_restart = steps.time(Stage::Mcp, restart_mcp(mcp, &input.run.mcp_env));
     let rest = async {
-        let cwd = steps.time("check", async { check(input, prepared_fingerprint) }).await?;
+        let cwd = steps.time(Stage::Check, async { check(input, prepared_fingerprint) }).await?;
         let fetched = match input.plan {
             InstallPlan::Parallel => fetch_parallel(input, &steps).await?,
             InstallPlan::Sequential => fetch_sequential(input, &steps).await?,
         };
         steps
-            .time("terminal", async {
-                let shell = shell
-                    .as_mut()
-                    .ok_or_else(|| InstallFailure::new("terminal", "the idle shell is gone", Cause::RefusedShell))?;
+            .time(Stage::Terminal, async {
+                let shell = shell.as_mut().ok_or_else(InstallFailure::shell_gone)?;
                 shell
                     .check_replaceable()
-                    .map_err(|e| InstallFailure::new("terminal", e.to_string(), Cause::RefusedShell))
+                    .map_err(|e| InstallFailure::new(Stage::Terminal, Cause::RefusedShell, e.to_string()))
             })
             .await?;
         Ok::<_, InstallFailure>((cwd, fetched))
@@ -168,12 +150,12 @@ pub async fn install(input: &InstallInput, prepared: &mut Prepared) -> Result<In
     if !failed_mcp.is_empty() {
         let message = failed_mcp.join("; ");
         if input.run.strict_mcp {
-            return Err(InstallFailure::new("mcp", message, Cause::StrictMcp));
+            return Err(InstallFailure::new(Stage::Mcp, Cause::StrictMcp, message));
         }
         tracing::warn!(execution_id = %input.execution_id, failures = message, "MCP servers failed to restart; the run is degraded");
     }
     let mcp_config =
-        mcp.write_config(&input.root).map_err(|e| InstallFailure::new("mcp", e.to_string(), Cause::Sandbox))?;
+        mcp.write_config(&input.root).map_err(|e| InstallFailure::new(Stage::Mcp, Cause::Sandbox, e.to_string()))?;
     let env = run_env(input, &fetched, mcp_config.as_deref());
     let secrets = fetched
         .secrets
@@ -200,27 +182,27 @@ async fn restart_mcp(mcp: &mut McpSupervisor, mcp_env: &BTreeMap<String, String>
 fn check(input: &InstallInput, prepared: &Fingerprint) -> Result<PathBuf, InstallFailure> {
     let run = &input.run;
     if run.command.is_empty() || run.command[0].is_empty() {
-        return Err(InstallFailure::new("check", "the run has no command", Cause::InvalidRun));
+        return Err(InstallFailure::new(Stage::Check, Cause::InvalidRun, "the run has no command"));
     }
     let cwd = match run.cwd.as_deref() {
         None | Some("") => input.root.clone(),
         Some(cwd) => resolve_inside(&input.root, cwd)
-            .map_err(|e| InstallFailure::new("check", format!("run cwd: {e}"), Cause::InvalidRun))?,
+            .map_err(|e| InstallFailure::new(Stage::Check, Cause::InvalidRun, format!("run cwd: {e}")))?,
     };
     if !cwd.is_dir() {
         return Err(InstallFailure::new(
-            "check",
-            format!("run cwd `{}` is not a directory in the workspace", run.cwd.as_deref().unwrap_or(".")),
+            Stage::Check,
             Cause::InvalidRun,
+            format!("run cwd `{}` is not a directory in the workspace", run.cwd.as_deref().unwrap_or(".")),
         ));
     }
     if let Some(workspace) = &run.workspace {
         let wanted = fingerprint(workspace);
         if wanted != *prepared {
             return Err(InstallFailure::new(
-                "same_preparation",
-                format!("the run's workspace has fingerprint {wanted}, this sandbox was prepared as {prepared}"),
+                Stage::SamePreparation,
                 Cause::FingerprintMismatch,
+                format!("the run's workspace has fingerprint {wanted}, this sandbox was prepared as {prepared}"),
             ));
         }
     }
@@ -229,20 +211,20 @@ fn check(input: &InstallInput, prepared: &Fingerprint) -> Result<PathBuf, Instal
 
 async fn fetch_parallel(input: &InstallInput, steps: &Steps) -> Result<Fetched, InstallFailure> {
     let (secrets, (), (), cloud, (git_env, git_passwords)) = futures::try_join!(
-        steps.time("secrets", secrets(input)),
-        steps.time("attachments", crate::attachments::attachments(input)),
-        steps.time("metadata", metadata(input)),
-        steps.time("cloud_credentials", cloud_credentials(input)),
+        steps.time(Stage::Secrets, secrets(input)),
+        steps.time(Stage::Attachments, crate::attachments::attachments(input)),
+        steps.time(Stage::Metadata, metadata(input)),
+        steps.time(Stage::CloudCredentials, cloud_credentials(input)),
         git_then_refresh(input, steps),
     )?;
     Ok(Fetched { secrets, cloud, git_env, git_passwords })
 }
 
 async fn fetch_sequential(input: &InstallInput, steps: &Steps) -> Result<Fetched, InstallFailure> {
-    let secrets = steps.time("secrets", secrets(input)).await?;
-    steps.time("attachments", crate::attachments::attachments(input)).await?;
-    steps.time("metadata", metadata(input)).await?;
-    let cloud = steps.time("cloud_credentials", cloud_credentials(input)).await?;
+    let secrets = steps.time(Stage::Secrets, secrets(input)).await?;
+    steps.time(Stage::Attachments, crate::attachments::attachments(input)).await?;
+    steps.time(Stage::Metadata, metadata(input)).await?;
+    let cloud = steps.time(Stage::CloudCredentials, cloud_credentials(input)).await?;
     let (git_env, git_passwords) = git_then_refresh(input, steps).await?;
     Ok(Fetched { secrets, cloud, git_env, git_passwords })
 }
@@ -251,8 +233,8 @@ async fn git_then_refresh(
     input: &InstallInput,
     steps: &Steps,
 ) -> Result<(BTreeMap<String, String>, Vec<Secret>), InstallFailure> {
-    let (git_env, passwords) = steps.time("git_credentials", git_credentials(input)).await?;
-    steps.time("refresh", refresh(input, &git_env)).await?;
+    let (git_env, passwords) = steps.time(Stage::GitCredentials, git_credentials(input)).await?;
+    steps.time(Stage::Refresh, refresh(input, &git_env)).await?;
     Ok((git_env, passwords))
 }
 
@@ -261,7 +243,7 @@ async fn secrets(input: &InstallInput) -> Result<BTreeMap<String, Secret>, Insta
     let response: SecretsResponse =
         retry(&format!("GET {path}"), input.deadline, call_backoff(), || input.api.get_json(&input.credential, &path))
             .await
-            .map_err(network("secrets"))?;
+            .map_err(InstallFailure::call_failed(Stage::Secrets))?;
     Ok(response.secrets)
 }
 
@@ -271,7 +253,7 @@ async fn cloud_credentials(input: &InstallInput) -> Result<BTreeMap<String, Secr
         input.api.post_json::<(), _>(&input.credential, &path, None)
     })
     .await
-    .map_err(network("cloud_credentials"))?;
+    .map_err(InstallFailure::call_failed(Stage::CloudCredentials))?;
     Ok(response.env)
 }
 
@@ -280,24 +262,12 @@ async fn metadata(input: &InstallInput) -> Result<(), InstallFailure> {
     let value: serde_json::Value =
         retry(&format!("GET {path}"), input.deadline, call_backoff(), || input.api.get_json(&input.credential, &path))
             .await
-            .map_err(network("metadata"))?;
-    let file = metadata_file(&input.root);
+            .map_err(InstallFailure::call_failed(Stage::Metadata))?;
+    let file = StateDir::of(&input.root).metadata_file();
     let bytes = serde_json::to_vec_pretty(&value).unwrap_or_default();
     write_atomic(&file, &bytes, 0o600)
         .await
-        .map_err(|e| InstallFailure::new("metadata", format!("writing {}: {e}", file.display()), Cause::Sandbox))
-}
-
-pub fn metadata_file(root: &Path) -> PathBuf {
-    root.join(STATE_DIR).join("metadata.json")
-}
-
-pub fn attachments_dir(root: &Path) -> PathBuf {
-    root.join(STATE_DIR).join("attachments")
-}
-
-pub fn git_credentials_file(root: &Path) -> PathBuf {
-    root.join(STATE_DIR).join("git-credentials")
+        .map_err(|e| InstallFailure::new(Stage::Metadata, Cause::Sandbox, format!("writing {}: {e}", file.display())))
 }
 
 /// Fetches git credentials, writes them in git's credential-store format
@@ -309,14 +279,14 @@ async fn git_credentials(input: &InstallInput) -> Result<(BTreeMap<String, Strin
         input.api.post_json::<(), _>(&input.credential, &path, None)
     })
     .await
-    .map_err(network("git_credentials"))?;
+    .map_err(InstallFailure::call_failed(Stage::GitCredentials))?;
     if response.credentials.is_empty() {
         return Ok((BTreeMap::new(), Vec::new()));
     }
-    let file = git_credentials_file(&input.root);
+    let file = StateDir::of(&input.root).git_credentials();
     let lines: String = response.credentials.iter().map(store_line).collect();
     write_atomic(&file, lines.as_bytes(), 0o600).await.map_err(|e| {
-        InstallFailure::new("git_credentials", format!("writing {}: {e}", file.display()), Cause::Sandbox)
+        InstallFailure::new(Stage::GitCredentials, Cause::Sandbox, format!("writing {}: {e}", file.display()))
     })?;
     let index = std::env::var("GIT_CONFIG_COUNT").ok().and_then(|n| n.parse::<usize>().ok()).unwrap_or(0);
     let env = BTreeMap::from([
@@ -355,13 +325,13 @@ async fn refresh(input: &InstallInput, git_env: &BTreeMap<String, String>) -> Re
     let repos = input.run.workspace.as_ref().map_or(&input.spec.workspace.repos, |w| &w.repos);
     let refreshes = repos.iter().map(|repo| async move {
         let dest = resolve_inside(&input.root, &repo.path)
-            .map_err(|e| InstallFailure::new("refresh", format!("repo path: {e}"), Cause::InvalidRun))?;
+            .map_err(|e| InstallFailure::new(Stage::Refresh, Cause::InvalidRun, format!("repo path: {e}")))?;
         let sha = tokio::time::timeout_at(input.deadline, crate::git::refresh(repo, &dest, git_env))
             .await
             .map_err(|_| {
-                InstallFailure::new("refresh", format!("refreshing `{}` timed out", repo.path), Cause::Deadline)
+                InstallFailure::new(Stage::Refresh, Cause::Deadline, format!("refreshing `{}` timed out", repo.path))
             })?
-            .map_err(|e| InstallFailure::new("refresh", e.to_string(), Cause::Network))?;
+            .map_err(|e| InstallFailure::new(Stage::Refresh, Cause::Network, e.to_string()))?;
         tracing::debug!(path = repo.path, sha, "repo refreshed");
         Ok::<_, InstallFailure>(())
     });
@@ -379,8 +349,9 @@ fn run_env(input: &InstallInput, fetched: &Fetched, mcp_config: Option<&Path>) -
     env.extend(fetched.cloud.iter().map(|(k, v)| (k.clone(), v.expose().to_owned())));
     env.extend(fetched.git_env.clone());
     env.insert("STANDBY_EXECUTION_ID".into(), input.execution_id.clone());
-    env.insert("STANDBY_METADATA_FILE".into(), metadata_file(&input.root).display().to_string());
-    env.insert("STANDBY_ATTACHMENTS_DIR".into(), attachments_dir(&input.root).display().to_string());
+    let state_dir = StateDir::of(&input.root);
+    env.insert("STANDBY_METADATA_FILE".into(), state_dir.metadata_file().display().to_string());
+    env.insert("STANDBY_ATTACHMENTS_DIR".into(), state_dir.attachments_dir().display().to_string());
     if let Some(path) = mcp_config {
         env.insert("STANDBY_MCP_CONFIG".into(), path.display().to_string());
     }

@@ -6,112 +6,40 @@
 //! frames, process exits, signals and timers into [`Input`]s and carries out
 //! the [`Action`]s.
 
+mod failure;
+
 use std::time::Duration;
 
-use standby_protocol::{AgentState, Assignment, EventKind, Secret, ServerMessage};
+use standby_protocol::{
+    AgentState, Assignment, Cause, CredentialKind, EventKind, ExitCode, Refusal, Secret, ServerMessage, Stage,
+};
 use tokio::time::Instant;
 
-use crate::exit::Exit;
+pub(crate) use self::failure::InstallFailure;
 use crate::time;
 
-/// Which credential a control connection was opened with.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Credential {
-    Standby,
-    Run,
-}
-
-/// What kind of failure stopped the install: decides `requeueable`, in
-/// this one place. The contract's rule: requeueable where a fresh cold
-/// sandbox could plausibly succeed, not where the run itself is invalid.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Cause {
-    /// The run is invalid wherever it goes: no command, a `cwd` that leaves
-    /// the workspace or is not a directory, an attachment name with a path
-    /// separator or `..`, a repo path that leaves the workspace, a command
-    /// that cannot be spawned.
-    InvalidRun,
-    /// A call to the server, a download or a git transfer failed.
-    Network,
-    /// The idle shell is dead, busy or its terminal not writable.
-    RefusedShell,
-    /// The assignment's workspace is not the one prepared here.
-    FingerprintMismatch,
-    /// An MCP server failed to restart under `strict_mcp`.
-    StrictMcp,
-    /// The install did not finish within its bound.
-    Deadline,
-    /// Delivery was not confirmed within the confirm timeout.
-    Unconfirmed,
-    /// Preparation failed, or its bound passed, with the assignment held.
-    Preparation,
-    /// The agent was stopped (SIGTERM) before the run started.
-    Terminated,
-    /// This sandbox could not do its part: a file it could not write, a
-    /// terminal gone missing.
-    Sandbox,
-}
-
-impl Cause {
-    pub fn requeueable(self) -> bool {
-        match self {
-            Self::InvalidRun => false,
-            Self::Network
-            | Self::RefusedShell
-            | Self::FingerprintMismatch
-            | Self::StrictMcp
-            | Self::Deadline
-            | Self::Unconfirmed
-            | Self::Preparation
-            | Self::Terminated
-            | Self::Sandbox => true,
-        }
-    }
-}
-
-/// Why the install failed, as reported in `install_failed`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct InstallFailure {
-    pub stage: String,
-    pub message: String,
-    pub requeueable: bool,
-    /// The run credential was refused with this status: the run was
-    /// withdrawn, so nothing is reported and the agent exits 14.
-    pub refused: Option<u16>,
-}
-
-impl InstallFailure {
-    /// A failure at `stage`; `cause` decides whether it is requeueable.
-    pub fn new(stage: &str, message: impl Into<String>, cause: Cause) -> Self {
-        Self { stage: stage.to_owned(), message: message.into(), requeueable: cause.requeueable(), refused: None }
-    }
-
-    pub fn refused(stage: &str, message: impl Into<String>, status: u16) -> Self {
-        Self { refused: Some(status), ..Self::new(stage, message, Cause::Network) }
-    }
-
-    fn event(self) -> EventKind {
-        EventKind::InstallFailed { requeueable: self.requeueable, stage: self.stage, message: self.message }
-    }
-}
-
 #[derive(Debug)]
-pub enum Input {
+pub(crate) enum Input {
     /// The spec is known (read from `STANDBY_SPEC` or fetched with the
     /// standby credential).
     SpecLoaded,
+    /// The spec fetch was refused; `message` says how.
+    SpecRefused {
+        refusal: Refusal,
+        message: String,
+    },
     /// Workspace, MCP servers and idle shell are ready (or not).
     PrepareFinished(Result<(), String>),
     /// A control connection was established.
-    Connected(Credential),
+    Connected(CredentialKind),
     /// The upgrade was refused with `401`, `403` or `410`.
     Refused {
-        credential: Credential,
-        status: u16,
+        credential: CredentialKind,
+        refusal: Refusal,
     },
     /// A decoded frame (`Unknown` types are dropped before they get here).
     Server {
-        credential: Credential,
+        credential: CredentialKind,
         message: ServerMessage,
     },
     InstallFinished(Result<(), InstallFailure>),
@@ -127,13 +55,13 @@ pub enum Input {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RunSignal {
+pub(crate) enum RunSignal {
     Terminate,
     Kill,
 }
 
 #[derive(Debug)]
-pub enum Action {
+pub(crate) enum Action {
     /// An assignment was accepted: from here every call uses its run
     /// credential (reports included), whatever else is held.
     Accepted { execution_id: String, credential: Secret },
@@ -148,7 +76,7 @@ pub enum Action {
     /// Stop installing; nothing the run would have done may happen.
     AbortInstall,
     /// Stop everything, report `report` if any, and exit. Always last.
-    Finish { report: Option<EventKind>, exit: Exit },
+    Finish { report: Option<EventKind>, exit: ExitCode },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -193,26 +121,26 @@ enum Phase {
 }
 
 /// How long a refused install call waits for the `cancel` that may follow.
-pub const WITHDRAW_GRACE: Duration = Duration::from_secs(1);
+pub(crate) const WITHDRAW_GRACE: Duration = Duration::from_secs(1);
 
 /// Timeouts that shape the lifecycle.
 #[derive(Debug, Clone, Copy)]
-pub struct Timeouts {
+pub(crate) struct Timeouts {
     /// No assignment by then: exit 12.
-    pub standby_deadline: Option<Instant>,
+    pub(crate) standby_deadline: Option<Instant>,
     /// Preparation not finished by then: exit 15, or the held assignment's
     /// install fails (stage `prepare`).
-    pub prepare_deadline: Option<Instant>,
+    pub(crate) prepare_deadline: Option<Instant>,
     /// The preparation bound the deadline came from, for messages.
-    pub prepare: Duration,
-    pub confirm: Duration,
-    pub install: Duration,
+    pub(crate) prepare: Duration,
+    pub(crate) confirm: Duration,
+    pub(crate) install: Duration,
     /// Between SIGTERM and SIGKILL for a stopping run.
-    pub grace: Duration,
+    pub(crate) grace: Duration,
 }
 
 #[derive(Debug)]
-pub struct Lifecycle {
+pub(crate) struct Lifecycle {
     phase: Phase,
     spec_loaded: bool,
     prepared: bool,
@@ -220,18 +148,18 @@ pub struct Lifecycle {
 }
 
 impl Lifecycle {
-    pub fn new(timeouts: Timeouts) -> Self {
+    pub(crate) fn new(timeouts: Timeouts) -> Self {
         Self { phase: Phase::Waiting, spec_loaded: false, prepared: false, timeouts }
     }
 
     /// Applies a second standby deadline (the spec's) when it is earlier.
-    pub fn tighten_standby_deadline(&mut self, at: Instant) {
+    pub(crate) fn tighten_standby_deadline(&mut self, at: Instant) {
         let current = &mut self.timeouts.standby_deadline;
         *current = Some(current.map_or(at, |existing| existing.min(at)));
     }
 
     /// What the next heartbeat says.
-    pub fn heartbeat(&self) -> (AgentState, Option<String>) {
+    pub(crate) fn heartbeat(&self) -> (AgentState, Option<String>) {
         match &self.phase {
             Phase::Waiting if self.prepared => (AgentState::Ready, None),
             Phase::Waiting => (AgentState::Preparing, None),
@@ -252,7 +180,7 @@ impl Lifecycle {
     }
 
     /// The accepted execution, if any.
-    pub fn execution_id(&self) -> Option<&str> {
+    pub(crate) fn execution_id(&self) -> Option<&str> {
         match &self.phase {
             Phase::Installing { execution_id, .. }
             | Phase::Running { execution_id, .. }
@@ -261,12 +189,12 @@ impl Lifecycle {
         }
     }
 
-    pub fn is_done(&self) -> bool {
+    pub(crate) fn is_done(&self) -> bool {
         matches!(self.phase, Phase::Done)
     }
 
     /// When [`Input::Tick`] should next be delivered.
-    pub fn next_deadline(&self) -> Option<Instant> {
+    pub(crate) fn next_deadline(&self) -> Option<Instant> {
         let prepare = self.timeouts.prepare_deadline.filter(|_| !self.prepared);
         match &self.phase {
             Phase::Waiting => [self.timeouts.standby_deadline, prepare].into_iter().flatten().min(),
@@ -281,28 +209,29 @@ impl Lifecycle {
         }
     }
 
-    pub fn handle(&mut self, now: Instant, input: Input) -> Vec<Action> {
+    pub(crate) fn handle(&mut self, now: Instant, input: Input) -> Vec<Action> {
         if self.is_done() {
             return Vec::new();
         }
         match input {
             Input::SpecLoaded => self.on_spec_loaded(),
+            Input::SpecRefused { refusal, message } => self.on_spec_refused(refusal, &message),
             Input::PrepareFinished(result) => self.on_prepared(now, result),
             Input::Connected(credential) => {
                 tracing::debug!(?credential, "control connection established");
                 Vec::new()
             }
-            Input::Refused { credential, status } => self.on_refused(now, credential, status),
+            Input::Refused { credential, refusal } => self.on_refused(now, credential, refusal),
             Input::Server { credential, message } => self.on_message(now, credential, message),
             Input::InstallFinished(result) => self.on_installed(now, result),
-            Input::RunFailedToStart(failure) => self.finish(Some(failure.event()), Exit::InstallFailed),
+            Input::RunFailedToStart(failure) => self.finish(Some(failure.event()), ExitCode::InstallFailed),
             Input::RunExited { code } => self.on_run_exited(code),
             Input::Terminate => self.on_terminate(now),
             Input::Tick => self.on_tick(now),
         }
     }
 
-    fn finish(&mut self, report: Option<EventKind>, exit: Exit) -> Vec<Action> {
+    fn finish(&mut self, report: Option<EventKind>, exit: ExitCode) -> Vec<Action> {
         let mut actions = Vec::new();
         if matches!(self.phase, Phase::Installing { .. }) {
             actions.push(Action::AbortInstall);
@@ -320,14 +249,33 @@ impl Lifecycle {
         }
     }
 
+    /// A refused spec fetch is a standby refusal while no assignment is
+    /// held; with one held, it is a failed preparation of that run
+    /// (requeueable), not a reason to exit as if the standby were retired.
+    fn on_spec_refused(&mut self, refusal: Refusal, message: &str) -> Vec<Action> {
+        match self.phase {
+            Phase::Waiting => self.finish(None, refusal.exit(CredentialKind::Standby)),
+            Phase::Installing { .. } => {
+                let message = format!("fetching the spec after the assignment was accepted: {message}");
+                self.fail_install(Stage::Prepare, Cause::Preparation, message)
+            }
+            Phase::Running { .. } | Phase::Withdrawing { .. } | Phase::Done => {
+                tracing::debug!(?refusal, "a spec refusal after the install ignored");
+                Vec::new()
+            }
+        }
+    }
+
+    /// Ends the install with an `install_failed` report and exit 13.
+    fn fail_install(&mut self, stage: Stage, cause: Cause, message: String) -> Vec<Action> {
+        self.finish(Some(EventKind::install_failed(stage, cause, message)), ExitCode::InstallFailed)
+    }
+
     fn on_prepared(&mut self, now: Instant, result: Result<(), String>) -> Vec<Action> {
         if let Err(message) = result {
             return match self.phase {
-                Phase::Installing { .. } => self.finish(
-                    Some(InstallFailure::new("prepare", message, Cause::Preparation).event()),
-                    Exit::InstallFailed,
-                ),
-                _ => self.finish(None, Exit::PrepareFailed),
+                Phase::Installing { .. } => self.fail_install(Stage::Prepare, Cause::Preparation, message),
+                _ => self.finish(None, ExitCode::PrepareFailed),
             };
         }
         // A prepared sandbox has its spec, whatever the order the driver
@@ -343,28 +291,27 @@ impl Lifecycle {
         actions
     }
 
-    fn on_refused(&mut self, now: Instant, credential: Credential, status: u16) -> Vec<Action> {
+    fn on_refused(&mut self, now: Instant, credential: CredentialKind, refusal: Refusal) -> Vec<Action> {
         match (&self.phase, credential) {
-            (Phase::Waiting, Credential::Standby) if status == 410 => self.finish(None, Exit::Unavailable),
-            (Phase::Waiting, Credential::Standby) => self.finish(None, Exit::Unauthorized),
-            (Phase::Installing { .. } | Phase::Withdrawing { .. }, Credential::Run) => {
-                self.finish(None, Exit::Withdrawn)
+            (Phase::Waiting, CredentialKind::Standby)
+            | (Phase::Installing { .. } | Phase::Withdrawing { .. }, CredentialKind::Run) => {
+                self.finish(None, refusal.exit(credential))
             }
-            (Phase::Running { .. }, Credential::Run) => self.stop_run(now, StopReason::Withdrawn),
+            (Phase::Running { .. }, CredentialKind::Run) => self.stop_run(now, StopReason::Withdrawn),
             _ => {
-                tracing::debug!(?credential, status, "stale refusal ignored");
+                tracing::debug!(?credential, ?refusal, "stale refusal ignored");
                 Vec::new()
             }
         }
     }
 
-    fn on_message(&mut self, now: Instant, credential: Credential, message: ServerMessage) -> Vec<Action> {
+    fn on_message(&mut self, now: Instant, credential: CredentialKind, message: ServerMessage) -> Vec<Action> {
         match message {
             ServerMessage::Assignment(assignment) => self.on_assignment(now, credential, assignment),
             ServerMessage::Retired(retired) => match self.phase {
                 Phase::Waiting => {
                     tracing::info!(reason = retired.reason.as_deref().unwrap_or(""), "retired");
-                    self.finish(None, Exit::Success)
+                    self.finish(None, ExitCode::Success)
                 }
                 _ => {
                     tracing::info!("`retired` after an assignment ignored");
@@ -375,7 +322,7 @@ impl Lifecycle {
                 tracing::info!(execution_id = %cancel.execution_id, "cancel received");
                 match self.phase {
                     Phase::Running { .. } => self.stop_run(now, StopReason::Cancel),
-                    _ => self.finish(Some(EventKind::Cancelled), Exit::Success),
+                    _ => self.finish(Some(EventKind::Cancelled), ExitCode::Success),
                 }
             }
             ServerMessage::Cancel(cancel) => {
@@ -389,7 +336,7 @@ impl Lifecycle {
         }
     }
 
-    fn on_assignment(&mut self, now: Instant, credential: Credential, assignment: Assignment) -> Vec<Action> {
+    fn on_assignment(&mut self, now: Instant, credential: CredentialKind, assignment: Assignment) -> Vec<Action> {
         let incoming = assignment.execution_id.clone();
         match &mut self.phase {
             Phase::Waiting => {
@@ -417,7 +364,7 @@ impl Lifecycle {
                 std::iter::once(accepted).chain(confirm_now).chain(install).collect()
             }
             Phase::Installing { execution_id, confirmed, installed, .. } if *execution_id == incoming => {
-                if credential == Credential::Run && !*confirmed {
+                if credential == CredentialKind::Run && !*confirmed {
                     tracing::info!(execution_id = %incoming, "delivery confirmed");
                     *confirmed = true;
                     if *installed {
@@ -446,13 +393,13 @@ impl Lifecycle {
             return Vec::new();
         };
         match result {
-            Err(InstallFailure { refused: Some(status), stage, .. }) => {
-                tracing::warn!(stage, status, "the run credential was refused during the install");
+            Err(InstallFailure { refused: Some(refusal), stage, .. }) => {
+                tracing::warn!(%stage, ?refusal, "the run credential was refused during the install");
                 let execution_id = std::mem::take(execution_id);
                 self.phase = Phase::Withdrawing { execution_id, until: time::after(now, WITHDRAW_GRACE) };
                 Vec::new()
             }
-            Err(failure) => self.finish(Some(failure.event()), Exit::InstallFailed),
+            Err(failure) => self.finish(Some(failure.event()), ExitCode::InstallFailed),
             Ok(()) => {
                 *installed = true;
                 if *confirmed { self.start_run() } else { Vec::new() }
@@ -489,28 +436,22 @@ impl Lifecycle {
             return Vec::new();
         };
         match stop.map(|(reason, _)| reason) {
-            Some(StopReason::Cancel) => self.finish(Some(EventKind::Cancelled), Exit::Success),
-            Some(StopReason::Withdrawn) => self.finish(None, Exit::Withdrawn),
-            Some(StopReason::Terminate) | None => self.finish(Some(EventKind::Exited { code }), Exit::Success),
+            Some(StopReason::Cancel) => self.finish(Some(EventKind::Cancelled), ExitCode::Success),
+            Some(StopReason::Withdrawn) => self.finish(None, ExitCode::Withdrawn),
+            Some(StopReason::Terminate) | None => self.finish(Some(EventKind::Exited { code }), ExitCode::Success),
         }
     }
 
     fn on_terminate(&mut self, now: Instant) -> Vec<Action> {
         match self.phase {
-            Phase::Waiting => self.finish(None, Exit::Success),
-            Phase::Installing { .. } => self.finish(
-                Some(
-                    InstallFailure::new(
-                        "terminated",
-                        "the agent was stopped (SIGTERM) before the run started",
-                        Cause::Terminated,
-                    )
-                    .event(),
-                ),
-                Exit::InstallFailed,
+            Phase::Waiting => self.finish(None, ExitCode::Success),
+            Phase::Installing { .. } => self.fail_install(
+                Stage::Terminated,
+                Cause::Terminated,
+                "the agent was stopped (SIGTERM) before the run started".into(),
             ),
             Phase::Running { .. } => self.stop_run(now, StopReason::Terminate),
-            Phase::Withdrawing { .. } => self.finish(None, Exit::Withdrawn),
+            Phase::Withdrawing { .. } => self.finish(None, ExitCode::Withdrawn),
             Phase::Done => Vec::new(),
         }
     }
@@ -521,24 +462,21 @@ impl Lifecycle {
             Phase::Waiting => match self.timeouts.standby_deadline {
                 Some(deadline) if now >= deadline => {
                     tracing::info!("standby deadline passed with no assignment");
-                    self.finish(None, Exit::DeadlinePassed)
+                    self.finish(None, ExitCode::DeadlinePassed)
                 }
                 _ if overdue => {
                     tracing::error!(
                         timeout = %humantime::format_duration(self.timeouts.prepare),
                         "preparation did not finish within STANDBY_PREPARE_TIMEOUT"
                     );
-                    self.finish(None, Exit::PrepareFailed)
+                    self.finish(None, ExitCode::PrepareFailed)
                 }
                 _ => Vec::new(),
             },
             Phase::Installing { .. } if overdue => {
                 let message =
                     format!("preparation did not finish within {}", humantime::format_duration(self.timeouts.prepare));
-                self.finish(
-                    Some(InstallFailure::new("prepare", message, Cause::Preparation).event()),
-                    Exit::InstallFailed,
-                )
+                self.fail_install(Stage::Prepare, Cause::Preparation, message)
             }
             Phase::Installing { confirm_by, confirmed, install_by, installed, .. } => {
                 if !*confirmed && now >= *confirm_by {
@@ -546,20 +484,14 @@ impl Lifecycle {
                         "delivery was not confirmed within {}",
                         humantime::format_duration(self.timeouts.confirm)
                     );
-                    return self.finish(
-                        Some(InstallFailure::new("confirm", message, Cause::Unconfirmed).event()),
-                        Exit::InstallFailed,
-                    );
+                    return self.fail_install(Stage::Confirm, Cause::Unconfirmed, message);
                 }
                 if !*installed && install_by.is_some_and(|by| now >= by) {
                     let message = format!(
                         "the install did not finish within {}",
                         humantime::format_duration(self.timeouts.install)
                     );
-                    return self.finish(
-                        Some(InstallFailure::new("install", message, Cause::Deadline).event()),
-                        Exit::InstallFailed,
-                    );
+                    return self.fail_install(Stage::Install, Cause::Deadline, message);
                 }
                 Vec::new()
             }
@@ -569,7 +501,7 @@ impl Lifecycle {
             }
             Phase::Withdrawing { until, .. } if now >= *until => {
                 tracing::info!("no cancel followed the refusal: the run was withdrawn");
-                self.finish(None, Exit::Withdrawn)
+                self.finish(None, ExitCode::Withdrawn)
             }
             Phase::Running { .. } | Phase::Withdrawing { .. } | Phase::Done => Vec::new(),
         }
@@ -580,7 +512,7 @@ impl Lifecycle {
 mod tests {
     use std::collections::BTreeMap;
 
-    use standby_protocol::{Cancel, Retired, Run};
+    use standby_protocol::{Answer, Cancel, Retired, Run};
 
     use super::*;
 
@@ -618,8 +550,14 @@ mod tests {
         })
     }
 
-    fn server(credential: Credential, message: ServerMessage) -> Input {
+    fn server(credential: CredentialKind, message: ServerMessage) -> Input {
         Input::Server { credential, message }
+    }
+
+    /// The refusal a server answers with `status`.
+    fn refused(credential: CredentialKind, status: u16) -> Input {
+        let Answer::Refused(refusal) = Answer::of(status) else { panic!("{status} is not a refusal") };
+        Input::Refused { credential, refusal }
     }
 
     fn names(actions: &[Action]) -> Vec<&'static str> {
@@ -638,7 +576,7 @@ mod tests {
             .collect()
     }
 
-    fn finish(actions: &[Action]) -> (Option<EventKind>, Exit) {
+    fn finish(actions: &[Action]) -> (Option<EventKind>, ExitCode) {
         match actions.last() {
             Some(Action::Finish { report, exit }) => (report.clone(), *exit),
             other => panic!("expected Finish last, got {other:?}"),
@@ -649,7 +587,7 @@ mod tests {
     fn installing() -> (Lifecycle, Instant) {
         let (mut m, now) = machine(None);
         m.handle(now, Input::PrepareFinished(Ok(())));
-        let actions = m.handle(now, server(Credential::Standby, assignment("exe_1")));
+        let actions = m.handle(now, server(CredentialKind::Standby, assignment("exe_1")));
         assert_eq!(names(&actions), ["accepted", "confirm", "install"]);
         (m, now)
     }
@@ -657,7 +595,7 @@ mod tests {
     fn running() -> (Lifecycle, Instant) {
         let (mut m, now) = installing();
         assert!(m.handle(now, Input::InstallFinished(Ok(()))).is_empty());
-        assert_eq!(names(&m.handle(now, server(Credential::Run, assignment("exe_1")))), ["start"]);
+        assert_eq!(names(&m.handle(now, server(CredentialKind::Run, assignment("exe_1")))), ["start"]);
         (m, now)
     }
 
@@ -667,11 +605,11 @@ mod tests {
         assert_eq!(m.heartbeat(), (AgentState::Preparing, None));
         m.handle(now, Input::PrepareFinished(Ok(())));
         assert_eq!(m.heartbeat(), (AgentState::Ready, None));
-        m.handle(now, server(Credential::Standby, assignment("exe_1")));
+        m.handle(now, server(CredentialKind::Standby, assignment("exe_1")));
         assert_eq!(m.heartbeat(), (AgentState::Installing, Some("exe_1".into())));
         m.handle(now, Input::InstallFinished(Ok(())));
         assert_eq!(m.heartbeat(), (AgentState::Confirming, Some("exe_1".into())));
-        m.handle(now, server(Credential::Run, assignment("exe_1")));
+        m.handle(now, server(CredentialKind::Run, assignment("exe_1")));
         assert_eq!(m.heartbeat(), (AgentState::Running, Some("exe_1".into())));
         m.handle(now, Input::RunExited { code: 3 });
         assert_eq!(m.heartbeat().0, AgentState::Finishing);
@@ -680,14 +618,14 @@ mod tests {
     #[test]
     fn confirmation_before_install_also_starts_once() {
         let (mut m, now) = installing();
-        assert!(m.handle(now, server(Credential::Run, assignment("exe_1"))).is_empty());
+        assert!(m.handle(now, server(CredentialKind::Run, assignment("exe_1"))).is_empty());
         assert_eq!(names(&m.handle(now, Input::InstallFinished(Ok(())))), ["start"]);
     }
 
     #[test]
     fn replays_never_start_the_run_twice() {
         let (mut m, now) = running();
-        for credential in [Credential::Standby, Credential::Run, Credential::Run] {
+        for credential in [CredentialKind::Standby, CredentialKind::Run, CredentialKind::Run] {
             assert!(m.handle(now, server(credential, assignment("exe_1"))).is_empty());
         }
         assert!(m.handle(now, Input::InstallFinished(Ok(()))).is_empty());
@@ -697,15 +635,15 @@ mod tests {
     fn replay_on_the_standby_connection_does_not_confirm() {
         let (mut m, now) = installing();
         m.handle(now, Input::InstallFinished(Ok(())));
-        assert!(m.handle(now, server(Credential::Standby, assignment("exe_1"))).is_empty());
+        assert!(m.handle(now, server(CredentialKind::Standby, assignment("exe_1"))).is_empty());
         assert_eq!(m.heartbeat().0, AgentState::Confirming);
     }
 
     #[test]
     fn another_execution_is_ignored() {
         let (mut m, now) = installing();
-        assert!(m.handle(now, server(Credential::Standby, assignment("exe_2"))).is_empty());
-        assert!(m.handle(now, server(Credential::Run, assignment("exe_2"))).is_empty());
+        assert!(m.handle(now, server(CredentialKind::Standby, assignment("exe_2"))).is_empty());
+        assert!(m.handle(now, server(CredentialKind::Run, assignment("exe_2"))).is_empty());
         assert_eq!(m.execution_id(), Some("exe_1"));
     }
 
@@ -713,7 +651,7 @@ mod tests {
     fn assignment_during_preparation_is_held_then_installed() {
         let (mut m, now) = machine(Some(Duration::from_secs(5)));
         assert!(m.handle(now, Input::SpecLoaded).is_empty());
-        let actions = m.handle(now, server(Credential::Standby, assignment("exe_1")));
+        let actions = m.handle(now, server(CredentialKind::Standby, assignment("exe_1")));
         assert_eq!(names(&actions), ["accepted", "confirm"], "confirmation starts at once, the install waits");
         assert_eq!(m.heartbeat(), (AgentState::Preparing, Some("exe_1".into())));
         // The standby deadline no longer applies once an assignment is held.
@@ -725,7 +663,7 @@ mod tests {
     #[test]
     fn confirmation_waits_for_the_spec() {
         let (mut m, now) = machine(None);
-        let actions = m.handle(now, server(Credential::Standby, assignment("exe_1")));
+        let actions = m.handle(now, server(CredentialKind::Standby, assignment("exe_1")));
         assert_eq!(names(&actions), ["accepted"], "the standby connection stays until the spec is fetched");
         assert_eq!(m.heartbeat(), (AgentState::Preparing, Some("exe_1".into())));
         assert_eq!(m.next_deadline(), Some(now + CONFIRM), "the confirm timeout counts from acceptance");
@@ -735,14 +673,14 @@ mod tests {
 
         // A preparation that ends first releases both.
         let (mut m, now) = machine(None);
-        assert_eq!(names(&m.handle(now, server(Credential::Standby, assignment("exe_1")))), ["accepted"]);
+        assert_eq!(names(&m.handle(now, server(CredentialKind::Standby, assignment("exe_1")))), ["accepted"]);
         assert_eq!(names(&m.handle(now, Input::PrepareFinished(Ok(())))), ["confirm", "install"]);
 
         // Never loaded: the confirm timeout fails the install, requeueable.
         let (mut m, now) = machine(None);
-        m.handle(now, server(Credential::Standby, assignment("exe_1")));
+        m.handle(now, server(CredentialKind::Standby, assignment("exe_1")));
         let (report, exit) = finish(&m.handle(now + CONFIRM, Input::Tick));
-        assert_eq!(exit, Exit::InstallFailed);
+        assert_eq!(exit, ExitCode::InstallFailed);
         assert!(
             matches!(report, Some(EventKind::InstallFailed { requeueable: true, ref stage, .. }) if stage == "confirm")
         );
@@ -752,12 +690,12 @@ mod tests {
     fn preparation_failure_exits_15_or_reports_when_an_assignment_is_held() {
         let (mut m, now) = machine(None);
         let (report, exit) = finish(&m.handle(now, Input::PrepareFinished(Err("setup step `deps` failed".into()))));
-        assert_eq!((report, exit), (None, Exit::PrepareFailed));
+        assert_eq!((report, exit), (None, ExitCode::PrepareFailed));
 
         let (mut m, now) = machine(None);
-        m.handle(now, server(Credential::Standby, assignment("exe_1")));
+        m.handle(now, server(CredentialKind::Standby, assignment("exe_1")));
         let (report, exit) = finish(&m.handle(now, Input::PrepareFinished(Err("boom".into()))));
-        assert_eq!(exit, Exit::InstallFailed);
+        assert_eq!(exit, ExitCode::InstallFailed);
         assert!(
             matches!(report, Some(EventKind::InstallFailed { requeueable: true, ref stage, .. }) if stage == "prepare")
         );
@@ -769,20 +707,20 @@ mod tests {
         assert_eq!(m.next_deadline(), Some(start + PREPARE));
         assert!(m.handle(start + PREPARE - Duration::from_millis(1), Input::Tick).is_empty());
         let (report, exit) = finish(&m.handle(start + PREPARE, Input::Tick));
-        assert_eq!((report, exit), (None, Exit::PrepareFailed));
+        assert_eq!((report, exit), (None, ExitCode::PrepareFailed));
     }
 
     #[test]
     fn preparation_past_its_bound_with_an_assignment_held_fails_the_install_requeueable() {
         let (mut m, start) = machine(None);
-        m.handle(start, server(Credential::Standby, assignment("exe_1")));
+        m.handle(start, server(CredentialKind::Standby, assignment("exe_1")));
         // The confirmation is done; only the preparation is outstanding.
-        m.handle(start, server(Credential::Run, assignment("exe_1")));
+        m.handle(start, server(CredentialKind::Run, assignment("exe_1")));
         assert_eq!(m.next_deadline(), Some(start + PREPARE));
         let actions = m.handle(start + PREPARE, Input::Tick);
         assert_eq!(names(&actions), ["abort", "finish"]);
         let (report, exit) = finish(&actions);
-        assert_eq!(exit, Exit::InstallFailed);
+        assert_eq!(exit, ExitCode::InstallFailed);
         assert!(
             matches!(report, Some(EventKind::InstallFailed { requeueable: true, ref stage, ref message }) if stage == "prepare" && message.contains("30m")),
             "{report:?}"
@@ -795,36 +733,17 @@ mod tests {
         m.handle(start, Input::PrepareFinished(Ok(())));
         assert_eq!(m.next_deadline(), None);
         assert!(m.handle(start + PREPARE, Input::Tick).is_empty());
-        m.handle(start + PREPARE, server(Credential::Standby, assignment("exe_1")));
+        m.handle(start + PREPARE, server(CredentialKind::Standby, assignment("exe_1")));
         assert_eq!(m.next_deadline(), Some(start + PREPARE + INSTALL), "only the install bound applies");
     }
 
     #[test]
-    fn requeueable_follows_the_kind_of_failure() {
-        let requeueable = [
-            (Cause::Network, true),
-            (Cause::RefusedShell, true),
-            (Cause::FingerprintMismatch, true),
-            (Cause::StrictMcp, true),
-            (Cause::Deadline, true),
-            (Cause::Unconfirmed, true),
-            (Cause::Preparation, true),
-            (Cause::Terminated, true),
-            (Cause::Sandbox, true),
-            (Cause::InvalidRun, false),
-        ];
-        for (cause, expected) in requeueable {
-            assert_eq!(cause.requeueable(), expected, "{cause:?}");
-            assert_eq!(InstallFailure::new("stage", "why", cause).requeueable, expected, "{cause:?}");
-        }
-        assert!(InstallFailure::refused("secrets", "401", 401).requeueable);
-    }
-
-    #[test]
     fn standby_refusals_map_to_exit_codes() {
-        for (status, expected) in [(410, Exit::Unavailable), (401, Exit::Unauthorized), (403, Exit::Unauthorized)] {
+        for (status, expected) in
+            [(410, ExitCode::Unavailable), (401, ExitCode::Unauthorized), (403, ExitCode::Unauthorized)]
+        {
             let (mut m, now) = machine(None);
-            let actions = m.handle(now, Input::Refused { credential: Credential::Standby, status });
+            let actions = m.handle(now, refused(CredentialKind::Standby, status));
             assert_eq!(finish(&actions), (None, expected), "status {status}");
         }
     }
@@ -833,29 +752,55 @@ mod tests {
     fn run_credential_refused_before_start_is_withdrawn() {
         for status in [401, 403, 410] {
             let (mut m, now) = installing();
-            let actions = m.handle(now, Input::Refused { credential: Credential::Run, status });
+            let actions = m.handle(now, refused(CredentialKind::Run, status));
             assert_eq!(names(&actions), ["abort", "finish"]);
-            assert_eq!(finish(&actions), (None, Exit::Withdrawn));
+            assert_eq!(finish(&actions), (None, ExitCode::Withdrawn));
             // Nothing afterwards can start it.
             assert!(m.handle(now, Input::InstallFinished(Ok(()))).is_empty());
-            assert!(m.handle(now, server(Credential::Run, assignment("exe_1"))).is_empty());
+            assert!(m.handle(now, server(CredentialKind::Run, assignment("exe_1"))).is_empty());
         }
     }
 
     #[test]
     fn stale_standby_refusal_after_acceptance_is_ignored() {
         let (mut m, now) = installing();
-        assert!(m.handle(now, Input::Refused { credential: Credential::Standby, status: 401 }).is_empty());
+        assert!(m.handle(now, refused(CredentialKind::Standby, 401)).is_empty());
+    }
+
+    #[test]
+    fn a_refused_spec_fetch_exits_as_a_refusal_without_an_assignment() {
+        for (refusal, expected) in
+            [(Refusal::Gone, ExitCode::Unavailable), (Refusal::Unauthorized, ExitCode::Unauthorized)]
+        {
+            let (mut m, now) = machine(None);
+            let actions = m.handle(now, Input::SpecRefused { refusal, message: "answered 410".into() });
+            assert_eq!(finish(&actions), (None, expected), "{refusal:?}");
+        }
+    }
+
+    #[test]
+    fn a_refused_spec_fetch_with_an_assignment_held_fails_its_preparation_requeueable() {
+        let (mut m, now) = machine(None);
+        m.handle(now, server(CredentialKind::Standby, assignment("exe_1")));
+        let refused = Input::SpecRefused { refusal: Refusal::Unauthorized, message: "answered 401".into() };
+        let (report, exit) = finish(&m.handle(now, refused));
+        assert_eq!(exit, ExitCode::InstallFailed);
+        assert!(
+            matches!(report, Some(EventKind::InstallFailed { requeueable: true, ref stage, ref message }) if stage == "prepare" && message.contains("answered 401")),
+            "{report:?}"
+        );
     }
 
     #[test]
     fn retired_only_before_an_assignment() {
         let (mut m, now) = machine(None);
-        let actions = m.handle(now, server(Credential::Standby, ServerMessage::Retired(Retired { reason: None })));
-        assert_eq!(finish(&actions), (None, Exit::Success));
+        let actions = m.handle(now, server(CredentialKind::Standby, ServerMessage::Retired(Retired { reason: None })));
+        assert_eq!(finish(&actions), (None, ExitCode::Success));
 
         let (mut m, now) = installing();
-        assert!(m.handle(now, server(Credential::Run, ServerMessage::Retired(Retired { reason: None }))).is_empty());
+        assert!(
+            m.handle(now, server(CredentialKind::Run, ServerMessage::Retired(Retired { reason: None }))).is_empty()
+        );
     }
 
     #[test]
@@ -864,7 +809,7 @@ mod tests {
         assert_eq!(m.next_deadline(), Some(start + Duration::from_secs(30)));
         assert!(m.handle(start + Duration::from_secs(29), Input::Tick).is_empty());
         let actions = m.handle(start + Duration::from_secs(30), Input::Tick);
-        assert_eq!(finish(&actions), (None, Exit::DeadlinePassed));
+        assert_eq!(finish(&actions), (None, ExitCode::DeadlinePassed));
     }
 
     #[test]
@@ -874,7 +819,7 @@ mod tests {
         assert_eq!(m.next_deadline(), Some(start + CONFIRM));
         let actions = m.handle(start + CONFIRM, Input::Tick);
         let (report, exit) = finish(&actions);
-        assert_eq!(exit, Exit::InstallFailed);
+        assert_eq!(exit, ExitCode::InstallFailed);
         assert!(
             matches!(report, Some(EventKind::InstallFailed { requeueable: true, ref stage, .. }) if stage == "confirm")
         );
@@ -883,7 +828,7 @@ mod tests {
     #[test]
     fn install_timeout_aborts_the_install() {
         let (mut m, start) = installing();
-        m.handle(start, server(Credential::Run, assignment("exe_1")));
+        m.handle(start, server(CredentialKind::Run, assignment("exe_1")));
         assert_eq!(m.next_deadline(), Some(start + INSTALL));
         let actions = m.handle(start + INSTALL, Input::Tick);
         assert_eq!(names(&actions), ["abort", "finish"]);
@@ -895,88 +840,92 @@ mod tests {
     #[test]
     fn install_failure_is_reported_as_given() {
         let (mut m, now) = installing();
-        let failure = InstallFailure::new("check", "cwd `../x` leaves the workspace", Cause::InvalidRun);
+        let failure = InstallFailure::new(Stage::Check, Cause::InvalidRun, "cwd `../x` leaves the workspace");
         let (report, exit) = finish(&m.handle(now, Input::InstallFinished(Err(failure))));
-        assert_eq!(exit, Exit::InstallFailed);
+        assert_eq!(exit, ExitCode::InstallFailed);
         assert!(matches!(report, Some(EventKind::InstallFailed { requeueable: false, .. })));
-        assert!(m.handle(now, server(Credential::Run, assignment("exe_1"))).is_empty(), "never starts");
+        assert!(m.handle(now, server(CredentialKind::Run, assignment("exe_1"))).is_empty(), "never starts");
     }
 
     #[test]
     fn run_credential_refused_by_an_install_call_is_withdrawn_unless_a_cancel_follows() {
-        let refused = || InstallFailure::refused("secrets", "GET /v1/executions/exe_1/secrets: 401", 401);
+        let refused =
+            || InstallFailure::refused(Stage::Secrets, Refusal::Unauthorized, "GET /v1/executions/exe_1/secrets: 401");
         let (mut m, now) = installing();
         assert!(m.handle(now, Input::InstallFinished(Err(refused()))).is_empty(), "waits for a cancel");
         assert_eq!(m.next_deadline(), Some(now + WITHDRAW_GRACE));
-        assert!(m.handle(now, server(Credential::Run, assignment("exe_1"))).is_empty(), "never starts");
+        assert!(m.handle(now, server(CredentialKind::Run, assignment("exe_1"))).is_empty(), "never starts");
         let actions = m.handle(now + WITHDRAW_GRACE, Input::Tick);
-        assert_eq!(finish(&actions), (None, Exit::Withdrawn));
+        assert_eq!(finish(&actions), (None, ExitCode::Withdrawn));
 
         let (mut m, now) = installing();
         m.handle(now, Input::InstallFinished(Err(refused())));
         let cancel = ServerMessage::Cancel(Cancel { execution_id: "exe_1".into() });
-        let actions = m.handle(now, server(Credential::Run, cancel));
-        assert_eq!(finish(&actions), (Some(EventKind::Cancelled), Exit::Success));
+        let actions = m.handle(now, server(CredentialKind::Run, cancel));
+        assert_eq!(finish(&actions), (Some(EventKind::Cancelled), ExitCode::Success));
     }
 
     #[test]
     fn cancel_before_start_never_starts_the_run() {
         let (mut m, now) = installing();
         let cancel = ServerMessage::Cancel(Cancel { execution_id: "exe_1".into() });
-        let actions = m.handle(now, server(Credential::Run, cancel));
+        let actions = m.handle(now, server(CredentialKind::Run, cancel));
         assert_eq!(names(&actions), ["abort", "finish"]);
-        assert_eq!(finish(&actions), (Some(EventKind::Cancelled), Exit::Success));
+        assert_eq!(finish(&actions), (Some(EventKind::Cancelled), ExitCode::Success));
         assert!(m.handle(now, Input::InstallFinished(Ok(()))).is_empty());
-        assert!(m.handle(now, server(Credential::Run, assignment("exe_1"))).is_empty());
+        assert!(m.handle(now, server(CredentialKind::Run, assignment("exe_1"))).is_empty());
     }
 
     #[test]
     fn cancel_for_another_execution_is_ignored() {
         let (mut m, now) = installing();
         let cancel = ServerMessage::Cancel(Cancel { execution_id: "exe_9".into() });
-        assert!(m.handle(now, server(Credential::Run, cancel)).is_empty());
+        assert!(m.handle(now, server(CredentialKind::Run, cancel)).is_empty());
         let (mut m, now) = machine(None);
         let cancel = ServerMessage::Cancel(Cancel { execution_id: "exe_9".into() });
-        assert!(m.handle(now, server(Credential::Standby, cancel)).is_empty());
+        assert!(m.handle(now, server(CredentialKind::Standby, cancel)).is_empty());
     }
 
     #[test]
     fn cancel_during_run_terminates_then_kills_after_grace() {
         let (mut m, start) = running();
         let cancel = ServerMessage::Cancel(Cancel { execution_id: "exe_1".into() });
-        assert_eq!(names(&m.handle(start, server(Credential::Run, cancel.clone()))), ["term"]);
-        assert!(m.handle(start, server(Credential::Run, cancel)).is_empty(), "a repeated cancel does nothing");
+        assert_eq!(names(&m.handle(start, server(CredentialKind::Run, cancel.clone()))), ["term"]);
+        assert!(m.handle(start, server(CredentialKind::Run, cancel)).is_empty(), "a repeated cancel does nothing");
         assert_eq!(m.next_deadline(), Some(start + GRACE));
         assert!(m.handle(start + GRACE - Duration::from_millis(1), Input::Tick).is_empty());
         assert_eq!(names(&m.handle(start + GRACE, Input::Tick)), ["kill"]);
         assert_eq!(m.next_deadline(), None);
         assert_eq!(
             finish(&m.handle(start, Input::RunExited { code: 137 })),
-            (Some(EventKind::Cancelled), Exit::Success)
+            (Some(EventKind::Cancelled), ExitCode::Success)
         );
     }
 
     #[test]
     fn sigterm_by_phase() {
         let (mut m, now) = machine(None);
-        assert_eq!(finish(&m.handle(now, Input::Terminate)), (None, Exit::Success));
+        assert_eq!(finish(&m.handle(now, Input::Terminate)), (None, ExitCode::Success));
 
         let (mut m, now) = installing();
         let (report, exit) = finish(&m.handle(now, Input::Terminate));
-        assert_eq!(exit, Exit::InstallFailed);
-        assert!(matches!(report, Some(EventKind::InstallFailed { requeueable: true, .. })));
+        assert_eq!(exit, ExitCode::InstallFailed);
+        assert!(
+            matches!(report, Some(EventKind::InstallFailed { requeueable: true, ref stage, .. }) if stage == "terminated"),
+            "{report:?}"
+        );
 
         let (mut m, now) = running();
         assert_eq!(names(&m.handle(now, Input::Terminate)), ["term"]);
         let (report, exit) = finish(&m.handle(now, Input::RunExited { code: 143 }));
-        assert_eq!((report, exit), (Some(EventKind::Exited { code: 143 }), Exit::Success));
+        assert_eq!((report, exit), (Some(EventKind::Exited { code: 143 }), ExitCode::Success));
     }
 
     #[test]
     fn run_credential_refused_during_the_run_stops_it() {
         let (mut m, now) = running();
-        assert_eq!(names(&m.handle(now, Input::Refused { credential: Credential::Run, status: 401 })), ["term"]);
-        assert_eq!(finish(&m.handle(now, Input::RunExited { code: 143 })), (None, Exit::Withdrawn));
+        assert_eq!(names(&m.handle(now, refused(CredentialKind::Run, 401))), ["term"]);
+        assert_eq!(finish(&m.handle(now, Input::RunExited { code: 143 })), (None, ExitCode::Withdrawn));
     }
 
     #[test]
@@ -984,7 +933,7 @@ mod tests {
         let (mut m, now) = running();
         assert_eq!(
             finish(&m.handle(now, Input::RunExited { code: 7 })),
-            (Some(EventKind::Exited { code: 7 }), Exit::Success)
+            (Some(EventKind::Exited { code: 7 }), ExitCode::Success)
         );
         assert!(m.is_done());
         assert!(m.handle(now, Input::Terminate).is_empty(), "nothing after Finish");
@@ -993,9 +942,9 @@ mod tests {
     #[test]
     fn spawn_failure_is_an_install_failure() {
         let (mut m, now) = running();
-        let failure = InstallFailure::new("start", "`nope`: command not found", Cause::InvalidRun);
+        let failure = InstallFailure::new(Stage::Start, Cause::InvalidRun, "`nope`: command not found");
         let (report, exit) = finish(&m.handle(now, Input::RunFailedToStart(failure)));
-        assert_eq!(exit, Exit::InstallFailed);
+        assert_eq!(exit, ExitCode::InstallFailed);
         assert!(matches!(report, Some(EventKind::InstallFailed { requeueable: false, .. })));
     }
 
@@ -1022,11 +971,11 @@ mod tests {
             };
             let mut m = Lifecycle::new(timeouts);
             let later = time::after(start, tick);
-            m.handle(start, server(Credential::Standby, assignment("exe_1")));
+            m.handle(start, server(CredentialKind::Standby, assignment("exe_1")));
             m.handle(start, Input::PrepareFinished(Ok(())));
             m.handle(later, Input::Tick);
             m.handle(start, Input::InstallFinished(Ok(())));
-            m.handle(start, server(Credential::Run, assignment("exe_1")));
+            m.handle(start, server(CredentialKind::Run, assignment("exe_1")));
             m.handle(start, Input::Terminate);
             let _ = m.next_deadline();
             m.handle(later, Input::Tick);

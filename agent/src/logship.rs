@@ -29,13 +29,13 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use backon::BackoffBuilder;
-use standby_protocol::{LogChunk, LogReceived, Secret};
+use standby_protocol::{Answer, LogChunk, LogReceived, Secret, paths};
 use tokio::sync::{Notify, mpsc};
 use tokio::time::Instant;
 
 use self::ledger::{Chunk, Ledger};
 use self::store::Store;
-use crate::api::{self, Api, Class};
+use crate::api::{self, Api};
 use crate::redact::Redactor;
 
 /// Largest chunk of output per request (before base64): few requests for a
@@ -128,7 +128,7 @@ pub async fn ship(
         let (shared, execution_id) = (Arc::clone(&shared), execution_id.clone());
         tokio::task::spawn_blocking(move || spool_output(output, redactor, &shared, &execution_id))
     };
-    let sender = Sender { path: format!("/v1/executions/{execution_id}/log"), api, credential, execution_id, shared };
+    let sender = Sender { path: paths::log(&execution_id), api, credential, execution_id, shared };
     let report = sender.run(config.drain).await;
     // The spooler ends with the output; after a give-up it only drops.
     drop(spooler);
@@ -252,19 +252,19 @@ impl Sender {
                     self.shared.lock().ledger.resync(received);
                     report.resyncs += 1;
                 }
-                Err(error) => match error.class() {
-                    Class::Transient => {
+                Err(error) => match error.answer() {
+                    Answer::Transient => {
                         let delay = delays.next().unwrap_or(Duration::from_secs(5));
                         tracing::debug!(execution_id, offset = chunk.offset, %error, ?delay, "log chunk not acknowledged; retrying");
                         if within(drain_by, tokio::time::sleep(delay)).await.is_none() {
                             break;
                         }
                     }
-                    Class::Unauthorized | Class::Gone => {
+                    Answer::Refused(_) => {
                         tracing::warn!(execution_id, offset = chunk.offset, %error, "the run credential was refused; discarding the rest of the run's output");
                         revoked = true;
                     }
-                    Class::Fatal => {
+                    Answer::Success | Answer::Fatal => {
                         tracing::warn!(execution_id, offset = chunk.offset, bytes = chunk.len, %error, "the server refused a chunk of the run's output; it is reported as dropped");
                         self.shared.lock().ledger.give_up(&chunk);
                     }
@@ -345,6 +345,7 @@ mod tests {
     use axum::extract::{Path, State};
     use axum::http::{HeaderMap, StatusCode, header};
     use axum::response::{IntoResponse, Response};
+    use standby_protocol::log_ledger::{self, Verdict};
     use standby_protocol::{PROTOCOL_HEADER, PROTOCOL_VERSION};
 
     use super::*;
@@ -378,9 +379,8 @@ mod tests {
         fault: Arc<Fault>,
     }
 
-    /// The contract's log endpoint (amendment 6): a chunk at the stored
-    /// length plus `dropped` is appended (a gap recorded), a retry of the
-    /// last chunk acknowledged, anything else answered `409` with the count.
+    /// The contract's log endpoint: every chunk judged by the ledger rule
+    /// every server shares (`log_ledger::accept`, amendment 6).
     async fn receive(
         State(server): State<Server>,
         Path(execution): Path<String>,
@@ -400,20 +400,21 @@ mod tests {
             return status.into_response();
         }
         let data = chunk.bytes().expect("base64 data");
-        let end = chunk.offset + data.len() as u64;
-        if chunk.offset == received.length + chunk.dropped {
-            if chunk.dropped > 0 {
-                let at = received.length;
-                received.gaps.push((at, chunk.dropped));
+        match log_ledger::accept(received.length, chunk.offset, chunk.dropped, data.len() as u64) {
+            Verdict::Append { gap, skip, end } => {
+                if gap > 0 {
+                    let at = received.length;
+                    received.gaps.push((at, gap));
+                }
+                received.log.extend(&data[usize::try_from(skip).expect("a chunk's length fits")..]);
+                received.length = end;
+                received.accepted.push(chunk);
+                StatusCode::OK.into_response()
             }
-            received.log.extend(&data);
-            received.length = end;
-            received.accepted.push(chunk);
-            StatusCode::OK.into_response()
-        } else if end == received.length && received.accepted.last() == Some(&chunk) {
-            StatusCode::OK.into_response()
-        } else {
-            (StatusCode::CONFLICT, Json(LogReceived { received: received.length })).into_response()
+            Verdict::Duplicate => StatusCode::OK.into_response(),
+            Verdict::Conflict => {
+                (StatusCode::CONFLICT, Json(LogReceived { received: received.length })).into_response()
+            }
         }
     }
 
@@ -424,9 +425,7 @@ mod tests {
         // which is fine).
         crate::api::install_tls_provider();
         let server = Server { received: Arc::default(), fault: Arc::new(fault) };
-        let app = axum::Router::new()
-            .route("/v1/executions/{id}/log", axum::routing::post(receive))
-            .with_state(server.clone());
+        let app = axum::Router::new().route(paths::LOG_ROUTE, axum::routing::post(receive)).with_state(server.clone());
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind a loopback port");
         let address = listener.local_addr().expect("bound address");
         tokio::spawn(async move { axum::serve(listener, app).await });

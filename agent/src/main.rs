@@ -5,8 +5,8 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use standby_agent::config::Args;
-use standby_agent::exit::Exit;
 use standby_agent::{agent, logging, tls};
+use standby_protocol::ExitCode as Exit;
 
 fn main() -> ExitCode {
     // First, before any credential is read: nothing of the same user may

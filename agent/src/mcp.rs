@@ -40,6 +40,7 @@ use std::time::Duration;
 use futures::future::{join_all, try_join_all};
 use nix::sys::signal::Signal;
 use serde_json::{Value, json};
+use standby_protocol::layout::StateDir;
 use standby_protocol::{McpServer, McpTransport};
 use tokio::net::TcpStream;
 use tokio::process::{Child, Command};
@@ -51,10 +52,6 @@ use crate::git::describe_status;
 use crate::process::{child_env, register, unregister};
 use crate::reaper::signal_group;
 
-/// The agent's own directory inside the workspace.
-const STATE_DIR: &str = ".standby";
-/// The file that lists the HTTP-reachable servers for the run.
-const CONFIG_FILE: &str = "mcp.json";
 /// How often `ready_tcp` (or an HTTP server's `url`) is tried.
 const READY_POLL: Duration = Duration::from_millis(50);
 /// Bound on one connection attempt to `ready_tcp` or `url` (a host that
@@ -160,7 +157,7 @@ impl McpSupervisor {
     pub async fn start(servers: &[McpServer], workspace: &Path, ready_timeout: Duration) -> Result<Self, McpError> {
         check_servers(servers)?;
         if let Some(first) = servers.first() {
-            let dir = workspace.join(STATE_DIR);
+            let dir = StateDir::of(workspace).path().to_path_buf();
             std::fs::create_dir_all(&dir).map_err(|source| McpError::Io {
                 server: first.name.clone(),
                 action: "create the log directory",
@@ -254,6 +251,7 @@ impl McpSupervisor {
     }
 
     /// The pids of the running servers.
+    #[cfg(test)]
     pub fn pids(&self) -> Vec<u32> {
         self.servers.iter().filter_map(|server| server.running.as_ref().map(|running| running.pid)).collect()
     }
@@ -276,8 +274,8 @@ impl McpSupervisor {
                 Some((server.spec.name.clone(), json!({"type": "http", "url": url})))
             })
             .collect();
-        let dir = workspace.join(STATE_DIR);
-        let path = dir.join(CONFIG_FILE);
+        let state_dir = StateDir::of(workspace);
+        let (dir, path) = (state_dir.path(), state_dir.mcp_config());
         let config_error = |source| McpError::Config { path: path.clone(), source };
         if listed.is_empty() {
             return match std::fs::remove_file(&path) {
@@ -291,8 +289,9 @@ impl McpSupervisor {
         if std::fs::read(&path).is_ok_and(|existing| existing == bytes) {
             return Ok(Some(path));
         }
-        std::fs::create_dir_all(&dir).map_err(config_error)?;
-        let temp = dir.join(format!(".{CONFIG_FILE}.{}.tmp", std::process::id()));
+        std::fs::create_dir_all(dir).map_err(config_error)?;
+        let name = path.file_name().unwrap_or_default().to_string_lossy();
+        let temp = dir.join(format!(".{name}.{}.tmp", std::process::id()));
         let written = write_synced(&temp, &bytes).and_then(|()| std::fs::rename(&temp, &path));
         if let Err(error) = written {
             // Best effort: the write already failed.
@@ -369,7 +368,7 @@ async fn launch(
         Some(addr) => Some(resolve(name, addr).await?),
         None => None,
     };
-    let log_path = workspace.join(STATE_DIR).join(format!("mcp-{name}.log"));
+    let log_path = StateDir::of(workspace).mcp_log(name);
     let log_error = |action| io_error(name, action, &log_path);
     let log = OpenOptions::new().create(true).append(true).open(&log_path).map_err(log_error("open its log"))?;
     let log_start = log.metadata().map_err(log_error("read the size of its log"))?.len();
@@ -830,7 +829,7 @@ while True:
         let pids = supervisor.pids();
         assert_eq!(pids.len(), 1);
         wait_until("the server's child runs", || live_in_group(pids[0]).len() == 2).await;
-        assert!(dir.path().join(".standby/mcp-files.log").is_file());
+        assert!(StateDir::of(dir.path()).mcp_log("files").is_file());
 
         supervisor.stop().await;
         assert!(supervisor.pids().is_empty());
@@ -970,7 +969,7 @@ while True:
         assert_eq!(error.to_string(), "MCP server \"a\" is listed twice");
         let error = McpSupervisor::start(&[server("empty", &[])], dir.path(), TIMEOUT).await.expect_err("refused");
         assert_eq!(error.to_string(), "MCP server \"empty\" has an empty command");
-        assert!(!dir.path().join(STATE_DIR).exists(), "nothing was started");
+        assert!(!StateDir::of(dir.path()).path().exists(), "nothing was started");
     }
 
     /// A stdio MCP server speaking JSON-RPC by hand, so that it can also
@@ -1045,7 +1044,7 @@ for line in sys.stdin:
     }
 
     fn read_config(workspace: &Path) -> serde_json::Value {
-        let path = workspace.join(".standby/mcp.json");
+        let path = StateDir::of(workspace).mcp_config();
         serde_json::from_slice(&std::fs::read(&path).expect("mcp.json is written")).expect("mcp.json is JSON")
     }
 
@@ -1126,7 +1125,7 @@ for line in sys.stdin:
         http.ready_tcp = Some(listener.local_addr().expect("bound").to_string());
         let mut supervisor =
             McpSupervisor::start(&[http, plain.clone(), stdio], dir.path(), TIMEOUT).await.expect("starts");
-        let path = dir.path().join(".standby/mcp.json");
+        let path = StateDir::of(dir.path()).mcp_config();
         let written = std::fs::metadata(&path).and_then(|meta| meta.modified()).expect("written at start");
         assert_eq!(supervisor.write_config(dir.path()).expect("written"), Some(path.clone()));
         let rewritten = std::fs::metadata(&path).and_then(|meta| meta.modified()).expect("still there");
@@ -1140,7 +1139,7 @@ for line in sys.stdin:
                 "stdio": {"type": "http", "url": url},
             }})
         );
-        let mut names: Vec<String> = std::fs::read_dir(dir.path().join(STATE_DIR))
+        let mut names: Vec<String> = std::fs::read_dir(StateDir::of(dir.path()).path())
             .expect("listable")
             .map(|entry| entry.expect("an entry").file_name().to_string_lossy().into_owned())
             .filter(|name| name.ends_with(".log") || name.ends_with(".json"))
@@ -1189,7 +1188,7 @@ http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
         spec.transport = Some(McpTransport::Http);
         spec.url = Some(format!("http://127.0.0.1:{port}/mcp"));
         let mut supervisor = McpSupervisor::start(&[spec], dir.path(), TIMEOUT).await.expect("ready");
-        let log = dir.path().join(".standby/mcp-web.log");
+        let log = StateDir::of(dir.path()).mcp_log("web");
         wait_until("the probe's session is ended", || {
             std::fs::read_to_string(&log).is_ok_and(|log| log.contains("session ended: s1"))
         })
@@ -1303,7 +1302,7 @@ http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
         let hang = json!({"jsonrpc": "2.0", "id": 9, "method": "tools/call", "params": {"name": "hang"}});
         let gave_up = tokio::time::timeout(Duration::from_millis(300), client.post(&hang)).await;
         assert!(gave_up.is_err(), "the server never answers");
-        let log = dir.path().join(".standby/mcp-probe.log");
+        let log = StateDir::of(dir.path()).mcp_log("probe");
         wait_until("the server hears of the cancellation", || {
             std::fs::read_to_string(&log)
                 .is_ok_and(|log| log.contains("cancelled {") && log.contains("\"requestId\": "))

@@ -14,6 +14,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use nix::sys::signal::{Signal, killpg};
 use nix::unistd::Pid;
 use serde::{Deserialize, Serialize};
+use standby_protocol::layout::StateDir;
 use standby_protocol::{Fingerprint, SetupStep, Workspace, fingerprint};
 use tokio::io::AsyncWriteExt;
 use tokio::process::Command;
@@ -23,12 +24,6 @@ use crate::git::{self, GitError, describe_status, redact_url};
 use crate::paths::{PathError, resolve_inside, write_atomic};
 use crate::process::{child_env, register, unregister};
 
-/// The agent's own directory inside the workspace.
-const STATE_DIR: &str = ".standby";
-/// The preparation record, in [`STATE_DIR`].
-const STATE_FILE: &str = "state.json";
-/// Output of every setup step, in [`STATE_DIR`].
-const SETUP_LOG: &str = "setup.log";
 /// Files written less than this before their index is written are racy
 /// to git (whole-second timestamps).
 const RACY_GIT_WINDOW: Duration = Duration::from_secs(1);
@@ -99,9 +94,9 @@ enum Status {
 /// completed preparation of the same fingerprint.
 pub async fn prepare(root: &Path, workspace: &Workspace) -> Result<PreparedWorkspace, PrepareError> {
     let fingerprint = fingerprint(workspace);
-    let state_dir = root.join(STATE_DIR);
-    tokio::fs::create_dir_all(&state_dir).await.map_err(PrepareError::io("cannot create", &state_dir))?;
-    let state_path = state_dir.join(STATE_FILE);
+    let state_dir = StateDir::of(root);
+    tokio::fs::create_dir_all(state_dir.path()).await.map_err(PrepareError::io("cannot create", state_dir.path()))?;
+    let state_path = state_dir.state_file();
 
     if let Some(state) = read_state(&state_path).await {
         if state.fingerprint == fingerprint {
@@ -137,7 +132,7 @@ pub async fn prepare(root: &Path, workspace: &Workspace) -> Result<PreparedWorks
     }
 
     let cloned_at = Instant::now();
-    let log = state_dir.join(SETUP_LOG);
+    let log = state_dir.setup_log();
     for step in &workspace.setup {
         run_step(root, step, &log).await?;
     }
@@ -177,8 +172,9 @@ async fn refresh_indexes(root: &Path, workspace: &Workspace, cloned_at: Instant)
 }
 
 /// The fingerprint recorded by a completed preparation of `root`, if any.
-pub fn recorded_fingerprint(root: &Path) -> Option<Fingerprint> {
-    let bytes = std::fs::read(root.join(STATE_DIR).join(STATE_FILE)).ok()?;
+#[cfg(test)]
+fn recorded_fingerprint(root: &Path) -> Option<Fingerprint> {
+    let bytes = std::fs::read(StateDir::of(root).state_file()).ok()?;
     let state: State = serde_json::from_slice(&bytes).ok()?;
     Some(state.fingerprint)
 }

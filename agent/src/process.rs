@@ -26,14 +26,14 @@ pub fn make_undumpable() -> Result<(), nix::Error> {
 
 /// The agent's environment minus its own credentials: the base of every
 /// child's environment.
-pub fn child_env() -> BTreeMap<String, String> {
+pub(crate) fn child_env() -> BTreeMap<String, String> {
     std::env::vars().filter(|(name, _)| !AGENT_ONLY.contains(&name.as_str())).collect()
 }
 
 /// Runs blocking `work` (a `/proc` scan, a `waitpid`, a fork) on tokio's
 /// blocking pool, off the runtime's thread, which also carries the control
 /// socket's heartbeats. `None` if it panicked (the panic is logged).
-pub async fn off_runtime<T: Send + 'static>(work: impl FnOnce() -> T + Send + 'static) -> Option<T> {
+pub(crate) async fn off_runtime<T: Send + 'static>(work: impl FnOnce() -> T + Send + 'static) -> Option<T> {
     match tokio::task::spawn_blocking(work).await {
         Ok(value) => Some(value),
         Err(error) => {
@@ -45,7 +45,7 @@ pub async fn off_runtime<T: Send + 'static>(work: impl FnOnce() -> T + Send + 's
 
 /// Spawns `command` off the runtime's thread: `fork` copies the agent's
 /// page tables and `exec` reads the program before `spawn` returns.
-pub async fn spawn(mut command: tokio::process::Command) -> std::io::Result<tokio::process::Child> {
+pub(crate) async fn spawn(mut command: tokio::process::Command) -> std::io::Result<tokio::process::Child> {
     off_runtime(move || command.spawn())
         .await
         .unwrap_or_else(|| Err(std::io::Error::other("the task spawning the process failed")))
@@ -58,21 +58,21 @@ fn managed() -> MutexGuard<'static, Option<HashSet<i32>>> {
 }
 
 /// Marks `pid` as waited for by its owner, not by the orphan reaper.
-pub fn register(pid: u32) {
+pub(crate) fn register(pid: u32) {
     if let Ok(pid) = i32::try_from(pid) {
         managed().get_or_insert_with(HashSet::new).insert(pid);
     }
 }
 
 /// Hands `pid` back to the reaper once its owner has waited for it.
-pub fn unregister(pid: u32) {
+pub(crate) fn unregister(pid: u32) {
     if let (Ok(pid), Some(set)) = (i32::try_from(pid), managed().as_mut()) {
         set.remove(&pid);
     }
 }
 
 /// Whether `pid` has an owner that waits for it.
-pub fn is_managed(pid: i32) -> bool {
+pub(crate) fn is_managed(pid: i32) -> bool {
     managed().as_ref().is_some_and(|set| set.contains(&pid))
 }
 

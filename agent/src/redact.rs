@@ -40,7 +40,7 @@ use aho_corasick::{AhoCorasick, MatchKind};
 /// What every occurrence of a secret becomes.
 const MARKER: &str = "[REDACTED]";
 /// The shortest line of a multi-line secret that is replaced on its own.
-pub const MIN_LINE_CHARS: usize = 8;
+pub(crate) const MIN_LINE_CHARS: usize = 8;
 
 /// Redacts secret values, either from a stream fed chunk by chunk or from one
 /// whole string.
@@ -100,7 +100,8 @@ impl Redactor {
     }
 
     /// True when there is nothing to redact.
-    pub fn is_empty(&self) -> bool {
+    #[cfg(test)]
+    pub(crate) fn is_empty(&self) -> bool {
         self.matcher.is_none()
     }
 
@@ -160,9 +161,10 @@ impl Redactor {
         }
     }
 
-    /// One-shot redaction of a whole string (for error messages and log
-    /// lines). Independent of any stream being pushed.
-    pub fn redact_str(&self, text: &str) -> String {
+    /// One-shot redaction of a whole string, independent of any stream
+    /// being pushed: what the tests hold the patterns to.
+    #[cfg(test)]
+    pub(crate) fn redact_str(&self, text: &str) -> String {
         match &self.matcher {
             Some(matcher) => {
                 let mut out = String::with_capacity(text.len());

@@ -124,6 +124,7 @@ impl IdleShell {
         Ok(Self { shell: ShellProcess { pid, child, reaped: false }, terminal })
     }
 
+    #[cfg(test)]
     pub fn pid(&self) -> u32 {
         self.shell.pid
     }
@@ -202,6 +203,21 @@ impl IdleShell {
     }
 }
 
+/// The process group of a run (the run is its leader).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RunGroup(i32);
+
+impl RunGroup {
+    /// Sends `signal` to the group; a group that is already gone is no
+    /// error.
+    pub fn signal(self, signal: Signal) -> Result<(), ShellError> {
+        match killpg(Pid::from_raw(self.0), signal) {
+            Ok(()) | Err(Errno::ESRCH) => Ok(()),
+            Err(source) => Err(ShellError::Signal { pgid: self.0, signal, source }),
+        }
+    }
+}
+
 /// The run on the terminal. Dropping it before it exited kills its process
 /// group; its exit status is always reaped.
 pub struct RunProcess {
@@ -224,6 +240,7 @@ impl fmt::Debug for RunProcess {
 }
 
 impl RunProcess {
+    #[cfg(test)]
     pub fn pid(&self) -> u32 {
         self.pid
     }
@@ -238,14 +255,10 @@ impl RunProcess {
         self.output.take().unwrap_or_else(|| mpsc::channel(1).1)
     }
 
-    /// Sends `signal` to the run's process group; a group that is already
-    /// gone is no error.
-    pub fn signal_group(&self, signal: Signal) -> Result<(), ShellError> {
-        let pgid = pid_i32(self.pid);
-        match killpg(Pid::from_raw(pgid), signal) {
-            Ok(()) | Err(Errno::ESRCH) => Ok(()),
-            Err(source) => Err(ShellError::Signal { pgid, signal, source }),
-        }
+    /// The run's process group, to signal while another task waits for the
+    /// run.
+    pub fn group(&self) -> RunGroup {
+        RunGroup(pid_i32(self.pid))
     }
 
     /// Waits for the run to exit: its exit code, or 128+N when signal N
@@ -843,11 +856,11 @@ mod tests {
             shell.replace(&argv(&["sh", "-c", "sleep 300 & sleep 300 & wait"]), dir.path(), &env()).expect("replaces");
         let pgid = run.pid();
         wait_until("the run and its two children run", || live_in_group(pgid).len() == 3).await;
-        run.signal_group(Signal::SIGTERM).expect("signalled");
+        run.group().signal(Signal::SIGTERM).expect("signalled");
         assert_eq!(run.wait().await, 128 + 15);
         wait_until("the whole group is gone", || live_in_group(pgid).is_empty()).await;
         output_of(&mut run).await;
-        run.signal_group(Signal::SIGTERM).expect("a gone group is no error");
+        run.group().signal(Signal::SIGTERM).expect("a gone group is no error");
     }
 
     #[tokio::test]

@@ -16,8 +16,10 @@ pub enum Stage {
     Prepare,
     /// Delivery was not confirmed on the run-credential connection.
     Confirm,
-    /// The install as a whole (its bound passed, or the agent was stopped).
+    /// The install as a whole: its bound passed.
     Install,
+    /// The agent was stopped (SIGTERM) before the run started.
+    Terminated,
     /// `GET …/secrets`.
     Secrets,
     /// The attachments: listing, download, checksum, writing.
@@ -43,10 +45,11 @@ pub enum Stage {
 }
 
 impl Stage {
-    pub const ALL: [Stage; 14] = [
+    pub const ALL: [Stage; 15] = [
         Self::Prepare,
         Self::Confirm,
         Self::Install,
+        Self::Terminated,
         Self::Secrets,
         Self::Attachments,
         Self::GitCredentials,
@@ -66,6 +69,7 @@ impl Stage {
             Self::Prepare => "prepare",
             Self::Confirm => "confirm",
             Self::Install => "install",
+            Self::Terminated => "terminated",
             Self::Secrets => "secrets",
             Self::Attachments => "attachments",
             Self::GitCredentials => "git_credentials",

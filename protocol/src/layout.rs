@@ -20,6 +20,13 @@ impl StateDir {
         &self.0
     }
 
+    /// Keeps the state directory out of a repo checked out at the
+    /// workspace root (`*`): it holds credentials, and `git add -A` must
+    /// never pick them up.
+    pub fn gitignore(&self) -> PathBuf {
+        self.0.join(".gitignore")
+    }
+
     /// The recorded fingerprint of a finished preparation.
     pub fn state_file(&self) -> PathBuf {
         self.0.join("state.json")
