@@ -212,6 +212,13 @@ enum Refusal {
     Scripted(u16),
 }
 
+/// Events posts the server received, accepted or refused: the server
+/// refuses a withdrawn run's credential, so a refused report is not among
+/// the events it recorded.
+fn event_posts(server: &TestServer) -> usize {
+    server.http_calls().iter().filter(|call| call.endpoint == Endpoint::Events).count()
+}
+
 async fn revoke_when_attempted(server: &TestServer, execution_id: &str) {
     server
         .wait_until("a first upgrade with the run credential", |records| {
@@ -247,7 +254,7 @@ async fn assert_withdrawn(refusal: Refusal) {
     let code = agent.wait_exit(EXIT).await;
     assert_exit(&agent, code, ExitCode::Withdrawn, "the run credential was refused");
     assert!(
-        server.events(&execution_id).is_empty(),
+        server.events(&execution_id).is_empty() && event_posts(&server) == 0,
         "a withdrawn run reports nothing: {:?}",
         server.events(&execution_id)
     );
@@ -295,6 +302,7 @@ async fn a_run_credential_refused_on_an_install_call_withdraws_the_run() {
     assert!(!event_kinds(&server, &execution_id).contains(&EventKind::Started));
     let reported: Vec<InstallFailed> = server.install_failures(&execution_id);
     assert!(reported.is_empty(), "a withdrawn run is reported as a failed install, to be requeued: {reported:?}");
+    assert_eq!(event_posts(&server), 0, "a withdrawn run reports nothing, not even refused");
     assert_exit(&agent, code, ExitCode::Withdrawn, "the run credential was refused on an install call");
     server.assert_no_violations();
 }
