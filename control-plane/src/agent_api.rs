@@ -51,15 +51,15 @@ fn check_protocol(headers: &HeaderMap) -> Result<(), ApiError> {
 
 fn refused(refusal: Refusal) -> ApiError {
     match refusal {
-        Refusal::Gone => ApiError::new(StatusCode::GONE, "the standby credential is unknown or retired"),
-        Refusal::Unauthorized => ApiError::new(StatusCode::UNAUTHORIZED, "the credential is revoked or not valid"),
+        Refusal::Gone => ApiError::new(refusal.status(), "the standby credential is unknown or retired"),
+        Refusal::Unauthorized => ApiError::new(refusal.status(), "the credential is revoked or not valid"),
         Refusal::Ended => ApiError::new(
-            StatusCode::GONE,
+            refusal.status(),
             "the run is over: its run credential is withdrawn (after a cancel only the run's events and log are \
              accepted)",
         ),
         Refusal::Duplicate { .. } => {
-            ApiError::new(StatusCode::CONFLICT, "a live control connection already uses this credential")
+            ApiError::new(refusal.status(), "a live control connection already uses this credential")
         }
     }
 }
@@ -67,7 +67,7 @@ fn refused(refusal: Refusal) -> ApiError {
 fn presented(headers: &HeaderMap) -> Result<&str, ApiError> {
     check_protocol(headers)?;
     bearer(headers)
-        .ok_or_else(|| ApiError::new(StatusCode::UNAUTHORIZED, "missing `Authorization: Bearer <credential>`"))
+        .ok_or_else(|| ApiError::new(Refusal::Unauthorized.status(), "missing `Authorization: Bearer <credential>`"))
 }
 
 async fn admit(state: &AppState, headers: &HeaderMap, call: Call) -> Result<Admission, ApiError> {
@@ -85,7 +85,10 @@ async fn admit_run(
     call: Call,
 ) -> Result<(String, u32), ApiError> {
     let wrong = || {
-        ApiError::new(StatusCode::UNAUTHORIZED, format!("the credential is not a run credential of `{execution_id}`"))
+        ApiError::new(
+            Refusal::Unauthorized.status(),
+            format!("the credential is not a run credential of `{execution_id}`"),
+        )
     };
     let token = presented(headers)?;
     match state.engine.check(token, call).await? {
@@ -249,13 +252,13 @@ async fn connection(state: AppState, mut socket: WebSocket, conn: ConnId, admiss
 pub(crate) async fn spec(State(state): State<AppState>, headers: HeaderMap) -> Result<Json<Spec>, ApiError> {
     let admission = admit(&state, &headers, Call::Fetch).await?;
     let Admission::Standby { sandbox_id, .. } = admission else {
-        return Err(ApiError::new(StatusCode::UNAUTHORIZED, "the spec is for standby credentials"));
+        return Err(ApiError::new(Refusal::Unauthorized.status(), "the spec is for standby credentials"));
     };
     let sandbox = state
         .engine
         .sandbox(&sandbox_id)
         .await?
-        .ok_or_else(|| ApiError::new(StatusCode::GONE, "the sandbox is gone"))?;
+        .ok_or_else(|| ApiError::new(Refusal::Gone.status(), "the sandbox is gone"))?;
     let mut spec = (*state.spec).clone();
     if let Some(workspace) = sandbox.workspace {
         spec.workspace = workspace;
@@ -285,7 +288,7 @@ pub(crate) async fn attachments(
         .attachments
         .into_iter()
         .map(|stored| Attachment {
-            url: format!("/v1/executions/{run_id}/attachments/{}", stored.name),
+            url: standby_protocol::paths::attachment(&run_id, &stored.name),
             name: stored.name,
             sha256: stored.sha256,
         })

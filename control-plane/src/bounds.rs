@@ -160,6 +160,8 @@ impl LogView {
 
 #[cfg(test)]
 mod tests {
+    use standby_protocol::{Cause, Stage};
+
     use super::*;
 
     fn render(view: &mut LogView, pieces: &[(u64, &[u8])]) -> String {
@@ -204,7 +206,7 @@ mod tests {
     fn events_are_bounded() {
         let event = |id: &str, message: &str| Event {
             event_id: id.into(),
-            kind: EventKind::InstallFailed { requeueable: true, stage: "secrets".into(), message: message.into() },
+            kind: EventKind::install_failed(Stage::Secrets, Cause::Network, message),
         };
         assert_eq!(bound_event(event(&"x".repeat(129), "m")).map_err(|e| e.field), Err("event_id"));
         assert_eq!(bound_event(event("", "m")).map_err(|e| e.field), Err("event_id"));

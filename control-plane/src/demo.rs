@@ -21,9 +21,10 @@ use std::time::Duration;
 use serde_json::{Value, json};
 use standby_protocol::{McpServer, Repo, Secret, SetupStep, Spec, Workspace};
 
-use crate::provider::{LocalProvider, SandboxProvider};
-use crate::server::{RunningServer, ServerConfig, ServerError, start};
-use crate::store::{SqliteStore, StoreError};
+use standby_control_plane::provider::{LocalProvider, SandboxProvider};
+use standby_control_plane::seal::SealKey;
+use standby_control_plane::server::{RunningServer, ServerConfig, ServerError, start};
+use standby_control_plane::store::{SqliteStore, StoreError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum DemoError {
@@ -300,8 +301,8 @@ async fn with_server<T>(
     let (spec, mcp) = sample(dir.path(), options.setup_cost)?;
     let sandboxes = dir.path().join("sandboxes");
     let provider = Arc::new(LocalProvider::new(sandboxes.clone(), options.agent_bin.clone()));
-    let store = Arc::new(SqliteStore::open(&dir.path().join("standby.db"), &crate::seal::SealKey::random())?);
-    let key = Secret::new(format!("demo-{}", crate::credential::hex(&rand::random::<[u8; 16]>())));
+    let store = Arc::new(SqliteStore::open(&dir.path().join("standby.db"), &SealKey::random())?);
+    let key = Secret::new(format!("demo-{:032x}", rand::random::<u128>()));
     let mut config = ServerConfig::new(key.clone(), spec);
     config.pool_size = options.pool_size;
     config.heartbeat_interval = heartbeat;
@@ -338,8 +339,8 @@ pub async fn run_threads(
 ) -> Result<Vec<FollowUp>, DemoError> {
     let threads = DemoOptions { pool_size: 0, ..options.clone() };
     let configure = |config: &mut ServerConfig| {
-        config.lifecycle.warm_idle = DEMO_WARM_IDLE;
-        config.lifecycle.park_stopped = true;
+        config.pool_policy.warm_idle = DEMO_WARM_IDLE;
+        config.pool_policy.park_stopped = true;
     };
     with_server(&threads, Duration::from_millis(250), configure, async |server, key, sandboxes, _| {
         drive_threads(options, rounds, server, key, sandboxes, out).await

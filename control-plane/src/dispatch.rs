@@ -33,7 +33,7 @@
 //!   `started` arrives, may have started the run: the run fails (at most
 //!   once).
 //!
-//! The warm pool's lifecycle (in [`pool`] and [`threads`]):
+//! The warm pool's policy (in `pool`, `threads` and `resume`):
 //! - Sandboxes that cost compute (a process exists or is being started:
 //!   standbys, busy ones, parked-running ones, retired ones not yet gone)
 //!   never exceed the running cap. A run that needs a new one at the cap
@@ -49,29 +49,49 @@
 //!   a resume that fails places the run like a new one, with the reason
 //!   recorded. Turns of one thread take the sandbox one at a time, through
 //!   a pointer written compare-and-set.
+//!
+//! One file per input, each an `impl Dispatch` block over the state below:
+//! `admission` (credentials, one socket each), `connections` (control
+//! sockets, heartbeats, delivery), `runs` (submit, cancel, and how a run
+//! ends), `events`, `logs`, `sandboxes` (launch, exit, loss, probes after
+//! a restart), `ticks` (time passing), `placement` (binding queued runs),
+//! `pool`, `threads` (the pointer, parking), `resume` (a follow-up turn on
+//! a parked sandbox), `bounds` (what a run may cost) and `views` (what the
+//! API and `/metrics` read).
 
 mod admission;
 mod bounds;
+mod connections;
+mod events;
+mod logs;
+mod placement;
 mod pool;
+mod resume;
+mod runs;
+mod sandboxes;
 mod threads;
+mod ticks;
+mod views;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::time::Duration;
 
-use standby_protocol::{
-    AgentState, Assignment, Cancel, Event, EventKind, Fingerprint, Retired, Run, Secret, ServerMessage, fingerprint,
-};
+use standby_protocol::{AgentState, Fingerprint, Secret, ServerMessage};
 
 use crate::credential::{CredentialKind, Mint, TokenHash};
 use crate::model::{
-    Attempt, AttemptOutcome, CredentialRecord, CredentialState, Millis, ParkMode, RunPath, RunRecord, RunRequest,
-    RunState, SandboxKind, SandboxRecord, SandboxState, StoredEvent, ThreadRecord,
+    CredentialRecord, CredentialState, Millis, Park, ParkMode, RunPath, RunRecord, RunRequest, RunState, SandboxRecord,
+    SandboxState, StoredEvent, ThreadRecord,
 };
 use crate::policy::AutoStop;
 
-pub use admission::Call;
-pub use bounds::{Evicted, LogLedger, MAX_EVENTS_PER_RUN, RunBounds};
+pub use admission::{Admission, Call, Refusal};
+pub use bounds::{Evicted, MAX_EVENTS_PER_RUN, RunBounds};
+pub use logs::{LogError, LogLedger};
+pub use resume::{ResumeFailure, ResumeStart};
+pub use runs::CancelError;
 pub use threads::StalePointer;
+pub use views::{MetricsSnapshot, SandboxPage, SandboxView};
 
 /// Identifies one control connection, allocated by the driver.
 pub type ConnId = u64;
@@ -97,14 +117,14 @@ pub struct DispatchConfig {
     pub pool_workspace: standby_protocol::Workspace,
     /// Fingerprint of the pool spec's workspace.
     pub pool_fingerprint: Fingerprint,
-    pub lifecycle: Lifecycle,
+    pub pool_policy: PoolPolicy,
     /// What one run may cost: its log cap, its time in memory once finished.
     pub bounds: RunBounds,
 }
 
 /// The pool policy and the thread tiers.
 #[derive(Debug, Clone)]
-pub struct Lifecycle {
+pub struct PoolPolicy {
     /// Most sandboxes costing compute at once; `0`: no cap.
     pub running_cap: usize,
     /// A standby is replaced within this; zero: never.
@@ -121,7 +141,7 @@ pub struct Lifecycle {
     pub resume_timeout: Duration,
 }
 
-impl Default for Lifecycle {
+impl Default for PoolPolicy {
     fn default() -> Self {
         Self {
             running_cap: 0,
@@ -171,10 +191,10 @@ pub enum Effect {
     Send { conn: ConnId, message: ServerMessage },
     /// Close a control connection after the frames queued before it.
     Close { conn: ConnId },
-    /// Launch the agent of a sandbox with its standby credential, creating
-    /// the sandbox first when `create` (with the provider auto-stop
-    /// `auto_stop`, in provider minutes).
-    Launch { sandbox_id: String, token: Secret, create: bool, auto_stop: u32 },
+    /// Launch the agent of a sandbox with its standby credential, after the
+    /// provider has made the sandbox ready as `provision` says (with the
+    /// provider auto-stop `auto_stop`, in provider minutes, when created).
+    Launch { sandbox_id: String, token: Secret, provision: Provision, auto_stop: u32 },
     /// Let the sandbox exit on its own for up to `linger`, then stop it and
     /// delete it.
     Retire { sandbox_id: String, linger: Duration },
@@ -186,14 +206,24 @@ pub enum Effect {
     Park { sandbox_id: String, linger: Duration, auto_stop: u32 },
     /// Stop the sandbox's processes and keep its filesystem (Tier 1).
     Stop { sandbox_id: String },
-    /// Make a kept sandbox run again: read its provider state, start it if
-    /// stopped or archived, raise a shorter auto-stop (bounded, best
-    /// effort), launch a fresh agent with `token`. Failures come back as
-    /// [`Dispatch::resume_failed`].
+    /// Make a kept sandbox run again, as [`ResumeStart::for_found`] says
+    /// by its provider state, raise a shorter auto-stop (bounded, best
+    /// effort), and launch a fresh agent with `token`. Failures come back
+    /// as [`Dispatch::resume_failed`].
     Resume { sandbox_id: String, token: Secret, auto_stop: u32 },
     /// The sandbox is busy (preparing, installing or running): the
     /// provider's idle auto-stop clock starts over.
     Touch { sandbox_id: String },
+}
+
+/// What the provider does before an agent is launched in a sandbox.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Provision {
+    /// Create the sandbox (a new standby, or a cold sandbox for a run).
+    Create,
+    /// Start the existing sandbox again: its workspace is kept, so its
+    /// agent skips the clone and setup.
+    Start,
 }
 
 /// The outcome of one input.
@@ -209,60 +239,8 @@ impl Step {
     }
 }
 
-/// Who a presented credential is.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Admission {
-    Standby { sandbox_id: String, credential_id: String },
-    Run { sandbox_id: String, run_id: String, attempt: u32, credential_id: String },
-}
-
-impl Admission {
-    pub fn credential_id(&self) -> &str {
-        match self {
-            Self::Standby { credential_id, .. } | Self::Run { credential_id, .. } => credential_id,
-        }
-    }
-}
-
-/// Why a credential is refused.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-pub enum Refusal {
-    /// `410`: an unknown or retired standby credential; the sandbox is gone.
-    #[error("the standby credential is unknown or retired")]
-    Gone,
-    /// `401`: revoked, wrong, or not a credential at all.
-    #[error("the credential is revoked or not valid")]
-    Unauthorized,
-    /// `410`: a run credential whose run is over (or, after a cancel, used
-    /// for anything but the run's events and log).
-    #[error("the run is over: its run credential is withdrawn")]
-    Ended,
-    /// `409`: a control socket upgrade with a credential whose socket is
-    /// live; that socket counts as gone after `retry_after` unless it is
-    /// heard from again.
-    #[error("a live control connection already uses this credential")]
-    Duplicate { retry_after: Duration },
-}
-
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum CancelError {
-    #[error("no run `{0}`")]
-    NotFound(String),
-    #[error("run `{run_id}` already {state}")]
-    Finished { run_id: String, state: RunState },
-}
-
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum LogError {
-    /// The chunk starts past the end of what was received, other than
-    /// after exactly the gap it declares (`409` with `received`).
-    #[error(
-        "log chunk at offset {offset} (after {dropped} dropped bytes) does not follow the {received} bytes received"
-    )]
-    Conflict { offset: u64, dropped: u64, received: u64 },
-}
-
-/// What a provider says about a sandbox after a restart.
+/// What a provider says about a sandbox after a restart, or before a
+/// resume.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Found {
     Running,
@@ -295,6 +273,15 @@ struct Heartbeat {
     state: AgentState,
 }
 
+/// Whether a sandbox's agent process is running (or being started).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Agent {
+    Running,
+    /// Not running, and none is being started: the sandbox costs no
+    /// compute.
+    Exited,
+}
+
 /// A sandbox's record plus what only lives in memory.
 #[derive(Debug)]
 struct Live {
@@ -322,13 +309,13 @@ struct Live {
 }
 
 impl Live {
-    fn new(record: SandboxRecord, now: Millis, exited: bool) -> Self {
+    fn new(record: SandboxRecord, now: Millis, agent: Agent) -> Self {
         Self {
             record,
             heartbeat: None,
             run_token: None,
             launched_at: now,
-            exited,
+            exited: agent == Agent::Exited,
             ever_ready: false,
             resume_after_exit: false,
             spec_served: false,
@@ -354,19 +341,6 @@ impl Live {
     }
 }
 
-/// What became of a queued run in one dispatch.
-#[derive(Debug)]
-enum Placement {
-    Placed,
-    /// Not bound; `for_slot`: it needs a new running slot (and, when
-    /// `cold_only`, cannot take a standby).
-    Wait {
-        reason: String,
-        for_slot: bool,
-        cold_only: bool,
-    },
-}
-
 #[derive(Debug, Clone)]
 struct Conn {
     sandbox_id: String,
@@ -375,54 +349,6 @@ struct Conn {
     /// standby credential per agent, and only the current agent's
     /// connections are its standby connections.
     credential_id: String,
-}
-
-/// A sandbox as the API shows it.
-#[derive(Debug, Clone)]
-pub struct SandboxView {
-    pub record: SandboxRecord,
-    pub last_heartbeat_at: Option<Millis>,
-    pub last_state: Option<AgentState>,
-    pub connected: bool,
-    pub candidate: bool,
-    /// A process of it exists or is being started: it counts against the
-    /// running cap.
-    pub running: bool,
-}
-
-/// Which sandboxes a page of [`Dispatch::sandbox_views`] holds.
-#[derive(Debug, Clone, Default)]
-pub struct SandboxPage {
-    /// The last sandbox of the previous page (`created_at`, id).
-    pub after: Option<(Millis, String)>,
-    pub limit: usize,
-}
-
-/// Numbers for `/metrics`.
-#[derive(Debug, Clone, Default)]
-pub struct MetricsSnapshot {
-    /// `(state, path)` → count; path `None` for runs never bound.
-    pub runs: BTreeMap<(RunState, Option<RunPath>), u64>,
-    /// Assignment sent → started, per started attempt, in milliseconds.
-    pub assignment_to_start_ms: Vec<u64>,
-    pub connected_standbys: u64,
-    pub reconnects: u64,
-    pub requeues: u64,
-    pub sandboxes_live: u64,
-    /// Sandboxes counting against the running cap.
-    pub sandboxes_running: u64,
-    pub running_cap: u64,
-    pub parked_running: u64,
-    pub parked_stopped: u64,
-    /// Resumes of a parked sandbox given up for a fresh sandbox.
-    pub resume_fallbacks: u64,
-    /// Control socket upgrades refused because their credential had a
-    /// live socket (since this process started).
-    pub duplicate_connections_refused: u64,
-    /// Assignment sent → started of the finished runs no longer in memory.
-    pub assignment_to_start_past: crate::metrics::Histogram,
-    /// Runs held in memory (the rest are only in the store).
-    pub runs_in_memory: u64,
 }
 
 pub struct Dispatch {
@@ -458,20 +384,6 @@ impl std::fmt::Debug for Dispatch {
             .field("conns", &self.conns.len())
             .field("draining", &self.draining)
             .finish_non_exhaustive()
-    }
-}
-
-fn describe_exit(code: Option<i32>) -> String {
-    match code {
-        Some(0) => "its agent exited 0".into(),
-        Some(10) => "its agent exited 10 (standby credential unavailable)".into(),
-        Some(11) => "its agent exited 11 (standby credential unauthorized)".into(),
-        Some(12) => "its agent exited 12 (standby deadline passed)".into(),
-        Some(13) => "its agent exited 13 (install failed)".into(),
-        Some(14) => "its agent exited 14 (assignment withdrawn)".into(),
-        Some(15) => "its agent exited 15 (preparation failed)".into(),
-        Some(code) => format!("its agent exited {code}"),
-        None => "its agent was killed by a signal".into(),
     }
 }
 
@@ -523,791 +435,27 @@ impl Dispatch {
             machine.update_run(&mut step, &run_id, |run| run.state = RunState::Queued);
         }
         for record in snapshot.sandboxes {
-            let retired = record.state == SandboxState::Retired;
-            if !retired {
+            let agent = if record.state == SandboxState::Retired {
+                Agent::Exited
+            } else {
                 step.effects.push(Effect::Probe { sandbox_id: record.id.clone() });
-            }
+                Agent::Running
+            };
             let id = record.id.clone();
-            machine.sandboxes.insert(id.clone(), Live::new(record, now, retired));
+            machine.sandboxes.insert(id.clone(), Live::new(record, now, agent));
             let state = machine.sandboxes.get(&id).map(|live| live.record.state);
             let running = machine.sandboxes.get(&id).and_then(Live::park_mode) == Some(ParkMode::Running);
             if state == Some(SandboxState::Resuming) || running {
                 machine.update_sandbox(&mut step, &id, |record| {
                     record.state = SandboxState::Parked;
                     record.run_id = None;
-                    record.park = Some(crate::model::Park { mode: ParkMode::Stopped, since: now, until: None });
+                    record.park = Some(Park { mode: ParkMode::Stopped, since: now, until: None });
                 });
             }
         }
         machine.repair_credentials(now, &mut step);
-        machine.dispatch_queued(now, &mut step);
-        machine.top_up(now, &mut step);
+        machine.place_and_top_up(now, &mut step);
         (machine, step)
-    }
-
-    // ---- queries ---------------------------------------------------------
-
-    pub fn run(&self, run_id: &str) -> Option<&RunRecord> {
-        self.runs.get(run_id)
-    }
-
-    pub fn runs(&self) -> impl Iterator<Item = &RunRecord> {
-        self.runs.values()
-    }
-
-    pub fn sandbox(&self, sandbox_id: &str) -> Option<&SandboxRecord> {
-        self.sandboxes.get(sandbox_id).map(|live| &live.record)
-    }
-
-    /// Every sandbox.
-    pub fn sandbox_views(&self, now: Millis) -> Vec<SandboxView> {
-        self.sandbox_page(now, &SandboxPage { after: None, limit: usize::MAX })
-    }
-
-    /// A page of sandboxes in creation order (`created_at`, then id).
-    pub fn sandbox_page(&self, now: Millis, page: &SandboxPage) -> Vec<SandboxView> {
-        let mut lives: Vec<&Live> = self
-            .sandboxes
-            .values()
-            .filter(|live| {
-                page.after.as_ref().is_none_or(|(at, id)| (live.record.created_at, &live.record.id) > (*at, id))
-            })
-            .collect();
-        lives.sort_by(|a, b| (a.record.created_at, &a.record.id).cmp(&(b.record.created_at, &b.record.id)));
-        lives.truncate(page.limit);
-        lives
-            .into_iter()
-            .map(|live| SandboxView {
-                record: live.record.clone(),
-                last_heartbeat_at: live.heartbeat.as_ref().map(|h| h.at),
-                last_state: live.heartbeat.as_ref().map(|h| h.state),
-                connected: self.live_standby_conns(live).next().is_some() || self.run_conns(live).next().is_some(),
-                candidate: self.is_candidate(now, live),
-                running: !live.exited,
-            })
-            .collect()
-    }
-
-    pub fn thread(&self, thread_id: &str) -> Option<&ThreadRecord> {
-        self.threads.get(thread_id)
-    }
-
-    pub fn metrics(&self) -> MetricsSnapshot {
-        let mut snapshot = MetricsSnapshot::default();
-        for run in self.runs.values() {
-            *snapshot.runs.entry((run.state, run.path())).or_default() += 1;
-            for attempt in &run.attempts {
-                if let (Some(sent), Some(started)) = (attempt.assignment_sent_at, attempt.started_at) {
-                    snapshot.assignment_to_start_ms.push(started.since(sent));
-                }
-                if attempt.outcome == Some(AttemptOutcome::Requeued) {
-                    snapshot.requeues += 1;
-                }
-            }
-        }
-        let mut standbys: HashSet<&str> = HashSet::new();
-        for conn in self.conns.values().filter(|conn| conn.kind == CredentialKind::Standby) {
-            standbys.insert(&conn.sandbox_id);
-        }
-        snapshot.connected_standbys = standbys.len() as u64;
-        for live in self.sandboxes.values() {
-            snapshot.reconnects += u64::from(live.record.connections.saturating_sub(1));
-            snapshot.reconnects += u64::from(live.record.run_connections.saturating_sub(1));
-            if live.record.state != SandboxState::Retired {
-                snapshot.sandboxes_live += 1;
-            }
-            if !live.exited {
-                snapshot.sandboxes_running += 1;
-            }
-            if live.record.state == SandboxState::Parked {
-                match live.park_mode() {
-                    Some(ParkMode::Running) => snapshot.parked_running += 1,
-                    Some(ParkMode::Stopped) => snapshot.parked_stopped += 1,
-                    None => {}
-                }
-            }
-        }
-        snapshot.resume_fallbacks =
-            self.runs.values().filter(|run| run.resume.as_ref().is_some_and(|r| r.fallback.is_some())).count() as u64;
-        for (key, count) in &self.evicted.runs {
-            *snapshot.runs.entry(*key).or_default() += count;
-        }
-        snapshot.assignment_to_start_past = self.evicted.assignment_to_start.clone();
-        snapshot.requeues += self.evicted.requeues;
-        snapshot.resume_fallbacks += self.evicted.resume_fallbacks;
-        snapshot.runs_in_memory = self.runs.len() as u64;
-        snapshot.running_cap = self.config.lifecycle.running_cap as u64;
-        snapshot.duplicate_connections_refused = self.admissions.duplicates_refused;
-        snapshot
-    }
-
-    /// Who `token` is, or why it is refused, for anything but a run's
-    /// events and log (see [`Dispatch::check`]).
-    pub fn authenticate(&self, token: &str) -> Result<Admission, Refusal> {
-        self.check(token, Call::Fetch)
-    }
-
-    // ---- user inputs -----------------------------------------------------
-
-    /// Queues a run and dispatches it at once if it can be.
-    pub fn submit(&mut self, now: Millis, run: Run, request: RunRequest) -> (Step, String) {
-        self.submit_turn(now, run, request, None)
-    }
-
-    /// Queues a run, as a turn of `thread_id` when given, and dispatches it
-    /// at once if it can be.
-    pub fn submit_turn(
-        &mut self,
-        now: Millis,
-        run: Run,
-        request: RunRequest,
-        thread_id: Option<String>,
-    ) -> (Step, String) {
-        let mut step = Step::default();
-        let id = self.mint.id("exe");
-        let record = RunRecord {
-            id: id.clone(),
-            submitted_at: now,
-            state: RunState::Queued,
-            fingerprint: run.workspace.as_ref().map(fingerprint),
-            run,
-            attempts: Vec::new(),
-            exit_code: None,
-            error: None,
-            ended_at: None,
-            thread_id,
-            thread_generation: None,
-            wait: None,
-            resume: None,
-        };
-        step.writes.push(Write::NewRun(Box::new(record.clone()), Box::new(request)));
-        self.runs.insert(id.clone(), record);
-        self.queue.push_back(id.clone());
-        self.dispatch_queued(now, &mut step);
-        (step, id)
-    }
-
-    /// Cancels a run. Before it starts: its credential is revoked first, the
-    /// run never starts, its sandbox is told and retired. Once started: the
-    /// sandbox is told and the run ends when the agent reports it.
-    pub fn cancel(&mut self, now: Millis, run_id: &str) -> Result<(Step, RunState), CancelError> {
-        let mut step = Step::default();
-        let run = self.runs.get(run_id).ok_or_else(|| CancelError::NotFound(run_id.to_owned()))?;
-        match run.state {
-            RunState::Queued | RunState::Waiting => {
-                self.queue.retain(|queued| queued != run_id);
-                self.end_run(now, &mut step, run_id, RunState::Cancelled, None, Some("cancelled".into()));
-            }
-            RunState::Resuming => {
-                self.queue.retain(|queued| queued != run_id);
-                self.unclaim_resume(now, &mut step, run_id);
-                self.end_run(now, &mut step, run_id, RunState::Cancelled, None, Some("cancelled".into()));
-            }
-            RunState::Committed | RunState::Confirmed => {
-                // The agent may still report the run's end (amendment 8).
-                let sandbox_id =
-                    self.fence(now, &mut step, run_id, AttemptOutcome::Cancelled, "cancelled".into(), true);
-                if let Some(sandbox_id) = sandbox_id {
-                    let cancel = ServerMessage::Cancel(Cancel { execution_id: run_id.to_owned() });
-                    let conns: Vec<ConnId> = self.all_conns(&sandbox_id).collect();
-                    for conn in conns {
-                        step.effects.push(Effect::Send { conn, message: cancel.clone() });
-                    }
-                    // The agent never starts the run and exits: a thread's
-                    // sandbox is kept all the same, with the files of the
-                    // turns before.
-                    self.end_turn(now, &mut step, run_id, &sandbox_id, "its run was cancelled");
-                }
-                self.end_run(now, &mut step, run_id, RunState::Cancelled, None, Some("cancelled".into()));
-            }
-            RunState::Running => {
-                let sandbox_id = run.current().map(|attempt| attempt.sandbox_id.clone());
-                self.update_run(&mut step, run_id, |run| run.state = RunState::Cancelling);
-                self.begin_grace(&mut step, run_id);
-                if let Some(sandbox_id) = sandbox_id {
-                    let conns: Vec<ConnId> = self.all_conns(&sandbox_id).collect();
-                    for conn in conns {
-                        let message = ServerMessage::Cancel(Cancel { execution_id: run_id.to_owned() });
-                        step.effects.push(Effect::Send { conn, message });
-                    }
-                }
-            }
-            RunState::Cancelling | RunState::Cancelled => {}
-            state @ (RunState::Exited | RunState::Failed) => {
-                return Err(CancelError::Finished { run_id: run_id.to_owned(), state });
-            }
-        }
-        let state = self.runs.get(run_id).map_or(RunState::Cancelled, |run| run.state);
-        self.dispatch_queued(now, &mut step);
-        self.top_up(now, &mut step);
-        Ok((step, state))
-    }
-
-    // ---- control connections --------------------------------------------
-
-    /// A connection was admitted with `credential_id` (checked again here:
-    /// it may have been revoked between the upgrade and now).
-    pub fn connected(&mut self, now: Millis, conn: ConnId, credential_id: &str, presented: &Secret) -> Step {
-        let mut step = Step::default();
-        let Some(credential) = self.credentials.get(credential_id).cloned() else {
-            step.effects.push(Effect::Close { conn });
-            return step;
-        };
-        if credential.state != CredentialState::Active || !self.holds_socket(conn, credential_id) {
-            step.effects.push(Effect::Close { conn });
-            return step;
-        }
-        self.socket_heard(now, conn, credential_id);
-        let sandbox_id = credential.sandbox_id.clone();
-        self.conns.insert(
-            conn,
-            Conn { sandbox_id: sandbox_id.clone(), kind: credential.kind, credential_id: credential_id.to_owned() },
-        );
-        if let Some(live) = self.sandboxes.get_mut(&sandbox_id) {
-            live.conns.insert(conn);
-        }
-        self.update_sandbox(&mut step, &sandbox_id, |record| match credential.kind {
-            CredentialKind::Standby => record.connections += 1,
-            CredentialKind::Run => record.run_connections += 1,
-        });
-        let Some(run_id) = self.sandboxes.get(&sandbox_id).and_then(|live| live.record.run_id.clone()) else {
-            return step;
-        };
-        match credential.kind {
-            CredentialKind::Standby => {
-                let unconfirmed = self.runs.get(&run_id).is_some_and(|run| {
-                    run.state.is_pre_start() && run.current().is_some_and(|a| a.delivery_confirmed_at.is_none())
-                });
-                let may_assign = self.sandboxes.get(&sandbox_id).is_some_and(Live::may_assign);
-                if unconfirmed && may_assign {
-                    self.send_assignment(&mut step, conn, &run_id);
-                } else if unconfirmed && let Some(live) = self.sandboxes.get_mut(&sandbox_id) {
-                    live.assignment_withheld = true;
-                }
-            }
-            CredentialKind::Run => {
-                let unconfirmed = self.runs.get(&run_id).is_some_and(|run| {
-                    run.state == RunState::Committed && run.current().is_some_and(|a| a.delivery_confirmed_at.is_none())
-                });
-                if unconfirmed {
-                    self.confirm(now, &mut step, &run_id, &sandbox_id);
-                }
-                if let Some(message) = self.assignment(&run_id, presented.clone()) {
-                    step.effects.push(Effect::Send { conn, message });
-                }
-            }
-        }
-        step
-    }
-
-    /// Delivery confirmed: the standby credential is revoked (written
-    /// before the replay goes out) and the standby connections closed.
-    fn confirm(&mut self, now: Millis, step: &mut Step, run_id: &str, sandbox_id: &str) {
-        if let Some(credential_id) = self.sandboxes.get(sandbox_id).map(|l| l.record.standby_credential_id.clone()) {
-            self.set_credential(step, &credential_id, CredentialState::Revoked);
-        }
-        self.update_run(step, run_id, |run| {
-            run.state = RunState::Confirmed;
-            if let Some(attempt) = run.current_mut() {
-                attempt.delivery_confirmed_at = Some(now);
-            }
-        });
-        if let Some(live) = self.sandboxes.get_mut(sandbox_id) {
-            live.run_token = None;
-        }
-        let standby: Vec<ConnId> = self.standby_conns(sandbox_id).collect();
-        for conn in standby {
-            step.effects.push(Effect::Close { conn });
-        }
-    }
-
-    /// Sends the assignment of `run_id` on a standby connection, minting a
-    /// new run credential if the plaintext was lost in a restart.
-    fn send_assignment(&mut self, step: &mut Step, conn: ConnId, run_id: &str) {
-        let Some(sandbox_id) = self.runs.get(run_id).and_then(|run| run.current()).map(|a| a.sandbox_id.clone()) else {
-            return;
-        };
-        let token = match self.sandboxes.get(&sandbox_id).and_then(|live| live.run_token.clone()) {
-            Some(token) => token,
-            None => self.rotate_run_credential(step, run_id, &sandbox_id),
-        };
-        if let Some(message) = self.assignment(run_id, token) {
-            step.effects.push(Effect::Send { conn, message });
-        }
-    }
-
-    /// The assignment frame of `run_id`. It always names the workspace the
-    /// run expects (amendment 1): the run's own, else the one its sandbox
-    /// was prepared with, which for a pool standby is the pool spec's.
-    fn assignment(&self, run_id: &str, run_credential: Secret) -> Option<ServerMessage> {
-        let record = self.runs.get(run_id)?;
-        let mut run = record.run.clone();
-        if run.workspace.is_none() {
-            let prepared = record
-                .current()
-                .and_then(|attempt| self.sandboxes.get(&attempt.sandbox_id))
-                .and_then(|live| live.record.workspace.clone());
-            run.workspace = Some(prepared.unwrap_or_else(|| self.config.pool_workspace.clone()));
-        }
-        Some(ServerMessage::Assignment(Assignment { execution_id: run_id.to_owned(), run_credential, run }))
-    }
-
-    fn rotate_run_credential(&mut self, step: &mut Step, run_id: &str, sandbox_id: &str) -> Secret {
-        let old = self.runs.get(run_id).and_then(|run| run.current()).map(|a| a.credential_id.clone());
-        if let Some(old) = old {
-            self.set_credential(step, &old, CredentialState::Revoked);
-        }
-        let number = self.runs.get(run_id).and_then(|run| run.current()).map_or(1, |a| a.number);
-        let (credential_id, token) = self.new_credential(step, CredentialKind::Run, sandbox_id, Some((run_id, number)));
-        self.update_run(step, run_id, |run| {
-            if let Some(attempt) = run.current_mut() {
-                attempt.credential_id = credential_id;
-            }
-        });
-        if let Some(live) = self.sandboxes.get_mut(sandbox_id) {
-            live.run_token = Some(token.clone());
-        }
-        token
-    }
-
-    /// The sandbox's agent was served its spec: a withheld assignment can
-    /// go out now.
-    pub fn spec_served(&mut self, sandbox_id: &str) -> Step {
-        let mut step = Step::default();
-        let Some(live) = self.sandboxes.get_mut(sandbox_id) else { return step };
-        live.spec_served = true;
-        if live.assignment_withheld {
-            self.send_withheld(&mut step, sandbox_id);
-        }
-        step
-    }
-
-    fn send_withheld(&mut self, step: &mut Step, sandbox_id: &str) {
-        let Some(live) = self.sandboxes.get_mut(sandbox_id) else { return };
-        live.assignment_withheld = false;
-        let Some(run_id) = live.record.run_id.clone() else { return };
-        let unconfirmed = self.runs.get(&run_id).is_some_and(|run| {
-            run.state == RunState::Committed
-                && run.current().is_some_and(|a| a.sandbox_id == sandbox_id && a.delivery_confirmed_at.is_none())
-        });
-        if unconfirmed {
-            let standby: Vec<ConnId> = self.standby_conns(sandbox_id).collect();
-            for conn in standby {
-                self.send_assignment(step, conn, &run_id);
-            }
-        }
-    }
-
-    pub fn disconnected(&mut self, conn: ConnId) {
-        let Some(gone) = self.conns.remove(&conn) else {
-            self.socket_closed(conn, None);
-            return;
-        };
-        self.socket_closed(conn, Some(&gone.credential_id));
-        if let Some(live) = self.sandboxes.get_mut(&gone.sandbox_id) {
-            live.conns.remove(&conn);
-        }
-    }
-
-    /// The writer put an assignment on the wire.
-    pub fn assignment_sent(&mut self, now: Millis, run_id: &str) -> Step {
-        let mut step = Step::default();
-        let unsent =
-            self.runs.get(run_id).and_then(|run| run.current()).is_some_and(|a| a.assignment_sent_at.is_none());
-        if unsent {
-            self.update_run(&mut step, run_id, |run| {
-                if let Some(attempt) = run.current_mut() {
-                    attempt.assignment_sent_at = Some(now);
-                }
-            });
-        }
-        step
-    }
-
-    pub fn heartbeat(&mut self, now: Millis, conn: ConnId, state: AgentState) -> Step {
-        let mut step = Step::default();
-        let Some((sandbox_id, credential_id)) =
-            self.conns.get(&conn).map(|c| (c.sandbox_id.clone(), c.credential_id.clone()))
-        else {
-            return step;
-        };
-        if !self.credential_usable(&credential_id) {
-            // Withdrawn: its socket is being closed; it speaks for no one.
-            return step;
-        }
-        self.socket_heard(now, conn, &credential_id);
-        let Some(live) = self.sandboxes.get(&sandbox_id) else {
-            return step;
-        };
-        let was_candidate = self.is_candidate(now, live);
-        let Some(live) = self.sandboxes.get_mut(&sandbox_id) else {
-            return step;
-        };
-        live.heartbeat = Some(Heartbeat { at: now, state });
-        if live.assignment_withheld && live.may_assign() {
-            self.send_withheld(&mut step, &sandbox_id);
-        }
-        let Some(live) = self.sandboxes.get_mut(&sandbox_id) else {
-            return step;
-        };
-        if state == AgentState::Ready {
-            live.ever_ready = true;
-            if live.record.kind == SandboxKind::Warm && live.record.state == SandboxState::Standby {
-                self.pool_failures = 0;
-            }
-            match live.record.state {
-                SandboxState::Standby => {
-                    self.dispatch_queued(now, &mut step);
-                    // A new candidate may let an expired standby go; a
-                    // candidate's routine heartbeat changes nothing the
-                    // tick has not already weighed.
-                    if !was_candidate {
-                        self.expire_standbys(now, &mut step);
-                    }
-                }
-                SandboxState::Resuming => self.resumed_ready(now, &mut step, &sandbox_id),
-                _ => {}
-            }
-        } else {
-            step.effects.push(Effect::Touch { sandbox_id });
-        }
-        step
-    }
-
-    // ---- execution calls ---------------------------------------------------
-
-    /// A lifecycle event from the agent holding the run credential of
-    /// `attempt`. Duplicates (same `event_id`) are acknowledged and ignored.
-    fn record_event(&mut self, now: Millis, run_id: &str, attempt: u32, event: Event) -> Step {
-        let mut step = Step::default();
-        if !self.runs.contains_key(run_id) {
-            tracing::debug!(run_id, "event for a run not in memory acknowledged and dropped");
-            return step;
-        }
-        if self.event_seen(run_id, &event.event_id) {
-            return step;
-        }
-        if self.remember_event(run_id, &event.event_id) {
-            step.writes.push(Write::Event(Box::new(StoredEvent {
-                run_id: run_id.to_owned(),
-                attempt,
-                received_at: now,
-                event: event.clone(),
-            })));
-        } else {
-            tracing::warn!(run_id, "a run's event past its event bound acts but is not recorded");
-        }
-        let Some(run) = self.runs.get(run_id) else {
-            return step;
-        };
-        let current = run.current().is_some_and(|a| a.number == attempt);
-        let state = run.state;
-        let sandbox_id = run.current().map(|a| a.sandbox_id.clone());
-        if !current || state.is_terminal() {
-            tracing::debug!(run_id, attempt, "event for a finished run or a past attempt recorded only");
-            return step;
-        }
-        match event.kind {
-            EventKind::Started => {
-                self.update_run(&mut step, run_id, |run| {
-                    if run.state.is_pre_start() {
-                        run.state = RunState::Running;
-                    }
-                    if let Some(attempt) = run.current_mut() {
-                        attempt.started_at.get_or_insert(now);
-                    }
-                });
-            }
-            EventKind::Exited { code } => {
-                self.finish_attempt(now, &mut step, run_id, AttemptOutcome::Finished, format!("exited {code}"));
-                if let Some(sandbox_id) = sandbox_id {
-                    self.end_turn(now, &mut step, run_id, &sandbox_id, "its run finished");
-                }
-                self.end_run(now, &mut step, run_id, RunState::Exited, Some(code), None);
-            }
-            EventKind::Cancelled => {
-                let outcome = if state.is_pre_start() { AttemptOutcome::Cancelled } else { AttemptOutcome::Finished };
-                self.finish_attempt(now, &mut step, run_id, outcome, "cancelled".into());
-                if let Some(sandbox_id) = sandbox_id {
-                    self.end_turn(now, &mut step, run_id, &sandbox_id, "its run was cancelled");
-                }
-                self.end_run(now, &mut step, run_id, RunState::Cancelled, None, Some("cancelled".into()));
-            }
-            EventKind::InstallFailed { requeueable, stage, message } if state.is_pre_start() => {
-                let reason = format!("install failed at {stage}: {message}");
-                self.release(now, &mut step, run_id, requeueable, reason, false, self.config.linger);
-            }
-            EventKind::InstallFailed { .. } => {
-                tracing::warn!(run_id, "install_failed after the run started ignored");
-            }
-        }
-        self.dispatch_queued(now, &mut step);
-        self.top_up(now, &mut step);
-        step
-    }
-
-    // ---- provider reports and time -----------------------------------------
-
-    /// The sandbox's agent process ended.
-    pub fn sandbox_exited(&mut self, now: Millis, sandbox_id: &str, code: Option<i32>) -> Step {
-        let mut step = Step::default();
-        let Some(live) = self.sandboxes.get_mut(sandbox_id) else {
-            return step;
-        };
-        if live.exited {
-            // Already counted (a stop of a sandbox whose agent was gone).
-            return step;
-        }
-        live.exited = true;
-        let ever_ready = live.ever_ready;
-        let kind = live.record.kind;
-        let state = live.record.state;
-        let run_id = live.record.run_id.clone();
-        if self.draining {
-            // The server is stopping its own sandboxes: their state stays as
-            // it is, to be probed and resumed by the next start.
-            self.update_sandbox(&mut step, sandbox_id, |record| record.exit_code = code);
-            return step;
-        }
-        self.end_graces_of(&mut step, sandbox_id);
-        let reason = describe_exit(code);
-        match state {
-            SandboxState::Parked => self.parked_exited(now, &mut step, sandbox_id, &reason),
-            SandboxState::Resuming => self.resuming_exited(now, &mut step, sandbox_id, &reason),
-            _ => self.sandbox_lost(now, &mut step, sandbox_id, state, run_id, &reason),
-        }
-        self.update_sandbox(&mut step, sandbox_id, |record| record.exit_code = code);
-        if kind == SandboxKind::Warm && state == SandboxState::Standby && !ever_ready {
-            self.pool_failed(now);
-        }
-        self.dispatch_queued(now, &mut step);
-        self.top_up(now, &mut step);
-        step
-    }
-
-    /// A sandbox can no longer serve: retire it, and write off its run if
-    /// the run had not started, or fail it if it had.
-    fn sandbox_lost(
-        &mut self,
-        now: Millis,
-        step: &mut Step,
-        sandbox_id: &str,
-        state: SandboxState,
-        run_id: Option<String>,
-        reason: &str,
-    ) {
-        match (state, run_id) {
-            (SandboxState::Retired, _) => {}
-            (SandboxState::Resuming, _) => self.resume_fallback(now, step, sandbox_id, reason),
-            (SandboxState::Assigned, Some(run_id)) => {
-                let run_state = self.runs.get(&run_id).map(|run| run.state);
-                let on_this = self
-                    .runs
-                    .get(&run_id)
-                    .and_then(|run| run.current())
-                    .is_some_and(|attempt| attempt.sandbox_id == sandbox_id);
-                match run_state {
-                    Some(RunState::Committed) if on_this => {
-                        let why = format!("sandbox {sandbox_id} written off before delivery was confirmed: {reason}");
-                        self.release(now, step, &run_id, true, why, true, Duration::ZERO);
-                    }
-                    // Once delivery is confirmed the agent may start the run
-                    // at any moment, and reports `started` concurrently: its
-                    // death cannot be told from one before the start. At most
-                    // once: the run fails rather than run a second time.
-                    Some(RunState::Confirmed) if on_this => {
-                        let why = format!(
-                            "sandbox {sandbox_id} ended after delivery was confirmed, before the run was reported \
-                             started (it may have started it, so it is not run again): {reason}"
-                        );
-                        self.release(now, step, &run_id, false, why, true, Duration::ZERO);
-                    }
-                    Some(RunState::Running | RunState::Cancelling) if on_this => {
-                        let error = format!("sandbox {sandbox_id} ended without reporting the run's end: {reason}");
-                        self.end_run(now, step, &run_id, RunState::Failed, None, Some(error.clone()));
-                        self.finish_attempt(now, step, &run_id, AttemptOutcome::Finished, error);
-                        self.retire_sandbox(
-                            now,
-                            step,
-                            sandbox_id,
-                            reason,
-                            CredentialState::Retired,
-                            None,
-                            Duration::ZERO,
-                        );
-                    }
-                    _ => {
-                        self.retire_sandbox(
-                            now,
-                            step,
-                            sandbox_id,
-                            reason,
-                            CredentialState::Retired,
-                            None,
-                            Duration::ZERO,
-                        );
-                    }
-                }
-            }
-            _ => {
-                self.retire_sandbox(now, step, sandbox_id, reason, CredentialState::Retired, None, Duration::ZERO);
-            }
-        }
-    }
-
-    /// Launching a sandbox failed.
-    pub fn launch_failed(&mut self, now: Millis, sandbox_id: &str, error: &str) -> Step {
-        let mut step = Step::default();
-        let Some(live) = self.sandboxes.get(sandbox_id) else {
-            return step;
-        };
-        let (state, run_id, kind) = (live.record.state, live.record.run_id.clone(), live.record.kind);
-        let reason = format!("launch failed: {error}");
-        if let Some(live) = self.sandboxes.get_mut(sandbox_id) {
-            live.exited = true;
-        }
-        self.sandbox_lost(now, &mut step, sandbox_id, state, run_id, &reason);
-        if kind == SandboxKind::Warm && state == SandboxState::Standby {
-            self.pool_failed(now);
-        }
-        self.dispatch_queued(now, &mut step);
-        self.top_up(now, &mut step);
-        step
-    }
-
-    /// What the provider found of a sandbox after a restart. A stopped
-    /// standby is started again (its workspace is kept, so its agent skips
-    /// the clone and setup) with a new standby credential: only the hash
-    /// of the old one was kept. A sandbox that held a run is written off.
-    pub fn probed(&mut self, now: Millis, sandbox_id: &str, found: Found) -> Step {
-        let mut step = Step::default();
-        let Some(live) = self.sandboxes.get_mut(sandbox_id) else {
-            return step;
-        };
-        if found != Found::Running {
-            live.exited = true;
-            self.end_graces_of(&mut step, sandbox_id);
-        }
-        let Some(live) = self.sandboxes.get_mut(sandbox_id) else {
-            return step;
-        };
-        let (state, run_id) = (live.record.state, live.record.run_id.clone());
-        let expired = live
-            .record
-            .deadline
-            .is_some_and(|deadline| now >= crate::policy::retire_at(live.record.created_at, deadline));
-        match (found, state) {
-            (_, SandboxState::Retired) => {}
-            (Found::Running, SandboxState::Parked | SandboxState::Resuming) => {
-                // Not this process's agent: its exit would never be seen.
-                // Stop it; the sandbox stays parked stopped.
-                step.effects.push(Effect::Stop { sandbox_id: sandbox_id.to_owned() });
-                live.exited = true;
-            }
-            (Found::Running, _) => {}
-            (Found::Stopped | Found::Archived, SandboxState::Parked | SandboxState::Resuming) => {
-                // A turn claimed it before the probe answered: start it now.
-                if live.resume_after_exit && !self.draining {
-                    self.emit_resume(now, &mut step, sandbox_id);
-                }
-            }
-            (Found::Stopped, SandboxState::Standby) if !self.draining && !expired => {
-                let old = live.record.standby_credential_id.clone();
-                self.set_credential(&mut step, &old, CredentialState::Revoked);
-                let (credential_id, token) = self.new_credential(&mut step, CredentialKind::Standby, sandbox_id, None);
-                self.update_sandbox(&mut step, sandbox_id, |record| {
-                    record.standby_credential_id = credential_id;
-                    record.exit_code = None;
-                });
-                if let Some(live) = self.sandboxes.get_mut(sandbox_id) {
-                    live.launched_at = now;
-                    live.exited = false;
-                }
-                step.effects.push(Effect::Launch {
-                    sandbox_id: sandbox_id.to_owned(),
-                    token,
-                    create: false,
-                    auto_stop: 0,
-                });
-            }
-            (Found::Stopped | Found::Archived | Found::Missing, _) => {
-                let reason = match found {
-                    Found::Missing => "the sandbox was missing after a server restart",
-                    _ if expired => "its standby TTL ran out while the server was down",
-                    _ => "the sandbox stopped while the server was down",
-                };
-                self.sandbox_lost(now, &mut step, sandbox_id, state, run_id, reason);
-            }
-        }
-        self.dispatch_queued(now, &mut step);
-        self.top_up(now, &mut step);
-        step
-    }
-
-    /// Time passed: write off silent committed sandboxes, retire silent
-    /// standbys, refill the pool once its backoff expired.
-    pub fn tick(&mut self, now: Millis) -> Step {
-        let mut step = Step::default();
-        if self.draining {
-            return step;
-        }
-        let silence = self.config.silence();
-        let mut lost = Vec::new();
-        for live in self.sandboxes.values() {
-            let record = &live.record;
-            let connect_by = live.launched_at.plus(self.config.launch_timeout);
-            let silent = match &live.heartbeat {
-                Some(heartbeat) => now > heartbeat.at.plus(silence),
-                None => now > connect_by,
-            };
-            match record.state {
-                SandboxState::Retired | SandboxState::Parked | SandboxState::Resuming => {}
-                SandboxState::Standby if silent && !live.exited => {
-                    lost.push((record.id.clone(), record.state, None, "no heartbeat within three intervals"));
-                }
-                SandboxState::Standby => {}
-                SandboxState::Assigned => {
-                    let unconfirmed = record.run_id.as_ref().and_then(|id| self.runs.get(id)).is_some_and(|run| {
-                        run.state == RunState::Committed && run.current().is_some_and(|a| a.sandbox_id == record.id)
-                    });
-                    let committed_at = record
-                        .run_id
-                        .as_ref()
-                        .and_then(|id| self.runs.get(id))
-                        .and_then(|run| run.current())
-                        .map_or(Millis(0), |a| a.committed_at);
-                    let silent = match &live.heartbeat {
-                        Some(heartbeat) => now > heartbeat.at.max(committed_at).plus(silence),
-                        None => now > connect_by.max(committed_at.plus(self.config.launch_timeout)),
-                    };
-                    if unconfirmed && silent {
-                        lost.push((record.id.clone(), record.state, record.run_id.clone(), "stopped heartbeating"));
-                    }
-                }
-            }
-        }
-        for (sandbox_id, state, run_id, reason) in lost {
-            if state == SandboxState::Standby {
-                self.retire_sandbox(
-                    now,
-                    &mut step,
-                    &sandbox_id,
-                    reason,
-                    CredentialState::Retired,
-                    Some(ServerMessage::Retired(Retired { reason: Some(reason.into()) })),
-                    Duration::ZERO,
-                );
-            } else {
-                self.sandbox_lost(now, &mut step, &sandbox_id, state, run_id, reason);
-            }
-        }
-        self.tick_threads(now, &mut step);
-        self.expire_graces(now, &mut step);
-        self.expire_standbys(now, &mut step);
-        self.evict_finished(now);
-        self.dispatch_queued(now, &mut step);
-        self.top_up(now, &mut step);
-        step
     }
 
     /// The server is stopping: nothing new is dispatched or launched, and
@@ -1316,339 +464,11 @@ impl Dispatch {
         self.draining = true;
     }
 
-    // ---- dispatch ------------------------------------------------------------
-
-    fn is_candidate(&self, now: Millis, live: &Live) -> bool {
-        live.record.kind == SandboxKind::Warm
-            && live.record.state == SandboxState::Standby
-            && !live.exited
-            && live
-                .heartbeat
-                .as_ref()
-                .is_some_and(|h| h.state == AgentState::Ready && now <= h.at.plus(self.config.silence()))
-            && self.live_standby_conns(live).next().is_some()
-    }
-
-    fn candidate(&self, now: Millis) -> Option<String> {
-        self.sandboxes
-            .values()
-            .filter(|live| self.is_candidate(now, live))
-            .min_by(|a, b| (a.record.created_at, &a.record.id).cmp(&(b.record.created_at, &b.record.id)))
-            .map(|live| live.record.id.clone())
-    }
-
-    /// Places queued runs in order. A run that needs a new running slot at
-    /// the cap waits, and so does every later run that needs one (they
-    /// wait in order); later runs that need no new slot (a ready standby,
-    /// their thread's running sandbox) go on. Then parked-running sandboxes
-    /// (and, for runs that cannot take one, standbys) are stopped to make
-    /// room for the runs that wait.
-    fn dispatch_queued(&mut self, now: Millis, step: &mut Step) {
-        if self.draining {
-            return;
-        }
-        let queue = std::mem::take(&mut self.queue);
-        let mut kept = VecDeque::new();
-        let (mut blocked, mut blocked_cold) = (0, 0);
-        for run_id in queue {
-            let Some(run) = self.runs.get(&run_id) else { continue };
-            if !matches!(run.state, RunState::Queued | RunState::Waiting) {
-                continue;
-            }
-            match self.place(now, step, &run_id, blocked > 0) {
-                Placement::Placed => {}
-                Placement::Wait { reason, for_slot, cold_only } => {
-                    if for_slot {
-                        blocked += 1;
-                        blocked_cold += usize::from(cold_only);
-                    }
-                    self.set_waiting(now, step, &run_id, reason, for_slot);
-                    kept.push_back(run_id);
-                }
-            }
-        }
-        // Anything queued while placing comes after the runs already waiting.
-        kept.extend(std::mem::take(&mut self.queue));
-        self.queue = kept;
-        self.blocked = blocked;
-        self.blocked_cold = blocked_cold;
-        self.make_room(now, step);
-    }
-
-    /// Binds `run_id` if it can be: to its thread's parked sandbox, a ready
-    /// standby, or a new cold sandbox (given a running slot, and no earlier
-    /// run waiting for one).
-    fn place(&mut self, now: Millis, step: &mut Step, run_id: &str, behind_waiting: bool) -> Placement {
-        let Some(run) = self.runs.get(run_id) else { return Placement::Placed };
-        let prepared_before = run.had_prepared_attempt();
-        if let Some(thread_id) = run.thread_id.clone() {
-            if let Some(holder) = self.thread_busy(&thread_id, run_id) {
-                let reason = format!("turn {holder} of thread {thread_id} holds the thread's sandbox");
-                return Placement::Wait { reason, for_slot: false, cold_only: false };
-            }
-            if !prepared_before
-                && let Some(placement) = self.place_on_thread(now, step, run_id, &thread_id, behind_waiting)
-            {
-                return placement;
-            }
-        }
-        let warm = if prepared_before { None } else { self.candidate(now) };
-        if let Some(sandbox_id) = warm {
-            self.commit(now, step, run_id, &sandbox_id, RunPath::Warm);
-            self.claim_thread(now, step, run_id, &sandbox_id);
-            let standby: Vec<ConnId> = self.standby_conns(&sandbox_id).collect();
-            for conn in standby {
-                self.send_assignment(step, conn, run_id);
-            }
-            return Placement::Placed;
-        }
-        if behind_waiting || !self.slot_free() {
-            return Placement::Wait { reason: self.cap_reason(), for_slot: true, cold_only: prepared_before };
-        }
-        if let Some(sandbox_id) = self.commit_cold(now, step, run_id) {
-            self.claim_thread(now, step, run_id, &sandbox_id);
-        }
-        Placement::Placed
-    }
-
-    fn set_waiting(&mut self, now: Millis, step: &mut Step, run_id: &str, reason: String, for_slot: bool) {
-        let unchanged = self
-            .runs
-            .get(run_id)
-            .is_some_and(|run| run.state == RunState::Waiting && run.wait.as_ref().is_some_and(|w| w.reason == reason));
-        if unchanged {
-            return;
-        }
-        self.update_run(step, run_id, |run| {
-            let since = run.wait.as_ref().filter(|_| run.state == RunState::Waiting).map_or(now, |w| w.since);
-            run.state = RunState::Waiting;
-            run.wait = Some(crate::model::Wait { reason, since, for_slot });
-        });
-    }
-
-    /// Binds `run_id` to `sandbox_id` with a new run credential. The caller
-    /// tells the sandbox after this, in effects that follow these writes.
-    fn commit(&mut self, now: Millis, step: &mut Step, run_id: &str, sandbox_id: &str, path: RunPath) {
-        let number = self.runs.get(run_id).map_or(1, |run| run.attempts.len() as u32 + 1);
-        let (credential_id, token) = self.new_credential(step, CredentialKind::Run, sandbox_id, Some((run_id, number)));
-        self.update_run(step, run_id, |run| {
-            run.state = RunState::Committed;
-            run.wait = None;
-            run.attempts.push(Attempt {
-                number,
-                sandbox_id: sandbox_id.to_owned(),
-                path,
-                credential_id,
-                committed_at: now,
-                assignment_sent_at: None,
-                delivery_confirmed_at: None,
-                started_at: None,
-                ended_at: None,
-                outcome: None,
-                reason: None,
-            });
-        });
-        self.update_sandbox(step, sandbox_id, |record| {
-            record.state = SandboxState::Assigned;
-            record.run_id = Some(run_id.to_owned());
-            record.park = None;
-        });
-        if let Some(live) = self.sandboxes.get_mut(sandbox_id) {
-            live.run_token = Some(token);
-        }
-    }
-
-    /// Creates a sandbox for `run_id`, prepared with the run's workspace
-    /// (the pool's when it names none), binds the run to it, then launches
-    /// it: the assignment is waiting before its agent ever connects.
-    fn commit_cold(&mut self, now: Millis, step: &mut Step, run_id: &str) -> Option<String> {
-        let run = self.runs.get(run_id)?;
-        let workspace = run.run.workspace.clone();
-        let fingerprint = run.fingerprint.clone().unwrap_or_else(|| self.config.pool_fingerprint.clone());
-        let (sandbox_id, token) = self.create_sandbox(now, step, SandboxKind::Cold, workspace, fingerprint);
-        let auto_stop = self.config.lifecycle.auto_stop.minutes;
-        self.update_sandbox(step, &sandbox_id, |record| record.auto_stop_minutes = Some(auto_stop));
-        self.commit(now, step, run_id, &sandbox_id, RunPath::Cold);
-        step.effects.push(Effect::Launch { sandbox_id: sandbox_id.clone(), token, create: true, auto_stop });
-        Some(sandbox_id)
-    }
-
-    fn create_sandbox(
-        &mut self,
-        now: Millis,
-        step: &mut Step,
-        kind: SandboxKind,
-        workspace: Option<standby_protocol::Workspace>,
-        fingerprint: Fingerprint,
-    ) -> (String, Secret) {
-        let sandbox_id = self.mint.id("sbx");
-        let (credential_id, token) = self.new_credential(step, CredentialKind::Standby, &sandbox_id, None);
-        let record = SandboxRecord {
-            id: sandbox_id.clone(),
-            kind,
-            state: SandboxState::Standby,
-            created_at: now,
-            standby_credential_id: credential_id,
-            workspace,
-            fingerprint,
-            run_id: None,
-            connections: 0,
-            run_connections: 0,
-            retired_at: None,
-            retire_reason: None,
-            exit_code: None,
-            thread_id: None,
-            park: None,
-            expires_at: None,
-            deadline: None,
-            auto_stop_minutes: None,
-        };
-        step.writes.push(Write::Sandbox(Box::new(record.clone())));
-        self.sandboxes.insert(sandbox_id.clone(), Live::new(record, now, false));
-        (sandbox_id, token)
-    }
-
-    // ---- releasing runs and sandboxes -----------------------------------------
-
-    /// Fencing: revokes the current attempt's run credential (first among
-    /// the step's writes that follow), or with `grace` (a cancel) leaves it
-    /// only the run's events and log, and ends the attempt. Returns the
-    /// attempt's sandbox.
-    fn fence(
-        &mut self,
-        now: Millis,
-        step: &mut Step,
-        run_id: &str,
-        outcome: AttemptOutcome,
-        reason: String,
-        grace: bool,
-    ) -> Option<String> {
-        let attempt = self.runs.get(run_id).and_then(|run| run.current()).cloned()?;
-        if grace {
-            self.begin_grace(step, run_id);
-        } else {
-            self.withdraw(step, &attempt.credential_id, CredentialState::Revoked);
-        }
-        if let Some(live) = self.sandboxes.get_mut(&attempt.sandbox_id) {
-            live.run_token = None;
-        }
-        self.finish_attempt(now, step, run_id, outcome, reason);
-        Some(attempt.sandbox_id)
-    }
-
-    /// Releases a run that did not start from its sandbox: fence, retire
-    /// the sandbox, then requeue the run while attempts remain (and it is
-    /// worth it), or fail it.
-    #[allow(clippy::too_many_arguments)]
-    fn release(
-        &mut self,
-        now: Millis,
-        step: &mut Step,
-        run_id: &str,
-        requeueable: bool,
-        reason: String,
-        written_off: bool,
-        linger: Duration,
-    ) {
-        let attempts = self.runs.get(run_id).map_or(0, |run| run.attempts.len() as u32);
-        let requeue = requeueable && attempts < self.config.max_attempts;
-        let outcome = if requeue { AttemptOutcome::Requeued } else { AttemptOutcome::Failed };
-        let Some(sandbox_id) = self.fence(now, step, run_id, outcome, reason.clone(), false) else {
-            return;
-        };
-        // A written-off sandbox may still hold its standby credential: revoke
-        // it, so the sandbox can never come back as a standby either.
-        let standby_state = if written_off { CredentialState::Revoked } else { CredentialState::Retired };
-        let retire_reason = if written_off { "written off" } else { "its run was released" };
-        self.retire_sandbox(now, step, &sandbox_id, retire_reason, standby_state, None, linger);
-        if written_off {
-            let conns: Vec<ConnId> = self.all_conns(&sandbox_id).collect();
-            for conn in conns {
-                step.effects.push(Effect::Close { conn });
-            }
-        }
-        if requeue {
-            self.update_run(step, run_id, |run| run.state = RunState::Queued);
-            self.queue.push_back(run_id.to_owned());
-        } else {
-            let error = if requeueable { format!("gave up after {attempts} attempts; last: {reason}") } else { reason };
-            self.end_run(now, step, run_id, RunState::Failed, None, Some(error));
-        }
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn retire_sandbox(
-        &mut self,
-        now: Millis,
-        step: &mut Step,
-        sandbox_id: &str,
-        reason: &str,
-        standby_state: CredentialState,
-        notify: Option<ServerMessage>,
-        linger: Duration,
-    ) {
-        let Some(live) = self.sandboxes.get(sandbox_id) else { return };
-        if live.record.state == SandboxState::Retired {
-            return;
-        }
-        let credential_id = live.record.standby_credential_id.clone();
-        let thread_id = live.record.thread_id.clone();
-        if self.credentials.get(&credential_id).is_some_and(|c| c.state == CredentialState::Active) {
-            self.set_credential(step, &credential_id, standby_state);
-        }
-        self.update_sandbox(step, sandbox_id, |record| {
-            record.state = SandboxState::Retired;
-            record.retired_at = Some(now);
-            record.retire_reason = Some(reason.to_owned());
-            record.park = None;
-        });
-        if let Some(live) = self.sandboxes.get_mut(sandbox_id) {
-            live.resume_after_exit = false;
-        }
-        if let Some(thread_id) = thread_id {
-            self.forget_sandbox(now, step, &thread_id, sandbox_id);
-        }
-        if let Some(message) = notify {
-            let conns: Vec<ConnId> = self.all_conns(sandbox_id).collect();
-            for conn in conns {
-                step.effects.push(Effect::Send { conn, message: message.clone() });
-            }
-        }
-        step.effects.push(Effect::Retire { sandbox_id: sandbox_id.to_owned(), linger });
-    }
-
-    fn finish_attempt(&mut self, now: Millis, step: &mut Step, run_id: &str, outcome: AttemptOutcome, reason: String) {
-        self.update_run(step, run_id, |run| {
-            if let Some(attempt) = run.current_mut()
-                && attempt.outcome.is_none()
-            {
-                attempt.ended_at = Some(now);
-                attempt.outcome = Some(outcome);
-                attempt.reason = Some(reason);
-            }
-        });
-    }
-
-    fn end_run(
-        &mut self,
-        now: Millis,
-        step: &mut Step,
-        run_id: &str,
-        state: RunState,
-        exit_code: Option<i32>,
-        error: Option<String>,
-    ) {
-        self.update_run(step, run_id, |run| {
-            run.state = state;
-            run.exit_code = exit_code;
-            run.ended_at = Some(now);
-            run.wait = None;
-            if state != RunState::Exited {
-                run.error = error;
-            }
-        });
-        self.withdraw_run(now, step, run_id, state);
-        self.turn_over(now, step, run_id);
+    /// The end of every input that may free a sandbox or a slot: queued
+    /// runs are placed, then the pool is topped up with what room is left.
+    fn place_and_top_up(&mut self, now: Millis, step: &mut Step) {
+        self.dispatch_queued(now, step);
+        self.top_up(now, step);
     }
 
     // ---- record helpers ------------------------------------------------------
@@ -1696,31 +516,6 @@ impl Dispatch {
             change(&mut live.record);
             step.writes.push(Write::Sandbox(Box::new(live.record.clone())));
         }
-    }
-
-    /// Connections of the sandbox's current standby credential.
-    fn standby_conns<'a>(&'a self, sandbox_id: &'a str) -> impl Iterator<Item = ConnId> + 'a {
-        self.sandboxes.get(sandbox_id).into_iter().flat_map(|live| self.live_standby_conns(live))
-    }
-
-    fn live_standby_conns<'a>(&'a self, live: &'a Live) -> impl Iterator<Item = ConnId> + 'a {
-        let current = live.record.standby_credential_id.as_str();
-        self.live_conns(live)
-            .filter(move |(_, conn)| conn.kind == CredentialKind::Standby && conn.credential_id == current)
-            .map(|(id, _)| id)
-    }
-
-    fn run_conns<'a>(&'a self, live: &'a Live) -> impl Iterator<Item = ConnId> + 'a {
-        self.live_conns(live).filter(|(_, conn)| conn.kind == CredentialKind::Run).map(|(id, _)| id)
-    }
-
-    /// Every connection of the sandbox, oldest first.
-    fn all_conns<'a>(&'a self, sandbox_id: &'a str) -> impl Iterator<Item = ConnId> + 'a {
-        self.sandboxes.get(sandbox_id).into_iter().flat_map(|live| live.conns.iter().copied())
-    }
-
-    fn live_conns<'a>(&'a self, live: &'a Live) -> impl Iterator<Item = (ConnId, &'a Conn)> + 'a {
-        live.conns.iter().filter_map(|id| self.conns.get(id).map(|conn| (*id, conn)))
     }
 }
 

@@ -20,8 +20,8 @@ use standby_protocol::{AgentState, Event, Run, Secret, ServerMessage};
 use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::dispatch::{
-    Admission, Call, CancelError, ConnId, Dispatch, Effect, Found, LogError, MetricsSnapshot, Refusal, SandboxPage,
-    SandboxView, Step,
+    Admission, Call, CancelError, ConnId, Dispatch, Effect, Found, LogError, MetricsSnapshot, Provision, Refusal,
+    ResumeFailure, ResumeStart, SandboxPage, SandboxView, Step,
 };
 use crate::model::{Millis, RunRecord, RunRequest, RunState, SandboxRecord, ThreadRecord};
 use crate::policy::raised_auto_stop;
@@ -69,7 +69,7 @@ enum Command {
     Exited { sandbox_id: String, code: Option<i32> },
     LaunchFailed { sandbox_id: String, error: String },
     SpecServed { sandbox_id: String },
-    ResumeFailed { sandbox_id: String, reason: String, gone: bool },
+    ResumeFailed { sandbox_id: String, failure: ResumeFailure },
     Probed { sandbox_id: String, found: Found },
     Drain { reply: oneshot::Sender<()> },
     Stop,
@@ -416,8 +416,8 @@ impl<P: SandboxProvider> Engine<P> {
                 let step = self.machine.spec_served(&sandbox_id);
                 self.apply(step).await?;
             }
-            Command::ResumeFailed { sandbox_id, reason, gone } => {
-                let step = self.machine.resume_failed(now, &sandbox_id, &reason, gone);
+            Command::ResumeFailed { sandbox_id, failure } => {
+                let step = self.machine.resume_failed(now, &sandbox_id, &failure);
                 self.apply(step).await?;
             }
             Command::Probed { sandbox_id, found } => {
@@ -488,15 +488,17 @@ impl<P: SandboxProvider> Engine<P> {
                     let _ = sender.send(Outbound::Close);
                 }
             }
-            Effect::Launch { sandbox_id, token, create, auto_stop } => {
+            Effect::Launch { sandbox_id, token, provision, auto_stop } => {
                 let provider = Arc::clone(&self.provider);
                 let handle = self.handle.clone();
                 let launch = self.agent_launch(token);
                 let id = sandbox_id.clone();
                 self.queue(&id, async move {
-                    let prepared =
-                        if create { provider.create(&sandbox_id).await } else { provider.start(&sandbox_id).await };
-                    if prepared.is_ok() && create {
+                    let prepared = match provision {
+                        Provision::Create => provider.create(&sandbox_id).await,
+                        Provision::Start => provider.start(&sandbox_id).await,
+                    };
+                    if prepared.is_ok() && provision == Provision::Create {
                         set_auto_stop(provider.as_ref(), &sandbox_id, auto_stop).await;
                     }
                     let launched = match prepared {
@@ -521,9 +523,9 @@ impl<P: SandboxProvider> Engine<P> {
                 self.queue(&id, async move {
                     match resume(provider.as_ref(), &sandbox_id, launch, auto_stop, bound, grace).await {
                         Ok(launched) => watch_exit(handle, sandbox_id, launched),
-                        Err((reason, gone)) => {
-                            tracing::warn!(sandbox_id, reason, "resuming a kept sandbox failed");
-                            handle.tell(Command::ResumeFailed { sandbox_id, reason, gone }).await;
+                        Err(failure) => {
+                            tracing::warn!(sandbox_id, %failure, "resuming a kept sandbox failed");
+                            handle.tell(Command::ResumeFailed { sandbox_id, failure }).await;
                         }
                     }
                 });
@@ -599,10 +601,10 @@ async fn set_auto_stop<P: SandboxProvider>(provider: &P, sandbox_id: &str, minut
     }
 }
 
-/// Makes a kept sandbox run again: its provider state first (a deleted
-/// one cannot be resumed), a stopped or archived one started, a shorter
-/// auto-stop raised (best effort, bounded), then a fresh agent. An error
-/// says why, and whether the sandbox is gone.
+/// Makes a kept sandbox run again: its provider state first, then what
+/// [`ResumeStart::for_found`] says (a deleted one cannot be resumed, a
+/// running one is stopped first), the start, a shorter auto-stop raised
+/// (best effort, bounded), then a fresh agent. An error says why.
 async fn resume<P: SandboxProvider>(
     provider: &P,
     sandbox_id: &str,
@@ -610,25 +612,25 @@ async fn resume<P: SandboxProvider>(
     auto_stop: u32,
     bound: Duration,
     grace: Duration,
-) -> Result<Launched, (String, bool)> {
-    let bounded =
-        |what: &str| format!("the provider did not answer {what} within {}", humantime::format_duration(bound));
+) -> Result<Launched, ResumeFailure> {
+    let bounded = |what: &str| {
+        ResumeFailure::Failed(format!(
+            "the provider did not answer {what} within {}",
+            humantime::format_duration(bound)
+        ))
+    };
     let found = tokio::time::timeout(bound, provider.state(sandbox_id))
         .await
-        .map_err(|_| (bounded("its state"), false))?
-        .map_err(|error| (format!("reading its state failed: {error}"), false))?;
-    match found {
-        Found::Missing => return Err(("the sandbox no longer exists (deleted by the provider)".into(), true)),
-        Found::Running => {
-            tracing::warn!(sandbox_id, "a kept sandbox was still running: stopped before its resume");
-            provider.stop(sandbox_id, grace).await;
-        }
-        Found::Stopped | Found::Archived => {}
+        .map_err(|_| bounded("its state"))?
+        .map_err(|error| ResumeFailure::Failed(format!("reading its state failed: {error}")))?;
+    if ResumeStart::for_found(found)? == ResumeStart::StopFirst {
+        tracing::warn!(sandbox_id, "a kept sandbox was still running: stopped before its resume");
+        provider.stop(sandbox_id, grace).await;
     }
     tokio::time::timeout(bound, provider.start(sandbox_id))
         .await
-        .map_err(|_| (bounded("the start"), false))?
-        .map_err(|error| (format!("the provider refused to start it: {error}"), false))?;
+        .map_err(|_| bounded("the start"))?
+        .map_err(|error| ResumeFailure::Failed(format!("the provider refused to start it: {error}")))?;
     let raise = async {
         let current = provider.auto_stop(sandbox_id).await?;
         if let Some(minutes) = raised_auto_stop(current, auto_stop) {
@@ -641,5 +643,8 @@ async fn resume<P: SandboxProvider>(
         Ok(Err(error)) => tracing::warn!(sandbox_id, %error, "raising the auto-stop on resume failed"),
         Err(_) => tracing::warn!(sandbox_id, "raising the auto-stop on resume timed out"),
     }
-    provider.launch(sandbox_id, launch).await.map_err(|error| (format!("launching its agent failed: {error}"), false))
+    provider
+        .launch(sandbox_id, launch)
+        .await
+        .map_err(|error| ResumeFailure::Failed(format!("launching its agent failed: {error}")))
 }

@@ -16,14 +16,12 @@
 //! - [`spool`]: the `spool` provider, standby credentials as files (load generation).
 //! - [`bounds`]: what one request may carry and one answer hold (pure).
 //! - [`metrics`]: the Prometheus text of `/metrics`.
-//! - [`demo`]: `standby-server demo`.
 
 pub mod agent_api;
 mod app;
 pub mod bounds;
 pub mod containment;
 pub mod credential;
-pub mod demo;
 pub mod dispatch;
 pub mod engine;
 pub mod listener;

@@ -1,5 +1,8 @@
 //! `standby-server`: the reference control plane (`serve`) and the demo
-//! (`demo`). Thin: parses flags, sets up logging, calls the library.
+//! (`demo`). Thin: parses flags, sets up logging, calls the library; the
+//! demo is the binary's own module, a client of the library.
+
+mod demo;
 
 use std::io::Write as _;
 use std::net::SocketAddr;
@@ -11,9 +14,9 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
+use demo::DemoOptions;
 use standby_control_plane::containment::ContainmentChoice;
-use standby_control_plane::demo::{self, DemoOptions};
-use standby_control_plane::dispatch::{Lifecycle, RunBounds};
+use standby_control_plane::dispatch::{PoolPolicy, RunBounds};
 use standby_control_plane::listener::{self, ListenerLimits};
 use standby_control_plane::policy::AutoStop;
 use standby_control_plane::provider::{LocalOptions, LocalProvider, SandboxProvider};
@@ -21,7 +24,7 @@ use standby_control_plane::seal::SealKey;
 use standby_control_plane::server::{self, ServerConfig};
 use standby_control_plane::spool::SpoolProvider;
 use standby_control_plane::store::SqliteStore;
-use standby_protocol::{Secret, Spec, Workspace};
+use standby_protocol::{Secret, Spec};
 use tokio::signal::unix::{SignalKind, signal};
 
 /// The reference control plane for `standby`: the server half of the
@@ -117,7 +120,7 @@ struct Serve {
     #[arg(long, env = "STANDBY_SERVER_INJECT_LATENCY", default_value = "0s", value_parser = parse_duration, value_name = "DURATION")]
     inject_latency: Duration,
     #[command(flatten)]
-    lifecycle: LifecycleArgs,
+    pool_policy: PoolPolicyArgs,
     #[command(flatten)]
     bounds: BoundsArgs,
     #[command(flatten)]
@@ -183,7 +186,7 @@ impl ListenerArgs {
 
 /// The pool policy and the thread tiers (`docs/operations.md`).
 #[derive(Debug, clap::Args)]
-struct LifecycleArgs {
+struct PoolPolicyArgs {
     /// Most sandboxes costing compute at once (standbys, busy, parked
     /// running); runs beyond it wait in order. `0`: no cap.
     #[arg(long, env = "STANDBY_SERVER_RUNNING_CAP", default_value_t = 16, value_name = "N")]
@@ -221,9 +224,9 @@ struct LifecycleArgs {
     resume_timeout: Duration,
 }
 
-impl LifecycleArgs {
-    fn lifecycle(&self) -> Lifecycle {
-        Lifecycle {
+impl PoolPolicyArgs {
+    fn pool_policy(&self) -> PoolPolicy {
+        PoolPolicy {
             running_cap: self.running_cap,
             standby_ttl: self.standby_ttl,
             warm_idle: self.warm_idle,
@@ -374,7 +377,7 @@ async fn serve(args: Serve) -> anyhow::Result<()> {
                 )
             })?
         }
-        None => Spec { workspace: Workspace::default(), mcp_servers: Vec::new(), shell: None, deadline: None },
+        None => Spec::default(),
     };
     let api_key = api_key(args.api_key_file.as_deref(), args.api_key)?;
     let agent = match args.provider {
@@ -409,20 +412,20 @@ async fn serve(args: Serve) -> anyhow::Result<()> {
     config.stop_grace = args.stop_grace;
     config.agent_log = args.agent_log;
     config.inject_latency = args.inject_latency;
-    if args.lifecycle.running_cap != 0 && args.lifecycle.running_cap < args.pool_size {
+    if args.pool_policy.running_cap != 0 && args.pool_policy.running_cap < args.pool_size {
         anyhow::bail!(
             "--running-cap {} cannot hold --pool-size {} standbys: raise the cap (or 0 for none)",
-            args.lifecycle.running_cap,
+            args.pool_policy.running_cap,
             args.pool_size
         );
     }
-    if args.lifecycle.provider_minute.is_zero() {
+    if args.pool_policy.provider_minute.is_zero() {
         anyhow::bail!("--provider-minute must be longer than zero");
     }
-    config.lifecycle = args.lifecycle.lifecycle();
+    config.pool_policy = args.pool_policy.pool_policy();
     config.bounds = RunBounds { log_cap: args.bounds.log_cap, retention: args.bounds.run_retention };
     config.listener = args.limits.limits()?;
-    let local_options = args.lifecycle.local_options(args.stop_grace, args.sandbox_containment);
+    let local_options = args.pool_policy.local_options(args.stop_grace, args.sandbox_containment);
     match agent {
         Some(agent) => {
             let sandboxes = std::path::absolute(args.data_dir.join("sandboxes"))

@@ -20,7 +20,7 @@ use tokio::task::JoinHandle;
 use crate::app::AppState;
 use crate::bounds::{EVENT_BODY_MAX, LOG_BODY_MAX};
 use crate::credential::{RandomMint, TokenHash};
-use crate::dispatch::{Dispatch, DispatchConfig, Lifecycle, RunBounds};
+use crate::dispatch::{Dispatch, DispatchConfig, PoolPolicy, RunBounds};
 use crate::engine::{Engine, EngineConfig, EngineHandle};
 use crate::listener::{ListenerLimits, ListenerStats};
 use crate::provider::SandboxProvider;
@@ -64,7 +64,7 @@ pub struct ServerConfig {
     /// Zero (the default) adds nothing.
     pub inject_latency: Duration,
     /// The pool policy and the thread tiers.
-    pub lifecycle: Lifecycle,
+    pub pool_policy: PoolPolicy,
     /// What one run may cost: its log cap, its time in memory once finished.
     pub bounds: RunBounds,
     /// Header timeout, connection cap, upgrades in flight.
@@ -87,7 +87,7 @@ impl ServerConfig {
             stop_grace: Duration::from_secs(10),
             agent_log: "info".into(),
             inject_latency: Duration::ZERO,
-            lifecycle: Lifecycle::default(),
+            pool_policy: PoolPolicy::default(),
             bounds: RunBounds::default(),
             listener: ListenerLimits::for_open_files(crate::listener::open_files_limit()),
         }
@@ -171,7 +171,7 @@ pub async fn start<P: SandboxProvider>(
         linger: config.linger,
         pool_workspace: config.spec.workspace.clone(),
         pool_fingerprint: fingerprint(&config.spec.workspace),
-        lifecycle: config.lifecycle.clone(),
+        pool_policy: config.pool_policy.clone(),
         bounds: config.bounds,
     };
     let now = crate::model::Millis::now();
@@ -182,7 +182,7 @@ pub async fn start<P: SandboxProvider>(
         agent_log: config.agent_log.clone(),
         stop_grace: config.stop_grace,
         tick: (config.heartbeat_interval / 2).clamp(Duration::from_millis(50), Duration::from_secs(1)),
-        resume_timeout: config.lifecycle.resume_timeout,
+        resume_timeout: config.pool_policy.resume_timeout,
     };
     let (engine, handle) = Engine::new(machine, Arc::clone(&store), Arc::clone(&provider), engine_config);
     let (fatal_tx, fatal) = watch::channel(None);

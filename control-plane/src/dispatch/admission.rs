@@ -33,9 +33,9 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use standby_protocol::EventKind;
+use axum::http::StatusCode;
 
-use super::{Admission, ConnId, Dispatch, Effect, Refusal, Step};
+use super::{ConnId, Dispatch, Effect, Step};
 use crate::credential::{self, CredentialKind};
 use crate::model::{CredentialState, Millis, RunState};
 
@@ -53,6 +53,63 @@ pub enum Call {
     /// A run's events and log: still accepted in a run credential's cancel
     /// grace.
     Report,
+}
+
+/// Who a presented credential is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Admission {
+    Standby { sandbox_id: String, credential_id: String },
+    Run { sandbox_id: String, run_id: String, attempt: u32, credential_id: String },
+}
+
+impl Admission {
+    pub fn credential_id(&self) -> &str {
+        match self {
+            Self::Standby { credential_id, .. } | Self::Run { credential_id, .. } => credential_id,
+        }
+    }
+}
+
+/// Why a credential is refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum Refusal {
+    /// `410`: an unknown or retired standby credential; the sandbox is gone.
+    #[error("the standby credential is unknown or retired")]
+    Gone,
+    /// `401`: revoked, wrong, or not a credential at all.
+    #[error("the credential is revoked or not valid")]
+    Unauthorized,
+    /// `410`: a run credential whose run is over (or, after a cancel, used
+    /// for anything but the run's events and log).
+    #[error("the run is over: its run credential is withdrawn")]
+    Ended,
+    /// `409`: a control socket upgrade with a credential whose socket is
+    /// live; that socket counts as gone after `retry_after` unless it is
+    /// heard from again.
+    #[error("a live control connection already uses this credential")]
+    Duplicate { retry_after: Duration },
+}
+
+impl Refusal {
+    /// The contract's refusal this is, which the agent reads from its
+    /// status; `None` for a second socket, which refuses the connection,
+    /// not the credential.
+    pub const fn contract(self) -> Option<standby_protocol::Refusal> {
+        match self {
+            Self::Gone | Self::Ended => Some(standby_protocol::Refusal::Gone),
+            Self::Unauthorized => Some(standby_protocol::Refusal::Unauthorized),
+            Self::Duplicate { .. } => None,
+        }
+    }
+
+    /// The HTTP status the server answers with.
+    pub fn status(self) -> StatusCode {
+        match self.contract() {
+            // The contract's statuses are valid ones: the fallback is never taken.
+            Some(refusal) => StatusCode::from_u16(refusal.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
+            None => StatusCode::CONFLICT,
+        }
+    }
 }
 
 /// The one control socket of a credential: admitted, or being upgraded.
@@ -118,6 +175,12 @@ impl Dispatch {
                 Admission::Standby { sandbox_id: record.sandbox_id.clone(), credential_id: record.id.clone() }
             }
         })
+    }
+
+    /// Who `token` is, or why it is refused, for anything but a run's
+    /// events and log (see [`Dispatch::check`]).
+    pub fn authenticate(&self, token: &str) -> Result<Admission, Refusal> {
+        self.check(token, Call::Fetch)
     }
 
     /// The upgrade of control connection `conn` with `token`: admitted (the
@@ -235,35 +298,30 @@ impl Dispatch {
         }
     }
 
-    /// An event arrived with the credential of `attempt`: the agent's last
-    /// (anything but `started`) ends that credential's grace.
-    pub fn event(&mut self, now: Millis, run_id: &str, attempt: u32, event: standby_protocol::Event) -> Step {
-        let last = !matches!(event.kind, EventKind::Started);
-        let mut step = self.record_event(now, run_id, attempt, event);
-        if last {
-            // A run not in memory has finished (evicted, or not loaded
-            // after a restart): its grace is found among the graces.
-            let credential_id = match self.runs.get(run_id) {
-                Some(run) => run.attempts.iter().find(|a| a.number == attempt).map(|a| a.credential_id.clone()),
-                None => self
-                    .admissions
-                    .graces
-                    .keys()
-                    .find(|id| {
-                        self.credentials
-                            .get(*id)
-                            .is_some_and(|c| c.run_id.as_deref() == Some(run_id) && c.attempt == Some(attempt))
-                    })
-                    .cloned(),
-            };
-            if let Some(credential_id) = credential_id
-                && self.admissions.graces.contains_key(&credential_id)
-                && self.runs.get(run_id).is_none_or(|run| run.state.is_terminal())
-            {
-                self.withdraw(&mut step, &credential_id, CredentialState::Retired);
-            }
+    /// The agent's last event of `attempt` (anything but `started`) ends
+    /// that credential's grace.
+    pub(super) fn last_event(&mut self, step: &mut Step, run_id: &str, attempt: u32) {
+        // A run not in memory has finished (evicted, or not loaded after a
+        // restart): its grace is found among the graces.
+        let credential_id = match self.runs.get(run_id) {
+            Some(run) => run.attempts.iter().find(|a| a.number == attempt).map(|a| a.credential_id.clone()),
+            None => self
+                .admissions
+                .graces
+                .keys()
+                .find(|id| {
+                    self.credentials
+                        .get(*id)
+                        .is_some_and(|c| c.run_id.as_deref() == Some(run_id) && c.attempt == Some(attempt))
+                })
+                .cloned(),
+        };
+        if let Some(credential_id) = credential_id
+            && self.admissions.graces.contains_key(&credential_id)
+            && self.runs.get(run_id).is_none_or(|run| run.state.is_terminal())
+        {
+            self.withdraw(step, &credential_id, CredentialState::Retired);
         }
-        step
     }
 
     /// The agent of `sandbox_id` is gone: the graces of its credentials end.

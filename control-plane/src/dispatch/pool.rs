@@ -13,10 +13,9 @@
 
 use std::time::Duration;
 
-use standby_protocol::{Retired, ServerMessage};
-
-use super::{Dispatch, Effect, Step};
-use crate::model::{CredentialState, Millis, ParkMode, SandboxKind, SandboxState};
+use super::sandboxes::Retirement;
+use super::{Dispatch, Effect, Provision, Step};
+use crate::model::{Millis, ParkMode, SandboxKind, SandboxState};
 use crate::policy::{retire_at, ttl_schedule};
 
 impl Dispatch {
@@ -26,12 +25,12 @@ impl Dispatch {
     }
 
     pub(super) fn slot_free(&self) -> bool {
-        let cap = self.config.lifecycle.running_cap;
+        let cap = self.config.pool_policy.running_cap;
         cap == 0 || self.running_count() < cap
     }
 
     pub(super) fn cap_reason(&self) -> String {
-        format!("the running cap of {} sandboxes is reached", self.config.lifecycle.running_cap)
+        format!("the running cap of {} sandboxes is reached", self.config.pool_policy.running_cap)
     }
 
     /// Keeps `pool_size` warm standbys with no run that are not expiring,
@@ -47,18 +46,18 @@ impl Dispatch {
             .filter(|l| l.record.kind == SandboxKind::Warm && l.record.state == SandboxState::Standby && !l.exited)
             .filter(|l| l.record.expires_at.is_none_or(|expires_at| now < expires_at))
             .count();
-        let cap = self.config.lifecycle.running_cap;
+        let cap = self.config.pool_policy.running_cap;
         let room = if cap == 0 { usize::MAX } else { cap.saturating_sub(self.running_count()) };
         for _ in 0..self.config.pool_size.saturating_sub(live).min(room) {
             let fingerprint = self.config.pool_fingerprint.clone();
             let (sandbox_id, token) = self.create_sandbox(now, step, SandboxKind::Warm, None, fingerprint);
-            let schedule = ttl_schedule(&sandbox_id, now, self.config.lifecycle.standby_ttl);
+            let schedule = ttl_schedule(&sandbox_id, now, self.config.pool_policy.standby_ttl);
             self.update_sandbox(step, &sandbox_id, |record| {
                 record.expires_at = schedule.map(|s| s.expires_at);
                 record.deadline = schedule.map(|s| s.deadline);
                 record.auto_stop_minutes = Some(0);
             });
-            step.effects.push(Effect::Launch { sandbox_id, token, create: true, auto_stop: 0 });
+            step.effects.push(Effect::Launch { sandbox_id, token, provision: Provision::Create, auto_stop: 0 });
         }
     }
 
@@ -94,9 +93,8 @@ impl Dispatch {
             if hard || spare {
                 ready -= usize::from(candidate);
                 let reason = if hard { "standby TTL: retired before its deadline" } else { "standby TTL: replaced" };
-                let notify = Some(ServerMessage::Retired(Retired { reason: Some(reason.into()) }));
-                let linger = self.config.linger;
-                self.retire_sandbox(now, step, &sandbox_id, reason, CredentialState::Retired, notify, linger);
+                let retirement = Retirement::new(reason).told().lingering(self.config.linger);
+                self.retire_sandbox(now, step, &sandbox_id, retirement);
             }
         }
     }
@@ -138,8 +136,7 @@ impl Dispatch {
         standbys.sort();
         for (_, sandbox_id) in standbys.into_iter().take(short.min(self.blocked_cold)) {
             let reason = "retired to make room: the running cap is reached and runs that need a cold sandbox wait";
-            let notify = Some(ServerMessage::Retired(Retired { reason: Some(reason.into()) }));
-            self.retire_sandbox(now, step, &sandbox_id, reason, CredentialState::Retired, notify, Duration::ZERO);
+            self.retire_sandbox(now, step, &sandbox_id, Retirement::new(reason).told());
         }
     }
 }

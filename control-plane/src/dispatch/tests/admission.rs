@@ -16,9 +16,7 @@ fn ends_run(run_id: &str, state: RunState) -> impl Fn(&Write) -> bool + '_ {
 /// A warm run whose run credential connected and that started: the run,
 /// its assignment and the run connection.
 fn running(world: &mut World) -> (String, Assignment, ConnId) {
-    world.ready_pool();
-    let (run_id, step) = world.submit(run("a"));
-    let assignment = assignments(&step).remove(0).1;
+    let Warm { run_id, assignment, .. } = world.warm_run();
     let (_, run_conn, _) = world.connect(&assignment.run_credential);
     world.event(&run_id, "started", EventKind::Started);
     (run_id, assignment, run_conn)
@@ -248,4 +246,41 @@ fn the_assignment_always_names_the_workspace_the_run_expects() {
     let cold = launches(&step).remove(0);
     let (_, _, step) = world.connect(&cold.token);
     assert_eq!(assignments(&step).remove(0).1.run.workspace, Some(own));
+}
+
+// ---- refusals ----------------------------------------------------------------------
+
+#[test]
+fn refusals_distinguish_gone_from_unauthorized() {
+    let mut world = World::new(1);
+    let (standby, _) = world.ready_pool().remove(0);
+    assert_eq!(world.machine.authenticate("sby_unknown_secret"), Err(Refusal::Gone));
+    assert_eq!(world.machine.authenticate("run_unknown_secret"), Err(Refusal::Unauthorized));
+    assert_eq!(world.machine.authenticate("not a token"), Err(Refusal::Unauthorized));
+    let (_, id, _) = {
+        let text = standby.token.expose().to_owned();
+        let mut parts = text.splitn(3, '_');
+        (parts.next().map(str::to_owned), parts.next().map(str::to_owned).expect("an id"), ())
+    };
+    assert_eq!(world.machine.authenticate(&format!("sby_{id}_wrong")), Err(Refusal::Unauthorized));
+    assert_eq!(world.machine.authenticate(&format!("run_{id}_wrong")), Err(Refusal::Unauthorized), "kind mismatch");
+}
+
+#[test]
+fn refusals_answer_the_contracts_statuses() {
+    use standby_protocol::{Answer, CredentialKind, ExitCode};
+    // What the agent makes of each answer, for the credential it presented.
+    let cases = [
+        (Refusal::Gone, CredentialKind::Standby, 410, ExitCode::Unavailable),
+        (Refusal::Unauthorized, CredentialKind::Standby, 401, ExitCode::Unauthorized),
+        (Refusal::Unauthorized, CredentialKind::Run, 401, ExitCode::Withdrawn),
+        (Refusal::Ended, CredentialKind::Run, 410, ExitCode::Withdrawn),
+    ];
+    for (refusal, credential, status, exit) in cases {
+        assert_eq!(refusal.status().as_u16(), status, "{refusal:?}");
+        let Answer::Refused(read) = Answer::of(refusal.status().as_u16()) else { panic!("{refusal:?} is a refusal") };
+        assert_eq!(read.exit(credential), exit, "{refusal:?} of a {credential:?} credential");
+    }
+    let duplicate = Refusal::Duplicate { retry_after: Duration::from_secs(1) };
+    assert_eq!((duplicate.contract(), duplicate.status().as_u16()), (None, 409), "a second socket, not a refusal");
 }

@@ -1,0 +1,99 @@
+//! Control sockets: withheld and replayed assignments, delivery confirmation.
+
+use super::*;
+
+/// Telling a cold sandbox its assignment starts delivery confirmation,
+/// which revokes the standby credential: an agent still fetching its spec
+/// with that credential would be refused. So the assignment waits until the
+/// spec was served, or the agent says it is past preparing.
+#[test]
+fn a_cold_sandbox_is_told_only_once_its_agent_has_its_spec() {
+    for how in ["spec", "ready"] {
+        let mut world = World::new(0);
+        let (run_id, step) = world.submit(run("a"));
+        let cold = launches(&step).remove(0);
+        let (_, conn, step) = world.connect_only(&cold.token);
+        assert!(assignments(&step).is_empty(), "withheld while the agent may be fetching its spec");
+        let step = world.heartbeat(conn, AgentState::Preparing);
+        assert!(assignments(&step).is_empty());
+        let step = match how {
+            "spec" => {
+                let step = world.machine.spec_served(&cold.sandbox_id);
+                world.keep(step)
+            }
+            _ => world.heartbeat(conn, AgentState::Ready),
+        };
+        let sent = assignments(&step);
+        assert_eq!((sent.len(), sent[0].0), (1, conn), "{how}");
+        assert_eq!(sent[0].1.execution_id, run_id);
+        let step = world.heartbeat(conn, AgentState::Ready);
+        assert!(assignments(&step).is_empty(), "sent once");
+    }
+}
+
+#[test]
+fn the_assignment_is_sent_again_on_a_later_standby_connection_until_confirmed() {
+    let mut world = World::new(1);
+    let (standby, conn) = world.ready_pool().remove(0);
+    let (_, step) = world.submit(run("a"));
+    let first = assignments(&step).remove(0).1;
+    world.machine.disconnected(conn);
+    let (_, _, step) = world.connect(&standby.token);
+    let again = assignments(&step).remove(0).1;
+    assert_eq!(again, first, "the same execution and credential");
+}
+
+#[test]
+fn assignment_sent_is_stamped_once() {
+    let mut world = World::new(1);
+    world.ready_pool();
+    let (run_id, _) = world.submit(run("a"));
+    world.advance(5);
+    assert!(!world.machine.assignment_sent(world.now, &run_id).is_empty());
+    let sent = world.run(&run_id).current().and_then(|a| a.assignment_sent_at);
+    world.advance(5);
+    assert!(world.machine.assignment_sent(world.now, &run_id).is_empty());
+    assert_eq!(world.run(&run_id).current().and_then(|a| a.assignment_sent_at), sent);
+}
+
+#[test]
+fn the_run_credential_connecting_revokes_the_standby_credential_and_replays_the_assignment() {
+    let mut world = World::new(1);
+    let Warm { standby, conn: standby_conn, run_id, assignment } = world.warm_run();
+    world.advance(7);
+    let (admission, run_conn, step) = world.connect(&assignment.run_credential);
+    assert!(matches!(admission, Admission::Run { .. }));
+    let standby_credential = world.sandbox(&standby.sandbox_id).standby_credential_id;
+    let revoked = position(&step, revokes(&standby_credential));
+    assert!(revoked < step.writes.len());
+    assert_eq!(closes(&step), [standby_conn]);
+    let replay = sends(&step, run_conn);
+    assert_eq!(replay, [ServerMessage::Assignment(assignment.clone())]);
+    let record = world.run(&run_id);
+    assert_eq!(record.state, RunState::Confirmed);
+    assert_eq!(record.current().and_then(|a| a.delivery_confirmed_at), Some(world.now));
+    assert_eq!(world.machine.authenticate(standby.token.expose()), Err(Refusal::Unauthorized));
+    // A reconnection with the run credential gets the replay again.
+    world.machine.disconnected(run_conn);
+    let (_, again, step) = world.connect(&assignment.run_credential);
+    assert_eq!(sends(&step, again), [ServerMessage::Assignment(assignment)]);
+    assert_eq!(
+        world.run(&run_id).current().and_then(|a| a.delivery_confirmed_at),
+        record.current().and_then(|a| a.delivery_confirmed_at)
+    );
+}
+
+#[test]
+fn a_connection_whose_credential_was_revoked_meanwhile_is_closed() {
+    let mut world = World::new(1);
+    let (standby, first) = world.ready_pool().remove(0);
+    let (run_id, _) = world.submit(run("a"));
+    assert_eq!(world.run(&run_id).path(), Some(RunPath::Warm));
+    // Its agent reconnects: the new upgrade is admitted, then the
+    // credential is revoked before the connection is set up.
+    world.machine.disconnected(first);
+    let (admission, _) = world.machine.claim_socket(world.now, 99, standby.token.expose()).expect("admitted");
+    world.machine.cancel(world.now, &run_id).expect("cancelled");
+    let step = world.machine.connected(world.now, 99, admission.credential_id(), &standby.token);
+    assert_eq!(closes(&step), [99]);
+}

@@ -1,0 +1,156 @@
+//! What the API and `/metrics` read of the machine: runs, sandboxes (a
+//! page at a time), threads, and the numbers of `/metrics`.
+
+use std::collections::{BTreeMap, HashSet};
+
+use standby_protocol::AgentState;
+
+use super::{Dispatch, Live};
+use crate::credential::CredentialKind;
+use crate::model::{
+    AttemptOutcome, Millis, ParkMode, RunPath, RunRecord, RunState, SandboxRecord, SandboxState, ThreadRecord,
+};
+
+/// A sandbox as the API shows it.
+#[derive(Debug, Clone)]
+pub struct SandboxView {
+    pub record: SandboxRecord,
+    pub last_heartbeat_at: Option<Millis>,
+    pub last_state: Option<AgentState>,
+    pub connected: bool,
+    pub candidate: bool,
+    /// A process of it exists or is being started: it counts against the
+    /// running cap.
+    pub running: bool,
+}
+
+/// Which sandboxes a page of [`Dispatch::sandbox_views`] holds.
+#[derive(Debug, Clone, Default)]
+pub struct SandboxPage {
+    /// The last sandbox of the previous page (`created_at`, id).
+    pub after: Option<(Millis, String)>,
+    pub limit: usize,
+}
+
+/// Numbers for `/metrics`.
+#[derive(Debug, Clone, Default)]
+pub struct MetricsSnapshot {
+    /// `(state, path)` → count; path `None` for runs never bound.
+    pub runs: BTreeMap<(RunState, Option<RunPath>), u64>,
+    /// Assignment sent → started, per started attempt, in milliseconds.
+    pub assignment_to_start_ms: Vec<u64>,
+    pub connected_standbys: u64,
+    pub reconnects: u64,
+    pub requeues: u64,
+    pub sandboxes_live: u64,
+    /// Sandboxes counting against the running cap.
+    pub sandboxes_running: u64,
+    pub running_cap: u64,
+    pub parked_running: u64,
+    pub parked_stopped: u64,
+    /// Resumes of a parked sandbox given up for a fresh sandbox.
+    pub resume_fallbacks: u64,
+    /// Control socket upgrades refused because their credential had a
+    /// live socket (since this process started).
+    pub duplicate_connections_refused: u64,
+    /// Assignment sent → started of the finished runs no longer in memory.
+    pub assignment_to_start_past: crate::metrics::Histogram,
+    /// Runs held in memory (the rest are only in the store).
+    pub runs_in_memory: u64,
+}
+
+impl Dispatch {
+    pub fn run(&self, run_id: &str) -> Option<&RunRecord> {
+        self.runs.get(run_id)
+    }
+
+    pub fn runs(&self) -> impl Iterator<Item = &RunRecord> {
+        self.runs.values()
+    }
+
+    pub fn sandbox(&self, sandbox_id: &str) -> Option<&SandboxRecord> {
+        self.sandboxes.get(sandbox_id).map(|live| &live.record)
+    }
+
+    /// Every sandbox.
+    pub fn sandbox_views(&self, now: Millis) -> Vec<SandboxView> {
+        self.sandbox_page(now, &SandboxPage { after: None, limit: usize::MAX })
+    }
+
+    /// A page of sandboxes in creation order (`created_at`, then id).
+    pub fn sandbox_page(&self, now: Millis, page: &SandboxPage) -> Vec<SandboxView> {
+        let mut lives: Vec<&Live> = self
+            .sandboxes
+            .values()
+            .filter(|live| {
+                page.after.as_ref().is_none_or(|(at, id)| (live.record.created_at, &live.record.id) > (*at, id))
+            })
+            .collect();
+        lives.sort_by(|a, b| (a.record.created_at, &a.record.id).cmp(&(b.record.created_at, &b.record.id)));
+        lives.truncate(page.limit);
+        lives
+            .into_iter()
+            .map(|live| SandboxView {
+                record: live.record.clone(),
+                last_heartbeat_at: live.heartbeat.as_ref().map(|h| h.at),
+                last_state: live.heartbeat.as_ref().map(|h| h.state),
+                connected: self.live_standby_conns(live).next().is_some() || self.run_conns(live).next().is_some(),
+                candidate: self.is_candidate(now, live),
+                running: !live.exited,
+            })
+            .collect()
+    }
+
+    pub fn thread(&self, thread_id: &str) -> Option<&ThreadRecord> {
+        self.threads.get(thread_id)
+    }
+
+    pub fn metrics(&self) -> MetricsSnapshot {
+        let mut snapshot = MetricsSnapshot::default();
+        for run in self.runs.values() {
+            *snapshot.runs.entry((run.state, run.path())).or_default() += 1;
+            for attempt in &run.attempts {
+                if let (Some(sent), Some(started)) = (attempt.assignment_sent_at, attempt.started_at) {
+                    snapshot.assignment_to_start_ms.push(started.since(sent));
+                }
+                if attempt.outcome == Some(AttemptOutcome::Requeued) {
+                    snapshot.requeues += 1;
+                }
+            }
+        }
+        let mut standbys: HashSet<&str> = HashSet::new();
+        for conn in self.conns.values().filter(|conn| conn.kind == CredentialKind::Standby) {
+            standbys.insert(&conn.sandbox_id);
+        }
+        snapshot.connected_standbys = standbys.len() as u64;
+        for live in self.sandboxes.values() {
+            snapshot.reconnects += u64::from(live.record.connections.saturating_sub(1));
+            snapshot.reconnects += u64::from(live.record.run_connections.saturating_sub(1));
+            if live.record.state != SandboxState::Retired {
+                snapshot.sandboxes_live += 1;
+            }
+            if !live.exited {
+                snapshot.sandboxes_running += 1;
+            }
+            if live.record.state == SandboxState::Parked {
+                match live.park_mode() {
+                    Some(ParkMode::Running) => snapshot.parked_running += 1,
+                    Some(ParkMode::Stopped) => snapshot.parked_stopped += 1,
+                    None => {}
+                }
+            }
+        }
+        snapshot.resume_fallbacks =
+            self.runs.values().filter(|run| run.resume.as_ref().is_some_and(|r| r.fallback.is_some())).count() as u64;
+        for (key, count) in &self.evicted.runs {
+            *snapshot.runs.entry(*key).or_default() += count;
+        }
+        snapshot.assignment_to_start_past = self.evicted.assignment_to_start.clone();
+        snapshot.requeues += self.evicted.requeues;
+        snapshot.resume_fallbacks += self.evicted.resume_fallbacks;
+        snapshot.runs_in_memory = self.runs.len() as u64;
+        snapshot.running_cap = self.config.pool_policy.running_cap as u64;
+        snapshot.duplicate_connections_refused = self.admissions.duplicates_refused;
+        snapshot
+    }
+}
