@@ -84,6 +84,39 @@ impl EventKind {
     pub const fn is_terminal(&self) -> bool {
         !matches!(self, Self::Started)
     }
+
+    /// Whether this event may follow `earlier`, the run's distinct events
+    /// so far, in the order the contract gives them: a run starts at most
+    /// once, exits only once started, fails its install only before it
+    /// starts, and reports nothing after an event that ends it.
+    pub fn may_follow<'a>(&self, earlier: impl IntoIterator<Item = &'a EventKind>) -> Result<(), OutOfOrder> {
+        let (mut started, mut ended) = (false, false);
+        for event in earlier {
+            started |= matches!(event, Self::Started);
+            ended |= event.is_terminal();
+        }
+        match self {
+            _ if ended => Err(OutOfOrder::AfterEnd),
+            Self::Started if started => Err(OutOfOrder::StartedTwice),
+            Self::Exited { .. } if !started => Err(OutOfOrder::NotStarted),
+            Self::InstallFailed { .. } if started => Err(OutOfOrder::FailedAfterStart),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// How an event breaks the order of a run's events
+/// ([`EventKind::may_follow`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum OutOfOrder {
+    #[error("an event after the one that ended the run")]
+    AfterEnd,
+    #[error("`started` a second time")]
+    StartedTwice,
+    #[error("`exited` before `started`")]
+    NotStarted,
+    #[error("`install_failed` after `started`")]
+    FailedAfterStart,
 }
 
 /// `POST /v1/executions/{id}/log`: a chunk of the run's redacted terminal
@@ -133,4 +166,27 @@ pub struct LogReceived {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct ErrorBody {
     pub error: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_run_reports_in_the_contracts_order() {
+        let exited = EventKind::Exited { code: 0 };
+        let failed = EventKind::InstallFailed { requeueable: true, stage: "secrets".into(), message: "503".into() };
+        assert_eq!(EventKind::Started.may_follow(&[]), Ok(()));
+        assert_eq!(exited.may_follow(&[EventKind::Started]), Ok(()));
+        assert_eq!(EventKind::Cancelled.may_follow(&[]), Ok(()), "cancelled before the start");
+        assert_eq!(EventKind::Cancelled.may_follow(&[EventKind::Started]), Ok(()));
+        assert_eq!(failed.may_follow(&[]), Ok(()));
+
+        assert_eq!(EventKind::Started.may_follow(&[EventKind::Started]), Err(OutOfOrder::StartedTwice));
+        assert_eq!(exited.may_follow(&[]), Err(OutOfOrder::NotStarted));
+        assert_eq!(failed.may_follow(&[EventKind::Started]), Err(OutOfOrder::FailedAfterStart));
+        for end in [exited.clone(), EventKind::Cancelled, failed.clone()] {
+            assert_eq!(EventKind::Cancelled.may_follow([&EventKind::Started, &end]), Err(OutOfOrder::AfterEnd));
+        }
+    }
 }

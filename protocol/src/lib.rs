@@ -4,6 +4,7 @@
 //! values into bytes, so both halves of the contract (and servers written in
 //! other languages, through `schema/` and `fixtures/`) agree on one shape.
 
+mod endpoint;
 mod exit;
 mod fingerprint;
 mod http;
@@ -15,15 +16,16 @@ mod refusal;
 mod secret;
 mod spec;
 
+pub use endpoint::{Endpoint, Method};
 pub use exit::ExitCode;
 pub use fingerprint::{Fingerprint, fingerprint};
 pub use http::{
     Attachment, AttachmentsResponse, CloudCredentialsResponse, ErrorBody, Event, EventKind, GitCredential,
-    GitCredentialsResponse, LogChunk, LogReceived, SecretsResponse,
+    GitCredentialsResponse, LogChunk, LogReceived, OutOfOrder, SecretsResponse,
 };
 pub use install::{Cause, Stage};
 pub use message::{AgentMessage, AgentState, Assignment, Cancel, DecodeError, Retired, Run, ServerMessage};
-pub use refusal::{Answer, CredentialKind, Refusal};
+pub use refusal::{Answer, CredentialKind, Purpose, Refusal, Standing};
 pub use secret::Secret;
 pub use spec::{McpServer, McpTransport, Repo, SetupStep, Spec, Workspace};
 

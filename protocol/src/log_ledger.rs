@@ -36,6 +36,17 @@ pub enum Verdict {
     Conflict,
 }
 
+impl Verdict {
+    /// The bytes of a chunk that are new to the ledger, to store: those
+    /// from `skip` on for an append, none otherwise.
+    pub fn fresh(self, bytes: &[u8]) -> &[u8] {
+        match self {
+            Self::Append { skip, .. } => bytes.get(usize::try_from(skip).unwrap_or(usize::MAX)..).unwrap_or_default(),
+            Self::Duplicate | Self::Conflict => &[],
+        }
+    }
+}
+
 /// The verdict on a chunk of `len` bytes at stream `offset`, following
 /// `dropped` bytes the agent gave up on, when the server has accounted for
 /// `received` bytes of the stream. Pure and total: no input panics, and an
@@ -73,6 +84,14 @@ mod tests {
         assert_eq!(accept(10, 4, 0, 6), Verdict::Duplicate);
         assert_eq!(accept(10, 4, 0, 10), Verdict::Append { gap: 0, skip: 6, end: 14 });
         assert_eq!(accept(10, 10, 0, 0), Verdict::Duplicate, "an empty chunk adds nothing");
+    }
+
+    #[test]
+    fn only_an_append_has_bytes_to_store() {
+        assert_eq!(accept(10, 4, 0, 10).fresh(b"0123456789"), b"6789");
+        assert_eq!(accept(0, 0, 0, 3).fresh(b"abc"), b"abc");
+        assert_eq!(accept(10, 0, 0, 10).fresh(b"0123456789"), b"");
+        assert_eq!(accept(10, 11, 0, 1).fresh(b"x"), b"");
     }
 
     #[test]

@@ -95,7 +95,9 @@ pub struct Assignment {
 }
 
 /// What to run and with what.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+// The default has no command (an invalid run): it is a base for
+// `Run { command, ..Run::default() }`, not a run to send.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct Run {
     /// Empty is an invalid run: it fails the install, not requeueable.
     #[serde(default)]

@@ -45,6 +45,55 @@ impl Refusal {
     }
 }
 
+/// Where a credential stands with the server it is presented to. With
+/// [`Standing::admits`] it is the servers' half of the refusal rule: which
+/// credential is answered which status, on the control socket's upgrade and
+/// on every HTTP call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Standing {
+    /// In force.
+    Active,
+    /// The run credential of a cancelled run (1.1): its run's events and log
+    /// are still accepted until the agent exits; anything else is refused as
+    /// gone.
+    Finishing,
+    /// Withdrawn in favour of another holder: the standby credential once
+    /// its run credential connected, the run credential of a run that was
+    /// superseded or requeued.
+    Revoked,
+    /// Its subject is gone: a retired or expired standby (or a standby
+    /// credential the server no longer holds at all), a run that is over.
+    Retired,
+    /// Not a credential the server issued for this use: unknown, a wrong
+    /// secret, another run's credential, a standby credential on a run's
+    /// call, a run credential on the spec.
+    Unknown,
+}
+
+/// What a credential is presented for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Purpose {
+    /// The control socket's upgrade.
+    Socket,
+    /// The spec, and a run's secrets, attachments, git and cloud
+    /// credentials and metadata.
+    Fetch,
+    /// A run's events and log.
+    Report,
+}
+
+impl Standing {
+    /// Whether a credential that stands so is accepted for `purpose`, or
+    /// how it is refused.
+    pub const fn admits(self, purpose: Purpose) -> Result<(), Refusal> {
+        match (self, purpose) {
+            (Self::Active, _) | (Self::Finishing, Purpose::Report) => Ok(()),
+            (Self::Finishing | Self::Retired, _) => Err(Refusal::Gone),
+            (Self::Revoked | Self::Unknown, _) => Err(Refusal::Unauthorized),
+        }
+    }
+}
+
 /// What an answer's status means to the caller.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Answer {
@@ -92,6 +141,19 @@ mod tests {
         }
         assert_eq!(Answer::of(404), Answer::Fatal);
         assert_eq!(Answer::of(204), Answer::Success);
+    }
+
+    #[test]
+    fn the_servers_table() {
+        for purpose in [Purpose::Socket, Purpose::Fetch, Purpose::Report] {
+            assert_eq!(Standing::Active.admits(purpose), Ok(()));
+            assert_eq!(Standing::Revoked.admits(purpose), Err(Refusal::Unauthorized));
+            assert_eq!(Standing::Unknown.admits(purpose), Err(Refusal::Unauthorized));
+            assert_eq!(Standing::Retired.admits(purpose), Err(Refusal::Gone));
+        }
+        assert_eq!(Standing::Finishing.admits(Purpose::Report), Ok(()), "a cancelled run still reports (1.1)");
+        assert_eq!(Standing::Finishing.admits(Purpose::Fetch), Err(Refusal::Gone));
+        assert_eq!(Standing::Finishing.admits(Purpose::Socket), Err(Refusal::Gone));
     }
 
     #[test]

@@ -15,6 +15,7 @@ use std::time::Duration;
 use futures::FutureExt;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
+use standby_protocol::{EventKind, ExitCode};
 use tempfile::TempDir;
 
 /// The agent's configuration variables, as the contract names them.
@@ -535,14 +536,13 @@ pub async fn read_pid_file(path: &Path, timeout: Duration) -> i32 {
     }
 }
 
-/// Writes `value` as JSON (a spec file, for instance).
 /// Spawns an agent on `spec` (written to `spec.json` in `dir`) with a
 /// 200 ms heartbeat, after `configure`, and waits until it reports ready.
 pub async fn ready_agent(
     server: &crate::TestServer,
     token: &str,
     dir: &Path,
-    spec: &serde_json::Value,
+    spec: &impl serde::Serialize,
     configure: impl FnOnce(AgentBuilder) -> AgentBuilder,
 ) -> AgentProcess {
     let path = dir.join("spec.json");
@@ -554,16 +554,17 @@ pub async fn ready_agent(
 }
 
 /// Asserts the agent's exit code, showing the end of its output otherwise.
-pub fn assert_exit(agent: &AgentProcess, code: i32, expected: i32, what: &str) {
-    assert_eq!(code, expected, "{what}: exit {code}, expected {expected}\n{}", agent.output_tail());
+pub fn assert_exit(agent: &AgentProcess, code: i32, expected: ExitCode, what: &str) {
+    assert_eq!(code, i32::from(expected.code()), "{what}: exit {code}, expected {expected}\n{}", agent.output_tail());
 }
 
-/// The types of the events the test server received for `execution_id`, in order.
-pub fn event_kinds(server: &crate::TestServer, execution_id: &str) -> Vec<&'static str> {
-    server.events(execution_id).iter().map(|event| crate::server::event_type(&event.kind)).collect()
+/// The kinds of the events the test server received for `execution_id`, in order.
+pub fn event_kinds(server: &crate::TestServer, execution_id: &str) -> Vec<EventKind> {
+    server.events(execution_id).into_iter().map(|event| event.kind).collect()
 }
 
-pub fn write_json(path: &Path, value: &serde_json::Value) {
+/// Writes `value` as JSON (a spec file, for instance).
+pub fn write_json(path: &Path, value: &impl serde::Serialize) {
     std::fs::write(path, serde_json::to_vec_pretty(value).expect("JSON serializes"))
         .unwrap_or_else(|error| panic!("write {}: {error}", path.display()));
 }

@@ -1,6 +1,7 @@
-//! End-to-end testing of the `standby` agent: [`server::TestServer`], a
-//! faithful server half of the contract, and [`harness`], which runs the
-//! real binary against it with real processes, git repos and sockets.
+//! End-to-end testing of the `standby` agent: [`server::TestServer`], the
+//! server half of the contract as a recorder and fault injector over the
+//! protocol crate's rules, and [`harness`], which runs the real binary
+//! against it with real processes, git repos and sockets.
 
 pub mod harness;
 pub mod postgres;

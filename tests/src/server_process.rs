@@ -16,6 +16,7 @@ use std::time::Duration;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use serde_json::Value;
+use standby_protocol::{PROTOCOL_HEADER, PROTOCOL_VERSION, SOCKET_PATH};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio_tungstenite::tungstenite::{self, client::IntoClientRequest as _};
 use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
@@ -369,9 +370,9 @@ impl ServerProcess {
     /// Upgrades `/ws` with `token` as an agent would: the socket, or the
     /// refusal's status.
     pub async fn upgrade(&self, token: &str) -> Result<ControlSocket, u16> {
-        let mut request = format!("ws://{}/ws", self.addr).into_client_request().expect("a request");
+        let mut request = format!("ws://{}{SOCKET_PATH}", self.addr).into_client_request().expect("a request");
         request.headers_mut().insert("Authorization", format!("Bearer {token}").parse().expect("a header"));
-        request.headers_mut().insert("Standby-Protocol", "1".parse().expect("a header"));
+        request.headers_mut().insert(PROTOCOL_HEADER, PROTOCOL_VERSION.parse().expect("a header"));
         match tokio_tungstenite::connect_async(request).await {
             Ok((socket, _)) => Ok(socket),
             Err(tungstenite::Error::Http(response)) => Err(response.status().as_u16()),

@@ -11,10 +11,10 @@ use std::path::Path;
 use std::time::Duration;
 
 use serde_json::json;
-use standby_e2e::harness::write_json;
+use standby_e2e::harness::{assert_exit, write_json};
 use standby_e2e::server::ExecutionSetup;
 use standby_e2e::{AgentBuilder, AgentProcess, TestServer};
-use standby_protocol::AgentState;
+use standby_protocol::{AgentState, ExitCode, Stage};
 use tempfile::TempDir;
 
 /// Bound on every wait for the agent; generous because the machine is
@@ -52,7 +52,7 @@ async fn a_clone_that_never_answers_ends_preparation_with_exit_15() {
     let token = server.add_standby();
     let mut agent = hanging_agent(&server, &token, dir.path(), &silent);
     let code = agent.wait_exit(EXIT).await;
-    assert_eq!(code, 15, "exit {code}\n{}", agent.output_tail());
+    assert_exit(&agent, code, ExitCode::PrepareFailed, "preparation failed");
     assert!(agent.output().contains("STANDBY_PREPARE_TIMEOUT"), "the log names the bound\n{}", agent.output_tail());
     assert!(agent.leftovers().is_empty(), "git outlived the agent: {:?}", agent.leftovers());
     assert!(
@@ -74,10 +74,10 @@ async fn a_clone_that_never_answers_fails_a_held_assignment_requeueable() {
     let execution_id =
         server.assign(&token, ExecutionSetup::new(&["/bin/sh", "-c", &format!("touch '{}'", marker.display())]));
     let code = agent.wait_exit(EXIT).await;
-    assert_eq!(code, 13, "exit {code}\n{}", agent.output_tail());
+    assert_exit(&agent, code, ExitCode::InstallFailed, "the install failed");
     let failures = server.install_failures(&execution_id);
     assert_eq!(failures.len(), 1, "one install_failed: {:?}", server.events(&execution_id));
-    assert_eq!(failures[0].stage, "prepare");
+    assert_eq!(failures[0].stage, Stage::Prepare.name());
     assert!(failures[0].requeueable, "{:?}", failures[0]);
     assert!(failures[0].message.contains("preparation did not finish within 2s"), "{:?}", failures[0].message);
     assert!(!marker.exists(), "the run started");

@@ -14,9 +14,10 @@ use std::time::Duration;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use serde_json::{Value, json};
-use standby_e2e::harness::{describe, process_alive, write_json};
+use standby_e2e::harness::{assert_exit, describe, process_alive, write_json};
 use standby_e2e::server_process::{API_KEY, MARK, ServerBuilder, ServerProcess, environ_var, marked, server_bin};
 use standby_e2e::{AgentBuilder, GitRepo, standby_bin};
+use standby_protocol::{Event, EventKind, ExitCode};
 
 const WAIT: Duration = Duration::from_secs(60);
 
@@ -118,13 +119,10 @@ fn agent_pid(sandbox: &Value) -> i32 {
     sandbox["pid"].as_i64().and_then(|pid| i32::try_from(pid).ok()).expect("a local sandbox has a pid")
 }
 
-fn kinds(events: &Value) -> BTreeSet<String> {
-    events["events"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter_map(|e| e["event"]["type"].as_str().map(str::to_owned))
-        .collect()
+/// The kinds of a run's events, as its `events` list holds them.
+fn kinds(events: &Value) -> Vec<EventKind> {
+    let listed = events["events"].as_array().into_iter().flatten();
+    listed.map(|e| serde_json::from_value::<Event>(e["event"].clone()).expect("an event").kind).collect()
 }
 
 #[tokio::test]
@@ -154,7 +152,7 @@ async fn warm_path_end_to_end_and_metrics_reflect_it() {
     assert!(log.contains("built ") && log.contains("task=t-1"), "{log}");
     assert!(!log.contains("hunter2-very-secret") && log.contains("[REDACTED]"), "{log}");
     let events = server.get(&format!("/v1/runs/{id}/events")).await;
-    assert_eq!(kinds(&events), BTreeSet::from(["started".to_owned(), "exited".to_owned()]));
+    assert_eq!(kinds(&events), [EventKind::Started, EventKind::Exited { code: 3 }]);
     let metrics = server.call(reqwest::Method::GET, "/metrics", Some(API_KEY), None).await.1;
     let metrics = metrics.as_str().expect("text").to_owned();
     assert!(metrics.contains("standby_runs{state=\"exited\",path=\"warm\"} 1"), "{metrics}");
@@ -219,7 +217,7 @@ async fn cancel_before_confirmation_the_run_never_starts_and_the_sandbox_is_reti
     let run = server.run(&id).await;
     assert_eq!(run["state"], "cancelled");
     assert!(run["timestamps"]["started"].is_null(), "{run}");
-    assert!(!kinds(&server.get(&format!("/v1/runs/{id}/events")).await).contains("started"));
+    assert!(!kinds(&server.get(&format!("/v1/runs/{id}/events")).await).contains(&EventKind::Started));
     let sandbox = server.sandbox(&standby).await;
     assert_eq!(sandbox["state"], "retired", "{sandbox}");
     assert!(!server.sandbox_dir(&standby).join("workspace/app/started.txt").exists());
@@ -252,7 +250,8 @@ async fn a_committed_standby_that_dies_before_confirming_is_written_off() {
     assert_eq!(server.upgrade_status(&token).await, 401);
     let workspace = tempfile::tempdir().expect("a workspace");
     let mut relaunched = AgentBuilder::new(&server.url(), &token).workspace(workspace.path()).spawn();
-    assert_eq!(relaunched.wait_exit(WAIT).await, 11, "{}", relaunched.output_tail());
+    let code = relaunched.wait_exit(WAIT).await;
+    assert_exit(&relaunched, code, ExitCode::Unauthorized, "the standby credential was refused");
     relaunched.assert_output_lacks(&[&token]);
     server.stop(Signal::SIGTERM).await;
 }

@@ -18,10 +18,10 @@ use std::path::Path;
 use std::time::Duration;
 
 use serde_json::json;
-use standby_e2e::harness::{vars, write_json};
+use standby_e2e::harness::{assert_exit, vars, write_json};
 use standby_e2e::server::{Endpoint, ExecutionSetup, Failure};
 use standby_e2e::{AgentBuilder, AgentProcess, TestServer};
-use standby_protocol::AgentState;
+use standby_protocol::{AgentState, ExitCode, Spec, Stage};
 use tempfile::TempDir;
 
 const WAIT: Duration = Duration::from_secs(30);
@@ -44,7 +44,12 @@ fn run(script: &str) -> ExecutionSetup {
     ExecutionSetup::new(&["sh", "-c", script])
 }
 
-async fn ready_agent(server: &TestServer, builder: AgentBuilder, dir: &Path, spec: &serde_json::Value) -> AgentProcess {
+async fn ready_agent(
+    server: &TestServer,
+    builder: AgentBuilder,
+    dir: &Path,
+    spec: &impl serde::Serialize,
+) -> AgentProcess {
     let path = dir.join("spec.json");
     write_json(&path, spec);
     let mut agent = builder.spec_file(&path).heartbeat_interval("200ms").spawn();
@@ -68,8 +73,7 @@ async fn a_multi_line_secret_printed_on_the_terminal_leaves_none_of_its_lines_in
     let server = TestServer::start().await;
     let dir = scratch();
     let token = server.add_standby();
-    let mut agent =
-        ready_agent(&server, AgentBuilder::new(&server.url(), &token), dir.path(), &json!({"workspace": {}})).await;
+    let mut agent = ready_agent(&server, AgentBuilder::new(&server.url(), &token), dir.path(), &Spec::default()).await;
     let key = pem(1);
     let service_account = "{\n  \"type\": \"service_account\",\n  \"client_id\": \"4242424242\"\n}\n".to_owned();
     // The whole key as `cat` prints it, one line of it alone (grep), the
@@ -81,7 +85,8 @@ printf 'before %s after\n' "$PEM_KEY"
 echo end-of-run"#;
     let execution_id =
         server.assign(&token, run(script).secret("PEM_KEY", &key).cloud_env("SA_JSON", &service_account));
-    assert_eq!(agent.wait_exit(WAIT).await, 0, "{}", agent.output_tail());
+    let code = agent.wait_exit(WAIT).await;
+    assert_exit(&agent, code, ExitCode::Success, "the agent finished");
     let log = server.log(&execution_id);
     let text = String::from_utf8_lossy(&log);
     assert!(text.starts_with("key follows\r\n[REDACTED]"), "{text}");
@@ -110,10 +115,11 @@ async fn a_log_filter_naming_dependencies_does_not_widen_them() {
     ] {
         let token = server.add_standby();
         let builder = builder.env(vars::TOKEN, &token);
-        let mut agent = ready_agent(&server, builder, dir.path(), &json!({"workspace": {}})).await;
+        let mut agent = ready_agent(&server, builder, dir.path(), &Spec::default()).await;
         let secret = format!("caps-secret-{what}-7f3a9");
         let execution_id = server.assign(&token, run("echo ran").secret("API_KEY", &secret));
-        assert_eq!(agent.wait_exit(WAIT).await, 0, "{what}: {}", agent.output_tail());
+        let code = agent.wait_exit(WAIT).await;
+        assert_exit(&agent, code, ExitCode::Success, what);
         let credential = server.run_credential(&execution_id).expect("minted");
         let stderr = agent.output();
         assert!(stderr.contains("standby starting"), "{what}: the agent logged: {stderr}");
@@ -137,9 +143,10 @@ async fn the_standby_credential_can_come_from_a_file() {
     std::fs::write(&path, format!("{token}\n")).expect("write the token file");
     let builder =
         AgentBuilder::new(&server.url(), "unused").env_remove(vars::TOKEN).env(TOKEN_FILE, &path.display().to_string());
-    let mut agent = ready_agent(&server, builder, dir.path(), &json!({"workspace": {}})).await;
+    let mut agent = ready_agent(&server, builder, dir.path(), &Spec::default()).await;
     server.retire(&token, None).expect("retire");
-    assert_eq!(agent.wait_exit(WAIT).await, 0, "{}", agent.output_tail());
+    let code = agent.wait_exit(WAIT).await;
+    assert_exit(&agent, code, ExitCode::Success, "the agent finished");
     agent.assert_output_lacks(&[&token]);
 }
 
@@ -174,7 +181,7 @@ async fn exactly_one_of_the_token_and_the_token_file_is_accepted() {
         let mut agent = builder.spawn();
         let code = agent.wait_exit(WAIT).await;
         let stderr = agent.stderr();
-        assert_eq!(code, 2, "{stderr}");
+        assert_exit(&agent, code, ExitCode::Usage, "bad configuration");
         for name in named {
             assert!(stderr.contains(name), "the message does not name {name}: {stderr}");
         }
@@ -210,7 +217,8 @@ done
 sh -c 'tr "\0" "\n" < /proc/$PPID/environ' | grep -c '^STANDBY_EXECUTION_ID=' | sed 's/^/run-environ-lines-/'
 echo end-of-run"#;
     let execution_id = server.assign(&token, run(script));
-    assert_eq!(agent.wait_exit(WAIT).await, 0, "{}", agent.output_tail());
+    let code = agent.wait_exit(WAIT).await;
+    assert_exit(&agent, code, ExitCode::Success, "the agent finished");
     let log = String::from_utf8_lossy(&server.log(&execution_id)).into_owned();
     assert!(log.contains("end-of-run"), "{log}");
     for file in ["environ", "maps", "mem"] {
@@ -244,15 +252,16 @@ async fn absurd_durations_and_retry_after_never_panic() {
     ] {
         builder = builder.env(setting, &format!("{forever}s"));
     }
-    let mut agent = ready_agent(&server, builder, dir.path(), &json!({"workspace": {}})).await;
+    let mut agent = ready_agent(&server, builder, dir.path(), &Spec::default()).await;
     // "Retry after 584 billion years": past the install's bound, so the
     // install gives up at once instead of overflowing the deadline.
     server.fail(Endpoint::Secrets, Failure::times(503, 1).retry_after(u64::MAX));
     let execution_id = server.assign(&token, run("echo never").secret("API_KEY", "absurd-secret-1"));
-    assert_eq!(agent.wait_exit(WAIT).await, 13, "{}", agent.output_tail());
+    let code = agent.wait_exit(WAIT).await;
+    assert_exit(&agent, code, ExitCode::InstallFailed, "the install failed");
     let failures = server.install_failures(&execution_id);
     assert!(
-        failures.iter().any(|failure| failure.stage == "secrets" && failure.requeueable),
+        failures.iter().any(|failure| failure.stage == Stage::Secrets.name() && failure.requeueable),
         "{failures:?}\n{}",
         agent.output_tail()
     );

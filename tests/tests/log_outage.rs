@@ -9,10 +9,10 @@
 use std::path::Path;
 use std::time::Duration;
 
-use serde_json::json;
-use standby_e2e::harness::ready_agent;
-use standby_e2e::server::{Endpoint, ExecutionSetup, Failure, event_type};
+use standby_e2e::harness::{assert_exit, ready_agent};
+use standby_e2e::server::{Endpoint, ExecutionSetup, Failure};
 use standby_e2e::{AgentProcess, TestServer};
+use standby_protocol::{EventKind, ExitCode, Spec};
 use tempfile::TempDir;
 use tokio::time::Instant;
 
@@ -50,16 +50,18 @@ async fn wait_for_file(agent: &mut AgentProcess, path: &Path) {
 
 async fn assert_exits_0(agent: &mut AgentProcess) {
     let code = agent.wait_exit(EXIT).await;
-    assert_eq!(code, 0, "the agent exited {code}\n{}", agent.output_tail());
+    assert_exit(agent, code, ExitCode::Success, "the run finished");
 }
 
-/// The final event was posted only after the last log chunk was acknowledged.
-fn assert_final_event_after_the_log(server: &TestServer, execution_id: &str, final_type: &str) {
+/// The event that ended the run was posted only after the last log chunk
+/// was acknowledged.
+fn assert_final_event_after_the_log(server: &TestServer, execution_id: &str) {
     let event = server
         .events(execution_id)
         .into_iter()
-        .find(|event| event_type(&event.kind) == final_type)
-        .unwrap_or_else(|| panic!("no {final_type} event"));
+        .find(|event| event.kind.is_terminal())
+        .unwrap_or_else(|| panic!("no event ended {execution_id}"));
+    let final_type = event.kind.name();
     let calls = server.http_calls();
     let last_log = calls
         .iter()
@@ -81,7 +83,7 @@ async fn a_log_outage_neither_slows_the_run_nor_loses_a_line() {
     let server = TestServer::start().await;
     let dir = scratch();
     let token = server.add_standby();
-    let mut agent = ready_agent(&server, &token, dir.path(), &json!({"workspace": {}}), |agent| agent).await;
+    let mut agent = ready_agent(&server, &token, dir.path(), &Spec::default(), |agent| agent).await;
     let printed = dir.path().join("printed");
     server.fail(Endpoint::Log, Failure::always(503));
     let outage_began = Instant::now();
@@ -95,7 +97,8 @@ async fn a_log_outage_neither_slows_the_run_nor_loses_a_line() {
         server.http_calls().iter().any(|call| call.endpoint == Endpoint::Log && call.status == 503),
         "the agent tried to ship during the outage"
     );
-    assert!(!record.has_event("exited"), "exited was reported before the log was shipped");
+    let exited = record.events.iter().any(|event| matches!(event.kind, EventKind::Exited { .. }));
+    assert!(!exited, "exited was reported before the log was shipped");
     // The outage lasts at least 4 s, as in the scenario.
     tokio::time::sleep_until(outage_began + Duration::from_secs(4)).await;
     server.clear_failures();
@@ -104,7 +107,7 @@ async fn a_log_outage_neither_slows_the_run_nor_loses_a_line() {
     let log = server.log(&execution_id);
     let expected = seq(1, 200_000);
     assert!(log == expected, "the log is not the run's output: {} bytes, expected {}", log.len(), expected.len());
-    assert_final_event_after_the_log(&server, &execution_id, "exited");
+    assert_final_event_after_the_log(&server, &execution_id);
     server.assert_no_violations();
 }
 
@@ -116,7 +119,7 @@ async fn an_overflowing_spool_reports_the_dropped_bytes_and_keeps_their_offsets(
     let server = TestServer::start().await;
     let dir = scratch();
     let token = server.add_standby();
-    let mut agent = ready_agent(&server, &token, dir.path(), &json!({"workspace": {}}), |agent| {
+    let mut agent = ready_agent(&server, &token, dir.path(), &Spec::default(), |agent| {
         agent.env("STANDBY_LOG_SPOOL_MAX", &BOUND.to_string())
     })
     .await;
@@ -160,7 +163,7 @@ async fn an_overflowing_spool_reports_the_dropped_bytes_and_keeps_their_offsets(
         record.log.iter().zip(&expected).position(|(a, b)| a != b)
     );
     assert_eq!(record.log_received, first.len() as u64 + 15, "offsets after the gap are the true ones");
-    assert_final_event_after_the_log(&server, &execution_id, "exited");
+    assert_final_event_after_the_log(&server, &execution_id);
     server.assert_no_violations();
 }
 
@@ -169,7 +172,7 @@ async fn a_409_after_the_server_lost_part_of_the_log_resends_it_from_the_spool()
     let server = TestServer::start().await;
     let dir = scratch();
     let token = server.add_standby();
-    let mut agent = ready_agent(&server, &token, dir.path(), &json!({"workspace": {}}), |agent| agent).await;
+    let mut agent = ready_agent(&server, &token, dir.path(), &Spec::default(), |agent| agent).await;
     let gate = dir.path().join("gate");
     let execution_id = server.assign(&token, setup(&format!("seq 1 5000; {}; seq 5001 10000", wait_gate(&gate))));
     server.wait_for_log(&execution_id, b"\r\n5000\r\n").await;
@@ -185,6 +188,6 @@ async fn a_409_after_the_server_lost_part_of_the_log_resends_it_from_the_spool()
     assert!(record.log_gaps.is_empty(), "the lost bytes were still spooled: {:?}", record.log_gaps);
     let expected = seq(1, 10_000);
     assert!(record.log == expected, "the log is not the run's output: {} bytes", record.log.len());
-    assert_final_event_after_the_log(&server, &execution_id, "exited");
+    assert_final_event_after_the_log(&server, &execution_id);
     server.assert_no_violations();
 }

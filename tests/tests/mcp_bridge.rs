@@ -15,10 +15,11 @@ use rmcp::model::CallToolRequestParams;
 use rmcp::service::{RoleClient, RunningService};
 use rmcp::transport::StreamableHttpClientTransport;
 use serde_json::{Value, json};
-use standby_e2e::harness::write_json;
-use standby_e2e::server::{ExecutionSetup, event_type};
+use standby_e2e::harness::{assert_exit, event_kinds, write_json};
+use standby_e2e::server::ExecutionSetup;
 use standby_e2e::{AgentBuilder, AgentProcess, TestServer};
-use standby_protocol::{AgentState, EventKind};
+use standby_protocol::layout::StateDir;
+use standby_protocol::{AgentState, EventKind, ExitCode};
 use tempfile::TempDir;
 
 /// Bound on every wait for the agent; generous because the machine is
@@ -112,7 +113,7 @@ async fn ready_agent(server: &TestServer, token: &str, dir: &Path, spec: &Value)
 }
 
 fn mcp_config(agent: &AgentProcess) -> Value {
-    let path = agent.workspace().join(".standby/mcp.json");
+    let path = StateDir::of(agent.workspace()).mcp_config();
     let text = std::fs::read_to_string(&path).unwrap_or_else(|error| panic!("read {}: {error}", path.display()));
     serde_json::from_str(&text).expect("mcp.json is JSON")
 }
@@ -209,9 +210,8 @@ async fn a_stdio_server_keeps_its_url_and_session_and_gets_mcp_env_at_assignment
     std::fs::write(&gate, "").expect("open the gate");
 
     let code = agent.wait_exit(EXIT).await;
-    assert_eq!(code, 0, "{}", agent.output_tail());
-    let kinds: Vec<&str> = server.events(&execution_id).iter().map(|event| event_type(&event.kind)).collect();
-    assert_eq!(kinds, ["started", "exited"]);
+    assert_exit(&agent, code, ExitCode::Success, "the run finished");
+    assert_eq!(event_kinds(&server, &execution_id), [EventKind::Started, EventKind::Exited { code: 0 }]);
     let output = agent.output();
     // The agent's log may be coloured: only the words are looked for.
     let started = output.lines().find(|line| line.contains("run started") && line.contains("critical_path_ms"));
@@ -238,7 +238,7 @@ async fn a_stdio_server_that_never_answers_initialize_fails_preparation_naming_i
     let mut agent =
         AgentBuilder::new(&server.url(), &token).spec_file(&path).env("STANDBY_MCP_READY_TIMEOUT", "2s").spawn();
     let code = agent.wait_exit(EXIT).await;
-    assert_eq!(code, 15, "{}", agent.output_tail());
+    assert_exit(&agent, code, ExitCode::PrepareFailed, "an MCP server was not ready in time");
     let output = agent.output();
     // The error is logged as a quoted string: its own quotes are escaped.
     let error = r#"MCP server \"mute\" never became ready: it answered no MCP initialize on stdio within 2s"#;
@@ -266,7 +266,7 @@ async fn a_server_that_crashes_mid_run_does_not_take_the_agent_down() {
     ]);
     let execution_id = server.assign(&token, run_client(dir.path(), &out, None, &calls));
     let code = agent.wait_exit(EXIT).await;
-    assert_eq!(code, 0, "{}", agent.output_tail());
+    assert_exit(&agent, code, ExitCode::Success, "the run finished");
     assert_eq!(
         server.events(&execution_id).last().map(|event| event.kind.clone()),
         Some(EventKind::Exited { code: 0 })

@@ -21,7 +21,8 @@ use serde_json::json;
 use standby_e2e::harness::{assert_exit, event_kinds, ready_agent};
 use standby_e2e::server::{AttachmentSetup, CredentialKind, Endpoint, ExecutionSetup};
 use standby_e2e::{AgentBuilder, GitRepo, TestServer};
-use standby_protocol::AgentState;
+use standby_protocol::layout::StateDir;
+use standby_protocol::{AgentState, EventKind, ExitCode, Spec, Stage};
 use tempfile::TempDir;
 use tokio::net::{TcpListener, TcpStream};
 
@@ -148,8 +149,7 @@ async fn attachments_on_another_origin_get_no_credential_and_no_signature_in_the
     let moved: &[u8] = b"fetched after a same-origin redirect\n";
     let store = ObjectStore::start(&[("direct.bin", direct), ("moved.bin", moved)]).await;
     let token = server.add_standby();
-    let mut agent =
-        ready_agent(&server, &token, dir.path(), &json!({"workspace": {}}), |agent| agent.log_filter("trace")).await;
+    let mut agent = ready_agent(&server, &token, dir.path(), &Spec::default(), |agent| agent.log_filter("trace")).await;
 
     let out = dir.path().join("out");
     let script = format!("mkdir -p '{out}' && cp \"$STANDBY_ATTACHMENTS_DIR\"/* '{out}'/", out = out.display());
@@ -159,8 +159,8 @@ async fn attachments_on_another_origin_get_no_credential_and_no_signature_in_the
         .attachment("local.md", b"served by the server, with the credential\n");
     let execution_id = server.assign(&token, execution);
     let code = agent.wait_exit(EXIT).await;
-    assert_exit(&agent, code, 0, "the run finished");
-    assert_eq!(event_kinds(&server, &execution_id), ["started", "exited"]);
+    assert_exit(&agent, code, ExitCode::Success, "the run finished");
+    assert_eq!(event_kinds(&server, &execution_id), [EventKind::Started, EventKind::Exited { code: 0 }]);
 
     assert_eq!(std::fs::read(out.join("direct.bin")).expect("direct.bin"), direct);
     assert_eq!(std::fs::read(out.join("moved.bin")).expect("moved.bin"), moved);
@@ -192,8 +192,7 @@ async fn a_redirect_to_another_origin_is_refused_and_its_query_never_shown() {
     let dir = scratch();
     let store = ObjectStore::start(&[]).await;
     let token = server.add_standby();
-    let mut agent =
-        ready_agent(&server, &token, dir.path(), &json!({"workspace": {}}), |agent| agent.log_filter("trace")).await;
+    let mut agent = ready_agent(&server, &token, dir.path(), &Spec::default(), |agent| agent.log_filter("trace")).await;
 
     let marker = dir.path().join("marker");
     let execution = sh(&format!("touch '{}'", marker.display()))
@@ -206,11 +205,11 @@ async fn a_redirect_to_another_origin_is_refused_and_its_query_never_shown() {
     ));
     let execution_id = server.assign(&token, execution);
     let code = agent.wait_exit(EXIT).await;
-    assert_exit(&agent, code, 13, "the install failed");
+    assert_exit(&agent, code, ExitCode::InstallFailed, "the install failed");
     let failures = server.install_failures(&execution_id);
     assert_eq!(failures.len(), 1, "{:?}", server.events(&execution_id));
     let failure = &failures[0];
-    assert_eq!(failure.stage, "attachments");
+    assert_eq!(failure.stage, Stage::Attachments.name());
     assert!(!failure.requeueable, "a cold sandbox would meet the same redirect");
     assert!(failure.message.contains("redirect") && failure.message.contains("origin"), "{failure:?}");
     assert!(!failure.message.contains(SIGNATURE), "the report shows the query string: {:?}", failure.message);
@@ -249,8 +248,8 @@ async fn inline_attachments_skip_the_call_and_a_run_without_workspace_takes_the_
     assert!(execution.run.workspace.is_none());
     let execution_id = server.assign(&token, execution);
     let code = agent.wait_exit(EXIT).await;
-    assert_exit(&agent, code, 0, "the run finished");
-    assert_eq!(event_kinds(&server, &execution_id), ["started", "exited"]);
+    assert_exit(&agent, code, ExitCode::Success, "the run finished");
+    assert_eq!(event_kinds(&server, &execution_id), [EventKind::Started, EventKind::Exited { code: 0 }]);
     assert_eq!(std::fs::read(out.join("spec.md")).expect("the attachment"), b"# inline\n");
     assert_eq!(std::fs::read_to_string(out.join("head")).expect("the head").trim(), head);
     let calls = server.http_calls();
@@ -266,13 +265,12 @@ async fn an_oversized_secrets_answer_fails_the_install_naming_the_call_and_the_c
     let server = TestServer::start().await;
     let dir = scratch();
     let token = server.add_standby();
-    let mut agent =
-        ready_agent(&server, &token, dir.path(), &json!({"workspace": {}}), |agent| agent.log_filter("trace")).await;
+    let mut agent = ready_agent(&server, &token, dir.path(), &Spec::default(), |agent| agent.log_filter("trace")).await;
     let marker = dir.path().join("marker");
     let execution = sh(&format!("touch '{}'", marker.display())).secret("HUGE", &"x".repeat(2 << 20));
     let execution_id = server.assign(&token, execution);
     let code = agent.wait_exit(EXIT).await;
-    assert_exit(&agent, code, 13, "the install failed");
+    assert_exit(&agent, code, ExitCode::InstallFailed, "the install failed");
     let failures = server.install_failures(&execution_id);
     assert_eq!(failures.len(), 1, "{:?}", server.events(&execution_id));
     let failure = &failures[0];
@@ -294,8 +292,7 @@ async fn a_64_mib_attachment_is_streamed_to_disk_intact() {
     let server = TestServer::start().await;
     let dir = scratch();
     let token = server.add_standby();
-    let mut agent =
-        ready_agent(&server, &token, dir.path(), &json!({"workspace": {}}), |agent| agent.log_filter("info")).await;
+    let mut agent = ready_agent(&server, &token, dir.path(), &Spec::default(), |agent| agent.log_filter("info")).await;
     let idle_kib = peak_rss_kib(agent.pid());
     // Random content, hashed by `sha256sum` (the test's own sha2 is
     // unoptimised in a debug build and would dominate the test's time).
@@ -320,8 +317,8 @@ async fn a_64_mib_attachment_is_streamed_to_disk_intact() {
     );
     let execution_id = server.assign(&token, sh(&script).attachment_setup(attachment));
     let code = agent.wait_exit(EXIT).await;
-    assert_exit(&agent, code, 0, "the run finished");
-    assert_eq!(event_kinds(&server, &execution_id), ["started", "exited"]);
+    assert_exit(&agent, code, ExitCode::Success, "the run finished");
+    assert_eq!(event_kinds(&server, &execution_id), [EventKind::Started, EventKind::Exited { code: 0 }]);
     let sum = std::fs::read_to_string(out.join("sum")).expect("the run's checksum");
     assert_eq!(sum.split_whitespace().next(), Some(expected.as_str()), "the attachment arrived intact");
     let listing = std::fs::read_to_string(out.join("ls")).expect("the listing");
@@ -343,7 +340,7 @@ async fn a_follow_up_turn_finds_none_of_the_first_turns_credentials() {
     let origin = GitRepo::new(&[("README.md", "hello\n")]);
     let spec = json!({"workspace": {"repos": [{"url": origin.url(), "path": "app", "ref": "main"}]}});
     let password = "turn1-git-pass-4711";
-    let state = ws.join(".standby");
+    let state = StateDir::of(&ws);
 
     // Turn 1 points the repo's own config at the store too, as a run may.
     let first = server.add_standby();
@@ -359,10 +356,10 @@ async fn a_follow_up_turn_finds_none_of_the_first_turns_credentials() {
         .cloud_env("CLOUD_TOKEN", "turn1-cloud-4712");
     let turn_one = server.assign(&first, execution);
     let code = agent.wait_exit(EXIT).await;
-    assert_exit(&agent, code, 0, "turn one finished");
-    assert_eq!(event_kinds(&server, &turn_one), ["started", "exited"]);
-    for leftover in ["git-credentials", "metadata.json", "attachments"] {
-        assert!(!state.join(leftover).exists(), "turn one left {leftover} behind");
+    assert_exit(&agent, code, ExitCode::Success, "turn one finished");
+    assert_eq!(event_kinds(&server, &turn_one), [EventKind::Started, EventKind::Exited { code: 0 }]);
+    for leftover in [state.git_credentials(), state.metadata_file(), state.attachments_dir()] {
+        assert!(!leftover.exists(), "turn one left {} behind", leftover.display());
     }
 
     // Turn 2, on the same workspace, with no credentials of its own, looks.
@@ -370,19 +367,22 @@ async fn a_follow_up_turn_finds_none_of_the_first_turns_credentials() {
     let mut agent =
         ready_agent(&server, &second, dir.path(), &spec, |agent| agent.log_filter("trace").workspace(&ws)).await;
     let script = format!(
-        "ls -A '{state}'; cat '{state}/git-credentials' '{state}/metadata.json' 2>&1; \
+        "ls -A '{state}'; cat '{credentials}' '{metadata}' 2>&1; \
          printf 'protocol=https\\nhost=git.example\\n\\n' | git credential fill 2>&1; \
          echo \"helpers: $(git config --local --get-all credential.helper)\"; echo turn two done",
-        state = state.display()
+        state = state.path().display(),
+        credentials = state.git_credentials().display(),
+        metadata = state.metadata_file().display(),
     );
     let execution = sh(&script).cwd("app").env("GIT_TERMINAL_PROMPT", "0");
     let turn_two = server.assign(&second, execution);
     let code = agent.wait_exit(EXIT).await;
-    assert_exit(&agent, code, 0, "turn two finished");
+    assert_exit(&agent, code, ExitCode::Success, "turn two finished");
     let log = String::from_utf8_lossy(&server.log(&turn_two)).into_owned();
     assert!(log.contains("turn two done"), "{log}");
     assert!(!log.contains(password) && !log.contains("turn1-cloud"), "turn two saw turn one's credentials: {log}");
-    assert!(!log.contains("git-credentials\r\n") && !log.contains("turn one's attachment"), "{log}");
+    let listed = format!("{}\r\n", state.git_credentials().file_name().expect("a file name").to_string_lossy());
+    assert!(!log.contains(&listed) && !log.contains("turn one's attachment"), "{log}");
     assert!(log.contains("helpers: \r\n") || log.contains("helpers:\r\n"), "a helper still points at a store: {log}");
     agent.assert_output_lacks(&[password]);
     server.assert_no_violations();
@@ -393,7 +393,7 @@ async fn a_follow_up_turn_finds_none_of_the_first_turns_credentials() {
 #[tokio::test]
 async fn an_assignment_on_connect_waits_for_the_spec_before_the_switch() {
     let server = TestServer::start().await;
-    server.set_spec_json(json!({"workspace": {}}));
+    server.set_spec(&Spec::default());
     let token = server.add_standby();
     let dir = scratch();
     let marker = dir.path().join("marker");
@@ -403,8 +403,8 @@ async fn an_assignment_on_connect_waits_for_the_spec_before_the_switch() {
     server.set_endpoint_latency(Endpoint::Spec, Duration::from_millis(1500));
     let mut agent = AgentBuilder::new(&server.url(), &token).heartbeat_interval("200ms").spawn();
     let code = agent.wait_exit(EXIT).await;
-    assert_exit(&agent, code, 0, "the run finished");
-    assert_eq!(event_kinds(&server, &execution_id), ["started", "exited"]);
+    assert_exit(&agent, code, ExitCode::Success, "the run finished");
+    assert_eq!(event_kinds(&server, &execution_id), [EventKind::Started, EventKind::Exited { code: 0 }]);
     assert!(marker.exists(), "the run did not run");
     let spec_calls: Vec<_> = server.http_calls().into_iter().filter(|call| call.endpoint == Endpoint::Spec).collect();
     assert!(
@@ -479,7 +479,7 @@ impl TlsFront {
 #[tokio::test]
 async fn a_private_ca_in_standby_ca_file_serves_both_wss_and_https() {
     let server = TestServer::start().await;
-    server.set_spec_json(json!({"workspace": {}}));
+    server.set_spec(&Spec::default());
     let front = TlsFront::start(server.addr()).await;
     let dir = scratch();
     let ca_file = dir.path().join("ca.pem");
@@ -489,7 +489,7 @@ async fn a_private_ca_in_standby_ca_file_serves_both_wss_and_https() {
     let untrusting = server.add_standby();
     let mut agent = AgentBuilder::new(&front.url(), &untrusting).deadline("3s").spawn();
     let code = agent.wait_exit(EXIT).await;
-    assert_exit(&agent, code, 12, "no connection before the deadline");
+    assert_exit(&agent, code, ExitCode::DeadlinePassed, "no connection before the deadline");
     let output = agent.output();
     assert!(output.contains("control socket unavailable"), "{}", agent.output_tail());
     assert!(output.to_lowercase().contains("certificate"), "the TLS failure is not named\n{}", agent.output_tail());
@@ -506,8 +506,8 @@ async fn a_private_ca_in_standby_ca_file_serves_both_wss_and_https() {
     let script = format!("mkdir -p '{out}' && cp \"$STANDBY_ATTACHMENTS_DIR\"/a.txt '{out}'/", out = out.display());
     let execution_id = server.assign(&token, sh(&script).attachment("a.txt", b"over https"));
     let code = agent.wait_exit(EXIT).await;
-    assert_exit(&agent, code, 0, "the run finished over TLS");
-    assert_eq!(event_kinds(&server, &execution_id), ["started", "exited"]);
+    assert_exit(&agent, code, ExitCode::Success, "the run finished over TLS");
+    assert_eq!(event_kinds(&server, &execution_id), [EventKind::Started, EventKind::Exited { code: 0 }]);
     assert_eq!(std::fs::read(out.join("a.txt")).expect("the attachment"), b"over https");
     server.assert_no_violations();
 }
@@ -522,7 +522,7 @@ async fn an_unusable_ca_file_exits_2_naming_the_path() {
             .env("STANDBY_CA_FILE", &path.display().to_string())
             .spawn();
         let code = agent.wait_exit(EXIT).await;
-        assert_exit(&agent, code, 2, "an unusable CA file is bad configuration");
+        assert_exit(&agent, code, ExitCode::Usage, "an unusable CA file is bad configuration");
         let stderr = agent.stderr();
         assert!(stderr.contains("STANDBY_CA_FILE") && stderr.contains(&path.display().to_string()), "{stderr}");
     }

@@ -17,7 +17,7 @@ use standby_e2e::server::{
     ScriptedUpgrade,
 };
 use standby_e2e::{AgentBuilder, AgentProcess, GitRepo, TestServer};
-use standby_protocol::{AgentState, EventKind, Workspace};
+use standby_protocol::{AgentState, EventKind, ExitCode, Spec, Stage, Workspace};
 use tempfile::TempDir;
 
 /// Bound on every wait for the agent; generous because the machine is
@@ -131,7 +131,7 @@ async fn the_run_starts_exactly_once_under_replays_on_both_connections() {
     let server = TestServer::start().await;
     let dir = scratch();
     let token = server.add_standby();
-    let mut agent = ready_agent(&server, &token, dir.path(), &json!({"workspace": {}}), |agent| agent).await;
+    let mut agent = ready_agent(&server, &token, dir.path(), &Spec::default(), |agent| agent).await;
     let (marker, gate) = (dir.path().join("marker"), dir.path().join("gate"));
     // Holds the install, so that replays also arrive while installing.
     server.set_endpoint_latency(Endpoint::Secrets, Duration::from_millis(1500));
@@ -169,7 +169,7 @@ async fn the_run_starts_exactly_once_under_replays_on_both_connections() {
         server.send_text(second, &frame).expect("replay on the new run connection");
     }
 
-    agent.watch(server.wait_for_event(&execution_id, "started")).await;
+    agent.watch(server.wait_for_event(&execution_id, |kind| *kind == EventKind::Started)).await;
     for _ in 0..3 {
         let _ = server.send_text(second, &frame);
     }
@@ -190,8 +190,13 @@ async fn the_run_starts_exactly_once_under_replays_on_both_connections() {
     std::fs::write(&gate, "").expect("open the gate");
 
     let code = agent.wait_exit(EXIT).await;
-    assert_exit(&agent, code, 0, "the run finished");
-    assert_eq!(event_kinds(&server, &execution_id), ["started", "exited"], "{}", server.records().summary());
+    assert_exit(&agent, code, ExitCode::Success, "the run finished");
+    assert_eq!(
+        event_kinds(&server, &execution_id),
+        [EventKind::Started, EventKind::Exited { code: 0 }],
+        "{}",
+        server.records().summary()
+    );
     assert_eq!(line_count(&marker), 1, "the run's command ran more than once (or never)");
     server.assert_no_violations();
 }
@@ -207,6 +212,13 @@ enum Refusal {
     Scripted(u16),
 }
 
+/// Events posts the server received, accepted or refused: the server
+/// refuses a withdrawn run's credential, so a refused report is not among
+/// the events it recorded.
+fn event_posts(server: &TestServer) -> usize {
+    server.http_calls().iter().filter(|call| call.endpoint == Endpoint::Events).count()
+}
+
 async fn revoke_when_attempted(server: &TestServer, execution_id: &str) {
     server
         .wait_until("a first upgrade with the run credential", |records| {
@@ -220,7 +232,7 @@ async fn assert_withdrawn(refusal: Refusal) {
     let server = TestServer::start().await;
     let dir = scratch();
     let token = server.add_standby();
-    let mut agent = ready_agent(&server, &token, dir.path(), &json!({"workspace": {}}), |agent| agent).await;
+    let mut agent = ready_agent(&server, &token, dir.path(), &Spec::default(), |agent| agent).await;
     // The install's calls are held so that the socket's refusal, not a
     // refused install call, is what the agent meets first.
     for endpoint in INSTALL_ENDPOINTS {
@@ -240,9 +252,9 @@ async fn assert_withdrawn(refusal: Refusal) {
         agent.watch(revoke_when_attempted(&server, &execution_id)).await;
     }
     let code = agent.wait_exit(EXIT).await;
-    assert_exit(&agent, code, 14, "the run credential was refused");
+    assert_exit(&agent, code, ExitCode::Withdrawn, "the run credential was refused");
     assert!(
-        server.events(&execution_id).is_empty(),
+        server.events(&execution_id).is_empty() && event_posts(&server) == 0,
         "a withdrawn run reports nothing: {:?}",
         server.events(&execution_id)
     );
@@ -272,7 +284,7 @@ async fn a_run_credential_refused_on_an_install_call_withdraws_the_run() {
     let server = TestServer::start().await;
     let dir = scratch();
     let token = server.add_standby();
-    let mut agent = ready_agent(&server, &token, dir.path(), &json!({"workspace": {}}), |agent| agent).await;
+    let mut agent = ready_agent(&server, &token, dir.path(), &Spec::default(), |agent| agent).await;
     // The socket only ever meets transient answers, so only the install's
     // calls (held until the revocation is in place) can tell the agent that
     // its credential was revoked.
@@ -287,10 +299,11 @@ async fn a_run_credential_refused_on_an_install_call_withdraws_the_run() {
     agent.watch(revoke_when_attempted(&server, &execution_id)).await;
     let code = agent.wait_exit(EXIT).await;
     assert!(!marker.exists(), "a withdrawn run never starts");
-    assert!(event_kinds(&server, &execution_id).iter().all(|kind| *kind != "started"));
+    assert!(!event_kinds(&server, &execution_id).contains(&EventKind::Started));
     let reported: Vec<InstallFailed> = server.install_failures(&execution_id);
     assert!(reported.is_empty(), "a withdrawn run is reported as a failed install, to be requeued: {reported:?}");
-    assert_exit(&agent, code, 14, "the run credential was refused on an install call");
+    assert_eq!(event_posts(&server), 0, "a withdrawn run reports nothing, not even refused");
+    assert_exit(&agent, code, ExitCode::Withdrawn, "the run credential was refused on an install call");
     server.assert_no_violations();
 }
 
@@ -299,16 +312,16 @@ async fn delivery_is_confirmed_after_two_503s() {
     let server = TestServer::start().await;
     let dir = scratch();
     let token = server.add_standby();
-    let mut agent = ready_agent(&server, &token, dir.path(), &json!({"workspace": {}}), |agent| agent).await;
+    let mut agent = ready_agent(&server, &token, dir.path(), &Spec::default(), |agent| agent).await;
     for _ in 0..2 {
         server.script_upgrade(ScriptedUpgrade::status(503).for_credential(CredentialKind::Run));
     }
     let marker = dir.path().join("marker");
     let execution_id = server.assign(&token, setup(&mark(&marker)));
     let code = agent.wait_exit(EXIT).await;
-    assert_exit(&agent, code, 0, "the run finished");
+    assert_exit(&agent, code, ExitCode::Success, "the run finished");
     assert_eq!(run_upgrades(&server), [503, 503, 101]);
-    assert_eq!(event_kinds(&server, &execution_id), ["started", "exited"]);
+    assert_eq!(event_kinds(&server, &execution_id), [EventKind::Started, EventKind::Exited { code: 0 }]);
     assert_eq!(line_count(&marker), 1);
     // The server flags a `started` before its confirmation as a violation.
     server.assert_no_violations();
@@ -320,18 +333,18 @@ async fn unconfirmed_delivery_fails_the_install_at_the_confirm_timeout() {
     let dir = scratch();
     let token = server.add_standby();
     let mut agent =
-        ready_agent(&server, &token, dir.path(), &json!({"workspace": {}}), |agent| agent.confirm_timeout("1s")).await;
+        ready_agent(&server, &token, dir.path(), &Spec::default(), |agent| agent.confirm_timeout("1s")).await;
     for _ in 0..50 {
         server.script_upgrade(ScriptedUpgrade::status(503).for_credential(CredentialKind::Run));
     }
     let marker = dir.path().join("marker");
     let execution_id = server.assign(&token, setup(&mark(&marker)));
     let code = agent.wait_exit(EXIT).await;
-    assert_exit(&agent, code, 13, "no confirmation within STANDBY_CONFIRM_TIMEOUT");
+    assert_exit(&agent, code, ExitCode::InstallFailed, "no confirmation within STANDBY_CONFIRM_TIMEOUT");
     let failures = server.install_failures(&execution_id);
     assert_eq!(failures.len(), 1, "{:?}", server.events(&execution_id));
-    assert_eq!((failures[0].stage.as_str(), failures[0].requeueable), ("confirm", true));
-    assert_eq!(event_kinds(&server, &execution_id), ["install_failed"]);
+    assert_eq!((failures[0].stage.as_str(), failures[0].requeueable), (Stage::Confirm.name(), true));
+    assert!(matches!(event_kinds(&server, &execution_id)[..], [EventKind::InstallFailed { .. }]));
     assert!(!marker.exists(), "an unconfirmed run never starts");
     assert!(run_upgrades(&server).iter().all(|status| *status == 503));
     server.assert_no_violations();
@@ -346,7 +359,7 @@ struct FailingInstall<'a> {
     /// Builds the execution; its argument is the run's marker command.
     execution: &'a dyn Fn(&str) -> ExecutionSetup,
     arrange: &'a dyn Fn(&TestServer),
-    stages: &'a [&'a str],
+    stages: &'a [Stage],
     requeueable: bool,
     /// Something the message must name.
     names: Option<&'a str>,
@@ -360,12 +373,12 @@ async fn assert_install_fails(dir: &TempDir, case: FailingInstall<'_>) -> (TestS
     let marker = dir.path().join("marker");
     let execution_id = server.assign(&token, (case.execution)(&mark(&marker)));
     let code = agent.wait_exit(EXIT).await;
-    assert_exit(&agent, code, 13, "the install failed");
+    assert_exit(&agent, code, ExitCode::InstallFailed, "the install failed");
     let failures = server.install_failures(&execution_id);
     assert_eq!(failures.len(), 1, "one install_failed: {:?}", server.events(&execution_id));
     let failure = &failures[0];
     assert!(
-        case.stages.contains(&failure.stage.as_str()),
+        case.stages.iter().any(|stage| stage.name() == failure.stage),
         "stage {:?}, expected one of {:?}",
         failure.stage,
         case.stages
@@ -374,7 +387,7 @@ async fn assert_install_fails(dir: &TempDir, case: FailingInstall<'_>) -> (TestS
     if let Some(needle) = case.names {
         assert!(failure.message.contains(needle), "the message does not name {needle:?}: {:?}", failure.message);
     }
-    assert_eq!(event_kinds(&server, &execution_id), ["install_failed"]);
+    assert!(matches!(event_kinds(&server, &execution_id)[..], [EventKind::InstallFailed { .. }]));
     assert!(!marker.exists(), "the run's command ran although the install failed");
     server.assert_no_violations();
     (server, execution_id)
@@ -396,7 +409,7 @@ async fn a_fingerprint_mismatch_fails_requeueable() {
             configure: &|agent| agent,
             execution: &|run| setup(run).workspace(workspace(&step("other"))).secret("API_KEY", "fp-secret-1"),
             arrange: &|_| {},
-            stages: &["same_preparation"],
+            stages: &[Stage::SamePreparation],
             requeueable: true,
             names: Some("fingerprint"),
         },
@@ -411,11 +424,11 @@ async fn a_failing_secrets_endpoint_fails_requeueable_within_the_install_timeout
     assert_install_fails(
         &dir,
         FailingInstall {
-            spec: json!({"workspace": {}}),
+            spec: json!(Spec::default()),
             configure: &|agent| agent.install_timeout("1s"),
             execution: &|run| setup(run).secret("API_KEY", "never-served-1"),
             arrange: &|server| server.fail(Endpoint::Secrets, Failure::always(500)),
-            stages: &["secrets", "install"],
+            stages: &[Stage::Secrets, Stage::Install],
             requeueable: true,
             names: None,
         },
@@ -434,7 +447,7 @@ async fn a_strict_mcp_server_that_fails_to_restart_fails_requeueable() {
             configure: &|agent| agent,
             execution: &|run| setup(run).mcp_env("PROBE_FAIL", "1").strict_mcp(true),
             arrange: &|_| {},
-            stages: &["mcp"],
+            stages: &[Stage::Mcp],
             requeueable: true,
             names: Some("flaky"),
         },
@@ -456,7 +469,7 @@ async fn a_busy_idle_shell_is_refused_requeueable() {
             configure: &|agent| agent,
             execution: &setup,
             arrange: &|_| {},
-            stages: &["terminal"],
+            stages: &[Stage::Terminal],
             requeueable: true,
             names: Some("foreground job"),
         },
@@ -470,11 +483,11 @@ async fn a_path_traversing_attachment_name_fails_not_requeueable() {
     let (server, _) = assert_install_fails(
         &dir,
         FailingInstall {
-            spec: json!({"workspace": {}}),
+            spec: json!(Spec::default()),
             configure: &|agent| agent,
             execution: &|run| setup(run).attachment("../x", b"escaped"),
             arrange: &|_| {},
-            stages: &["attachments"],
+            stages: &[Stage::Attachments],
             requeueable: false,
             names: Some("../x"),
         },
@@ -490,11 +503,11 @@ async fn an_empty_command_fails_not_requeueable() {
     let (server, _) = assert_install_fails(
         &dir,
         FailingInstall {
-            spec: json!({"workspace": {}}),
+            spec: json!(Spec::default()),
             configure: &|agent| agent,
             execution: &|_| ExecutionSetup::new(&[]).secret("API_KEY", "empty-cmd-1"),
             arrange: &|_| {},
-            stages: &["check"],
+            stages: &[Stage::Check],
             requeueable: false,
             names: Some("command"),
         },
@@ -509,11 +522,11 @@ async fn a_cwd_leaving_the_workspace_fails_not_requeueable() {
     let (server, _) = assert_install_fails(
         &dir,
         FailingInstall {
-            spec: json!({"workspace": {}}),
+            spec: json!(Spec::default()),
             configure: &|agent| agent,
             execution: &|run| setup(run).cwd("../outside").secret("API_KEY", "cwd-1"),
             arrange: &|_| {},
-            stages: &["check"],
+            stages: &[Stage::Check],
             requeueable: false,
             names: Some("../outside"),
         },
@@ -528,11 +541,11 @@ async fn a_missing_cwd_fails_not_requeueable() {
     assert_install_fails(
         &dir,
         FailingInstall {
-            spec: json!({"workspace": {}}),
+            spec: json!(Spec::default()),
             configure: &|agent| agent,
             execution: &|run| setup(run).cwd("no-such-dir"),
             arrange: &|_| {},
-            stages: &["check"],
+            stages: &[Stage::Check],
             requeueable: false,
             names: Some("no-such-dir"),
         },
@@ -552,8 +565,8 @@ async fn a_non_strict_mcp_failure_degrades_the_run_which_still_starts() {
     let marker = dir.path().join("marker");
     let execution_id = server.assign(&token, setup(&mark(&marker)).mcp_env("PROBE_FAIL", "1"));
     let code = agent.wait_exit(EXIT).await;
-    assert_exit(&agent, code, 0, "a degraded run still runs");
-    assert_eq!(event_kinds(&server, &execution_id), ["started", "exited"]);
+    assert_exit(&agent, code, ExitCode::Success, "a degraded run still runs");
+    assert_eq!(event_kinds(&server, &execution_id), [EventKind::Started, EventKind::Exited { code: 0 }]);
     assert_eq!(server.events(&execution_id)[1].kind, EventKind::Exited { code: 0 });
     assert_eq!(line_count(&marker), 1);
     server.assert_no_violations();
@@ -600,7 +613,7 @@ async fn mcp_servers_see_no_secret() {
         .mcp_env("SHARED", "from-run");
     let execution_id = server.assign(&token, execution);
     let code = agent.wait_exit(EXIT).await;
-    assert_exit(&agent, code, 0, "the run finished");
+    assert_exit(&agent, code, ExitCode::Success, "the run finished");
     let run_credential = server.run_credential(&execution_id).expect("minted");
 
     let all = read_dumps(&dumps);
@@ -692,8 +705,8 @@ echo findings written"#,
         .attachment("spec.md", attachment);
     let execution_id = server.assign(&token, execution);
     let code = agent.wait_exit(EXIT).await;
-    assert_exit(&agent, code, 0, "the run finished");
-    assert_eq!(event_kinds(&server, &execution_id), ["started", "exited"]);
+    assert_exit(&agent, code, ExitCode::Success, "the run finished");
+    assert_eq!(event_kinds(&server, &execution_id), [EventKind::Started, EventKind::Exited { code: 0 }]);
     assert_eq!(server.events(&execution_id)[1].kind, EventKind::Exited { code: 0 });
     assert!(contains(&server.log(&execution_id), b"findings written"), "the run's output is shipped");
 
@@ -766,8 +779,7 @@ async fn secrets_are_redacted_across_batches_and_in_encoded_forms() {
     let server = TestServer::start().await;
     let dir = scratch();
     let token = server.add_standby();
-    let mut agent =
-        ready_agent(&server, &token, dir.path(), &json!({"workspace": {}}), |agent| agent.log_filter("trace")).await;
+    let mut agent = ready_agent(&server, &token, dir.path(), &Spec::default(), |agent| agent.log_filter("trace")).await;
     // A quote, a backslash and reserved characters make every form differ.
     let secret = "r3d\"act\\me/n0w+ok";
     let (half1, half2) = secret.split_at(8);
@@ -800,7 +812,7 @@ echo end-of-run"#
         .env("GIT_PASSWORD_COPY", git_password);
     let execution_id = server.assign(&token, execution);
     let code = agent.wait_exit(EXIT).await;
-    assert_exit(&agent, code, 0, "the run finished");
+    assert_exit(&agent, code, ExitCode::Success, "the run finished");
     assert_eq!(
         server.events(&execution_id).last().map(|event| event.kind.clone()),
         Some(EventKind::Exited { code: 0 })
@@ -843,7 +855,7 @@ async fn cancel_before_the_run_starts_means_it_never_starts() {
     let server = TestServer::start().await;
     let dir = scratch();
     let token = server.add_standby();
-    let mut agent = ready_agent(&server, &token, dir.path(), &json!({"workspace": {}}), |agent| agent).await;
+    let mut agent = ready_agent(&server, &token, dir.path(), &Spec::default(), |agent| agent).await;
     server.set_endpoint_latency(Endpoint::Secrets, Duration::from_secs(2));
     let marker = dir.path().join("marker");
     let execution_id = server.assign(&token, setup(&mark(&marker)).secret("API_KEY", "cancelled-1"));
@@ -854,8 +866,8 @@ async fn cancel_before_the_run_starts_means_it_never_starts() {
         .await;
     server.cancel(&execution_id).expect("cancel");
     let code = agent.wait_exit(EXIT).await;
-    assert_exit(&agent, code, 0, "cancelled before the start");
-    assert_eq!(event_kinds(&server, &execution_id), ["cancelled"]);
+    assert_exit(&agent, code, ExitCode::Success, "cancelled before the start");
+    assert_eq!(event_kinds(&server, &execution_id), [EventKind::Cancelled]);
     assert!(!marker.exists(), "a run cancelled before its start ran");
     agent.wait_no_leftovers(EXIT).await;
     server.assert_no_violations();
@@ -870,11 +882,11 @@ async fn running(
     configure: impl FnOnce(AgentBuilder) -> AgentBuilder,
 ) -> (AgentProcess, String, i32) {
     let token = server.add_standby();
-    let mut agent = ready_agent(server, &token, dir, &json!({"workspace": {}}), configure).await;
+    let mut agent = ready_agent(server, &token, dir, &Spec::default(), configure).await;
     let pid_file = dir.join("run.pid");
     let script = script.replace("PIDFILE", &format!("'{}'", pid_file.display()));
     let execution_id = server.assign(&token, setup(&script));
-    agent.watch(server.wait_for_event(&execution_id, "started")).await;
+    agent.watch(server.wait_for_event(&execution_id, |kind| *kind == EventKind::Started)).await;
     let pid = agent.watch(read_pid_file(&pid_file, EXIT)).await;
     agent.descendants();
     (agent, execution_id, pid)
@@ -889,8 +901,8 @@ async fn cancel_during_the_run_terminates_its_process_group() {
     let (mut agent, execution_id, pid) = running(&server, dir.path(), &script, |agent| agent).await;
     server.cancel(&execution_id).expect("cancel");
     let code = agent.wait_exit(EXIT).await;
-    assert_exit(&agent, code, 0, "cancelled during the run");
-    assert_eq!(event_kinds(&server, &execution_id), ["started", "cancelled"]);
+    assert_exit(&agent, code, ExitCode::Success, "cancelled during the run");
+    assert_eq!(event_kinds(&server, &execution_id), [EventKind::Started, EventKind::Cancelled]);
     assert_eq!(read(&signalled).trim(), "TERM", "the run got SIGTERM first");
     wait_group_gone(pid, EXIT).await;
     agent.wait_no_leftovers(EXIT).await;
@@ -907,8 +919,8 @@ async fn a_run_ignoring_sigterm_is_killed_after_the_cancel_grace() {
     server.cancel(&execution_id).expect("cancel");
     // Without the SIGKILL the run would live for 100 s, past this wait.
     let code = agent.wait_exit(EXIT).await;
-    assert_exit(&agent, code, 0, "cancelled during the run");
-    assert_eq!(event_kinds(&server, &execution_id), ["started", "cancelled"]);
+    assert_exit(&agent, code, ExitCode::Success, "cancelled during the run");
+    assert_eq!(event_kinds(&server, &execution_id), [EventKind::Started, EventKind::Cancelled]);
     wait_group_gone(pid, EXIT).await;
     agent.wait_no_leftovers(EXIT).await;
     server.assert_no_violations();
@@ -922,9 +934,8 @@ async fn sigterm_during_the_run_is_forwarded_and_the_exit_reported() {
     let (mut agent, execution_id, pid) = running(&server, dir.path(), script, |agent| agent).await;
     agent.signal(Signal::SIGTERM);
     let code = agent.wait_exit(EXIT).await;
-    assert_exit(&agent, code, 0, "SIGTERM during the run");
-    assert_eq!(event_kinds(&server, &execution_id), ["started", "exited"]);
-    assert_eq!(server.events(&execution_id)[1].kind, EventKind::Exited { code: 42 });
+    assert_exit(&agent, code, ExitCode::Success, "SIGTERM during the run");
+    assert_eq!(event_kinds(&server, &execution_id), [EventKind::Started, EventKind::Exited { code: 42 }]);
     assert!(contains(&server.log(&execution_id), b"got-term"), "the run's trap output is shipped");
     wait_group_gone(pid, EXIT).await;
     agent.wait_no_leftovers(EXIT).await;
@@ -938,12 +949,11 @@ async fn the_exit_code_is_reported_and_the_log_is_complete_and_in_order() {
     let server = TestServer::start().await;
     let dir = scratch();
     let token = server.add_standby();
-    let mut agent = ready_agent(&server, &token, dir.path(), &json!({"workspace": {}}), |agent| agent).await;
+    let mut agent = ready_agent(&server, &token, dir.path(), &Spec::default(), |agent| agent).await;
     let execution_id = server.assign(&token, setup("seq 1 20000; exit 7"));
     let code = agent.wait_exit(EXIT).await;
-    assert_exit(&agent, code, 0, "the run finished (with 7)");
-    assert_eq!(event_kinds(&server, &execution_id), ["started", "exited"]);
-    assert_eq!(server.events(&execution_id)[1].kind, EventKind::Exited { code: 7 });
+    assert_exit(&agent, code, ExitCode::Success, "the run finished (with 7)");
+    assert_eq!(event_kinds(&server, &execution_id), [EventKind::Started, EventKind::Exited { code: 7 }]);
     let expected: String = (1..=20_000).map(|n| format!("{n}\r\n")).collect();
     let log = server.log(&execution_id);
     assert!(
@@ -961,7 +971,7 @@ async fn install_with_latency(plan: Option<&str>) -> (TestServer, String) {
     let server = TestServer::start().await;
     let dir = scratch();
     let token = server.add_standby();
-    let mut agent = ready_agent(&server, &token, dir.path(), &json!({"workspace": {}}), |agent| match plan {
+    let mut agent = ready_agent(&server, &token, dir.path(), &Spec::default(), |agent| match plan {
         Some(plan) => agent.arg("--install-plan").arg(plan),
         None => agent,
     })
@@ -977,7 +987,7 @@ async fn install_with_latency(plan: Option<&str>) -> (TestServer, String) {
         .cloud_env("CLOUD_TOKEN", "plan-cloud-3");
     let execution_id = server.assign(&token, execution);
     let code = agent.wait_exit(EXIT).await;
-    assert_exit(&agent, code, 0, "the run finished");
+    assert_exit(&agent, code, ExitCode::Success, "the run finished");
     let called: std::collections::BTreeSet<Endpoint> = server
         .http_calls()
         .iter()
@@ -1013,15 +1023,15 @@ async fn a_retried_event_keeps_its_event_id() {
     let server = TestServer::start().await;
     let dir = scratch();
     let token = server.add_standby();
-    let mut agent = ready_agent(&server, &token, dir.path(), &json!({"workspace": {}}), |agent| agent).await;
+    let mut agent = ready_agent(&server, &token, dir.path(), &Spec::default(), |agent| agent).await;
     let gate = dir.path().join("gate");
     server.fail(Endpoint::Events, Failure::times(503, 2));
     let execution_id = server.assign(&token, setup(&wait_gate(&gate)));
-    let started = agent.watch(server.wait_for_event(&execution_id, "started")).await;
+    let started = agent.watch(server.wait_for_event(&execution_id, |kind| *kind == EventKind::Started)).await;
     // `exited` waits for the gate, so the two failures met `started` only.
     std::fs::write(&gate, "").expect("open the gate");
     let code = agent.wait_exit(EXIT).await;
-    assert_exit(&agent, code, 0, "the run finished");
+    assert_exit(&agent, code, ExitCode::Success, "the run finished");
 
     let posts: Vec<(Option<String>, u16)> = server
         .http_calls()
@@ -1036,6 +1046,10 @@ async fn a_retried_event_keeps_its_event_id() {
         .collect();
     assert_eq!(of_started, [503, 503, 202], "the retries of `started` changed its event_id: {posts:?}");
     assert!(posts.iter().all(|(event_id, _)| event_id.is_some()), "an event without event_id: {posts:?}");
-    assert_eq!(event_kinds(&server, &execution_id), ["started", "exited"], "one event per report");
+    assert_eq!(
+        event_kinds(&server, &execution_id),
+        [EventKind::Started, EventKind::Exited { code: 0 }],
+        "one event per report"
+    );
     server.assert_no_violations();
 }

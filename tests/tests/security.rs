@@ -38,12 +38,16 @@ use std::time::Duration;
 use futures::{SinkExt, StreamExt};
 use nix::sys::signal::Signal;
 use serde_json::{Value, json};
-use standby_e2e::harness::write_json;
+use standby_e2e::harness::{assert_exit, write_json};
 use standby_e2e::proxy::{ConnInfo, Direction, Fault, FaultPolicy, FaultProxy};
 use standby_e2e::server::{ExecutionSetup, Frame};
 use standby_e2e::server_process::{API_KEY, ControlSocket, ServerBuilder, ServerProcess, free_addr, tail};
 use standby_e2e::{AgentBuilder, TestServer};
-use standby_protocol::{AgentMessage, AgentState, ServerMessage};
+use standby_protocol::layout::StateDir;
+use standby_protocol::{
+    AgentMessage, AgentState, Cause, Event, EventKind, ExitCode, LogChunk, PROTOCOL_HEADER, PROTOCOL_VERSION,
+    SOCKET_PATH, SPEC_PATH, ServerMessage, Stage, paths,
+};
 use tempfile::TempDir;
 use tokio_tungstenite::tungstenite::Message;
 
@@ -179,7 +183,7 @@ impl Spooled {
         let mut request = reqwest::Client::new()
             .request(method, format!("{}{path}", self.server.url()))
             .bearer_auth(credential)
-            .header("Standby-Protocol", "1");
+            .header(PROTOCOL_HEADER, PROTOCOL_VERSION);
         if let Some(body) = body {
             request = request.header("Content-Type", "application/json").body(body.to_owned());
         }
@@ -261,19 +265,25 @@ async fn closed_by_server(socket: &mut Socket) {
     tokio::time::timeout(WAIT, read).await.expect("the server closes the socket within the wait");
 }
 
+/// The body of a `POST …/events` reporting `kind`.
+fn event_body(kind: EventKind) -> String {
+    serde_json::to_string(&Event { event_id: format!("e-{}", kind.name()), kind }).expect("an event serializes")
+}
+
 /// Every call the run credential makes, with a body where it is a `POST`.
-fn execution_calls(id: &str) -> Vec<(reqwest::Method, String, Option<&'static str>)> {
+fn execution_calls(id: &str) -> Vec<(reqwest::Method, String, Option<String>)> {
     let get = reqwest::Method::GET;
     let post = reqwest::Method::POST;
+    let chunk = serde_json::to_string(&LogChunk::new(0, b"hi")).expect("a chunk serializes");
     vec![
-        (get.clone(), format!("/v1/executions/{id}/secrets"), None),
-        (get.clone(), format!("/v1/executions/{id}/attachments"), None),
-        (get.clone(), format!("/v1/executions/{id}/attachments/notes.txt"), None),
-        (post.clone(), format!("/v1/executions/{id}/git-credentials"), Some("{}")),
-        (get, format!("/v1/executions/{id}/metadata"), None),
-        (post.clone(), format!("/v1/executions/{id}/cloud-credentials"), Some("{}")),
-        (post.clone(), format!("/v1/executions/{id}/events"), Some(r#"{"event_id": "e-probe", "type": "started"}"#)),
-        (post, format!("/v1/executions/{id}/log"), Some(r#"{"offset": 0, "data": "aGk="}"#)),
+        (get.clone(), paths::secrets(id), None),
+        (get.clone(), paths::attachments(id), None),
+        (get.clone(), paths::attachment(id, "notes.txt"), None),
+        (post.clone(), paths::git_credentials(id), Some("{}".to_owned())),
+        (get, paths::metadata(id), None),
+        (post.clone(), paths::cloud_credentials(id), Some("{}".to_owned())),
+        (post.clone(), paths::events(id), Some(event_body(EventKind::Started))),
+        (post, paths::log(id), Some(chunk)),
     ]
 }
 
@@ -294,8 +304,7 @@ async fn a_run_credential_is_refused_after_cancel() {
     let token = spooled.tokens(1).await.remove(0);
     let mut standby = spooled.ready_standby(&token).await;
     let (id, credential) = spooled.assigned(&mut standby, &run_with_secrets("cancel-secret-1")).await;
-    let (status, secrets) =
-        spooled.agent_call(reqwest::Method::GET, &format!("/v1/executions/{id}/secrets"), &credential, None).await;
+    let (status, secrets) = spooled.agent_call(reqwest::Method::GET, &paths::secrets(&id), &credential, None).await;
     assert_eq!(status, 200, "valid before the cancel: {secrets}");
     let (status, run) =
         spooled.server.call(reqwest::Method::POST, &format!("/v1/runs/{id}/cancel"), Some(API_KEY), None).await;
@@ -306,8 +315,8 @@ async fn a_run_credential_is_refused_after_cancel() {
     // retired: see the next test for them.
     assert_eq!(spooled.server.upgrade_status(&credential).await, 410, "the control socket refuses it");
     for (method, path, body) in execution_calls(&id) {
-        let (status, answer) = spooled.agent_call(method.clone(), &path, &credential, body).await;
-        let reports = path.ends_with("/events") || path.ends_with("/log");
+        let (status, answer) = spooled.agent_call(method.clone(), &path, &credential, body.as_deref()).await;
+        let reports = path == paths::events(&id) || path == paths::log(&id);
         assert!(status == 410 || (reports && status == 200), "{method} {path} after the cancel: {status} {answer}");
         assert!(!answer.to_string().contains("cancel-secret-1"), "a refusal leaked a secret: {answer}");
     }
@@ -326,27 +335,27 @@ async fn after_a_cancel_the_run_credential_reports_the_end_and_nothing_else() {
     let mut run_socket = spooled.server.upgrade(&credential).await.expect("the run credential connects");
     run_socket.send(heartbeat(AgentState::Running, Some(&id))).await.expect("a heartbeat");
     assert_eq!(next_assignment(&mut run_socket).await.0, id);
-    let events = format!("/v1/executions/{id}/events");
-    let started = r#"{"event_id": "e-started", "type": "started"}"#;
-    assert_eq!(spooled.agent_call(reqwest::Method::POST, &events, &credential, Some(started)).await.0, 200);
+    let events = paths::events(&id);
+    let started = event_body(EventKind::Started);
+    assert_eq!(spooled.agent_call(reqwest::Method::POST, &events, &credential, Some(&started)).await.0, 200);
     let (status, run) =
         spooled.server.call(reqwest::Method::POST, &format!("/v1/runs/{id}/cancel"), Some(API_KEY), None).await;
     assert_eq!((status, run["state"].as_str()), (200, Some("cancelling")), "{run}");
     drop(run_socket);
-    let log = format!("/v1/executions/{id}/log");
+    let log = paths::log(&id);
     let (status, answer) =
         spooled.agent_call(reqwest::Method::POST, &log, &credential, Some(r#"{"offset": 0, "data": "aGk="}"#)).await;
     assert_eq!(status, 200, "the run's log after the cancel: {answer}");
     for (method, path, body) in execution_calls(&id) {
-        if !(path.ends_with("/events") || path.ends_with("/log")) {
-            let (status, answer) = spooled.agent_call(method.clone(), &path, &credential, body).await;
+        if path != paths::events(&id) && path != paths::log(&id) {
+            let (status, answer) = spooled.agent_call(method.clone(), &path, &credential, body.as_deref()).await;
             assert_eq!(status, 410, "{method} {path} after the cancel: {answer}");
             assert!(!answer.to_string().contains("cancel-secret-6"), "a refusal leaked a secret: {answer}");
         }
     }
     assert_eq!(spooled.server.upgrade_status(&credential).await, 410, "the control socket refuses it");
-    let cancelled = r#"{"event_id": "e-cancelled", "type": "cancelled"}"#;
-    let (status, answer) = spooled.agent_call(reqwest::Method::POST, &events, &credential, Some(cancelled)).await;
+    let cancelled = event_body(EventKind::Cancelled);
+    let (status, answer) = spooled.agent_call(reqwest::Method::POST, &events, &credential, Some(&cancelled)).await;
     assert_eq!(status, 200, "the agent reports the cancel: {answer}");
     assert_eq!(spooled.server.run(&id).await["state"], "cancelled");
     refused_as_ended(&spooled, &id, &credential, "cancel-secret-6").await;
@@ -364,23 +373,21 @@ async fn a_run_credential_is_refused_after_requeue() {
     let mut run_socket = spooled.server.upgrade(&credential).await.expect("the run credential connects");
     run_socket.send(heartbeat(AgentState::Installing, Some(&id))).await.expect("a heartbeat");
     assert_eq!(next_assignment(&mut run_socket).await.0, id, "the replay confirms delivery");
-    let failed = r#"{"event_id": "e-fail", "type": "install_failed", "requeueable": true, "stage": "secrets", "message": "probe"}"#;
-    let (status, _) = spooled
-        .agent_call(reqwest::Method::POST, &format!("/v1/executions/{id}/events"), &credential, Some(failed))
-        .await;
+    let failed = event_body(EventKind::install_failed(Stage::Secrets, Cause::Network, "probe"));
+    let (status, _) = spooled.agent_call(reqwest::Method::POST, &paths::events(&id), &credential, Some(&failed)).await;
     assert_eq!(status, 200);
     let run = spooled.server.run(&id).await;
     assert_eq!(run["attempts"][0]["outcome"], "requeued", "{run}");
     assert_eq!(run["attempts"].as_array().map(Vec::len), Some(2), "requeued to a new attempt: {run}");
     assert_eq!(spooled.server.upgrade_status(&credential).await, 401, "the control socket refuses it");
     for (method, path, body) in execution_calls(&id) {
-        let (status, answer) = spooled.agent_call(method.clone(), &path, &credential, body).await;
+        let (status, answer) = spooled.agent_call(method.clone(), &path, &credential, body.as_deref()).await;
         assert_eq!(status, 401, "{method} {path} after the requeue: {answer}");
     }
     // The cold sandbox of the second attempt gets its own run credential.
     let cold = spooled.token_of(run["attempts"][1]["sandbox_id"].as_str().expect("a sandbox")).await;
     // As an agent does: the spec first, then the control socket.
-    let (status, _) = spooled.agent_call(reqwest::Method::GET, "/v1/standby/spec", &cold, None).await;
+    let (status, _) = spooled.agent_call(reqwest::Method::GET, SPEC_PATH, &cold, None).await;
     assert_eq!(status, 200);
     let mut cold_socket = spooled.server.upgrade(&cold).await.expect("the cold sandbox connects");
     cold_socket.send(heartbeat(AgentState::Preparing, None)).await.expect("a heartbeat");
@@ -395,7 +402,7 @@ async fn a_run_credential_is_refused_after_requeue() {
 async fn refused_as_ended(spooled: &Spooled, id: &str, credential: &str, secret: &str) {
     assert_eq!(spooled.server.upgrade_status(credential).await, 410, "the control socket refuses it");
     for (method, path, body) in execution_calls(id) {
-        let (status, answer) = spooled.agent_call(method.clone(), &path, credential, body).await;
+        let (status, answer) = spooled.agent_call(method.clone(), &path, credential, body.as_deref()).await;
         assert_eq!(status, 410, "{method} {path} after the run ended: {answer}");
         assert!(!answer.to_string().contains(secret), "a refusal leaked a secret: {answer}");
     }
@@ -411,7 +418,7 @@ async fn refused_as_ended(spooled: &Spooled, id: &str, credential: &str, secret:
 async fn a_run_credential_is_refused_once_its_run_exited_and_after_a_restart() {
     let spooled = spooled(1).await;
     let token = spooled.tokens(1).await.remove(0);
-    let (status, spec) = spooled.agent_call(reqwest::Method::GET, "/v1/standby/spec", &token, None).await;
+    let (status, spec) = spooled.agent_call(reqwest::Method::GET, SPEC_PATH, &token, None).await;
     assert_eq!(status, 200, "{spec}");
     let mut standby = spooled.ready_standby(&token).await;
     let id = spooled.server.submit(&run_with_secrets("exited-secret-4")).await;
@@ -426,13 +433,12 @@ async fn a_run_credential_is_refused_once_its_run_exited_and_after_a_restart() {
     assert_eq!(replay.run.workspace, assignment.run.workspace, "the replay names it too");
     // The agent's end: its last log chunk, then `exited`.
     let calls = [
-        ("log", r#"{"offset": 0, "data": "aGk="}"#),
-        ("events", r#"{"event_id": "e-started", "type": "started"}"#),
-        ("events", r#"{"event_id": "e-exited", "type": "exited", "code": 0}"#),
+        (paths::log(&id), r#"{"offset": 0, "data": "aGk="}"#.to_owned()),
+        (paths::events(&id), event_body(EventKind::Started)),
+        (paths::events(&id), event_body(EventKind::Exited { code: 0 })),
     ];
-    for (call, body) in calls {
-        let path = format!("/v1/executions/{id}/{call}");
-        let (status, answer) = spooled.agent_call(reqwest::Method::POST, &path, &credential, Some(body)).await;
+    for (path, body) in calls {
+        let (status, answer) = spooled.agent_call(reqwest::Method::POST, &path, &credential, Some(&body)).await;
         assert_eq!(status, 200, "{path} {body}: {answer}");
     }
     assert_eq!(spooled.server.run(&id).await["state"], "exited");
@@ -448,10 +454,10 @@ async fn a_run_credential_is_refused_once_its_run_exited_and_after_a_restart() {
 /// `/ws` with `token` as an agent would: the status and any `Retry-After`.
 async fn upgrade_answer(server: &ServerProcess, token: &str) -> (u16, Option<String>) {
     use tokio_tungstenite::tungstenite::client::IntoClientRequest;
-    let url = format!("{}/ws", server.url().replacen("http", "ws", 1));
+    let url = format!("{}{SOCKET_PATH}", server.url().replacen("http", "ws", 1));
     let mut request = url.into_client_request().expect("a request");
     request.headers_mut().insert("Authorization", format!("Bearer {token}").parse().expect("a header"));
-    request.headers_mut().insert("Standby-Protocol", "1".parse().expect("a header"));
+    request.headers_mut().insert(PROTOCOL_HEADER, PROTOCOL_VERSION.parse().expect("a header"));
     match tokio_tungstenite::connect_async(request).await {
         Ok(_) => (101, None),
         Err(tokio_tungstenite::tungstenite::Error::Http(response)) => {
@@ -562,13 +568,12 @@ async fn one_executions_credential_cannot_read_another_executions_data() {
     let (a, credential_a) = spooled.assigned_either(&mut first, &mut second, "isolation-secret-a").await;
     let (b, credential_b) = spooled.assigned_either(&mut first, &mut second, "isolation-secret-b").await;
     assert_ne!(a, b);
-    let (status, own) =
-        spooled.agent_call(reqwest::Method::GET, &format!("/v1/executions/{a}/secrets"), &credential_a, None).await;
+    let (status, own) = spooled.agent_call(reqwest::Method::GET, &paths::secrets(&a), &credential_a, None).await;
     assert_eq!(status, 200, "{own}");
     assert_eq!(own["secrets"]["API_TOKEN"], "isolation-secret-a");
     for (credential, other) in [(&credential_a, &b), (&credential_b, &a)] {
         for (method, path, body) in execution_calls(other) {
-            let (status, answer) = spooled.agent_call(method.clone(), &path, credential, body).await;
+            let (status, answer) = spooled.agent_call(method.clone(), &path, credential, body.as_deref()).await;
             assert!(
                 [401, 403].contains(&status),
                 "{method} {path} with another execution's credential: {status} {answer}"
@@ -578,8 +583,7 @@ async fn one_executions_credential_cannot_read_another_executions_data() {
     }
     // A standby credential is no run credential either.
     let spare = spooled.new_token(&tokens).await;
-    let (status, _) =
-        spooled.agent_call(reqwest::Method::GET, &format!("/v1/executions/{a}/secrets"), &spare, None).await;
+    let (status, _) = spooled.agent_call(reqwest::Method::GET, &paths::secrets(&a), &spare, None).await;
     assert!([401, 403].contains(&status), "a standby credential read secrets: {status}");
     spooled.stop().await;
 }
@@ -593,9 +597,9 @@ async fn credentials_are_stored_only_as_hashes() {
     let mut run_socket = spooled.server.upgrade(&credential).await.expect("the run credential connects");
     run_socket.send(heartbeat(AgentState::Running, Some(&id))).await.expect("a heartbeat");
     assert_eq!(next_assignment(&mut run_socket).await.0, id);
-    for (kind, extra) in [("started", ""), ("exited", r#", "code": 0"#)] {
-        let body = format!(r#"{{"event_id": "e-{kind}", "type": "{kind}"{extra}}}"#);
-        let path = format!("/v1/executions/{id}/events");
+    for kind in [EventKind::Started, EventKind::Exited { code: 0 }] {
+        let body = event_body(kind);
+        let path = paths::events(&id);
         assert_eq!(spooled.agent_call(reqwest::Method::POST, &path, &credential, Some(&body)).await.0, 200);
     }
     let replacement = spooled.new_token(std::slice::from_ref(&token)).await;
@@ -688,8 +692,8 @@ async fn malformed_bodies_get_400_naming_the_field() {
     let token = spooled.tokens(1).await.remove(0);
     let mut standby = spooled.ready_standby(&token).await;
     let (id, credential) = spooled.assigned(&mut standby, &json!({"command": ["true"]})).await;
-    let events = format!("/v1/executions/{id}/events");
-    let log = format!("/v1/executions/{id}/log");
+    let events = paths::events(&id);
+    let log = paths::log(&id);
     let agent = [
         (&events, r#"{"type": "started"}"#, "event_id"),
         (&events, r#"{"event_id": 5, "type": "started"}"#, "event_id"),
@@ -749,7 +753,8 @@ async fn setup_commands_and_every_child_of_the_agent_never_see_the_standby_crede
         assert!(!contains(&environ, b"STANDBY_TOKEN="), "child {pid} got STANDBY_TOKEN");
     }
     server.retire(&token, None).expect("retire");
-    assert_eq!(agent.wait_exit(WAIT).await, 0, "{}", agent.output_tail());
+    let code = agent.wait_exit(WAIT).await;
+    assert_exit(&agent, code, ExitCode::Success, "the agent finished");
     agent.assert_output_lacks(&[&token]);
 }
 
@@ -770,20 +775,22 @@ async fn secret_files_are_mode_0600() {
     agent.watch(server.wait_for_heartbeat(|heartbeat| heartbeat.state == AgentState::Ready)).await;
     // The run reports the modes: its files are removed when it ends.
     let modes = dir.path().join("modes");
-    let script = format!(
-        "cd .standby && stat -c '%a %n' metadata.json git-credentials attachments/spec.md > '{}'",
-        modes.display()
-    );
+    let state = StateDir::of(&workspace);
+    let files = [state.metadata_file(), state.git_credentials(), state.attachments_dir().join("spec.md")];
+    let quoted: Vec<String> = files.iter().map(|file| format!("'{}'", file.display())).collect();
+    let script = format!("stat -c '%a %n' {} > '{}'", quoted.join(" "), modes.display());
     let execution = ExecutionSetup::new(&["/bin/sh", "-c", &script])
         .secret("API_KEY", "mode-secret-4")
         .metadata(json!({"ticket": "t-4"}))
         .attachment("spec.md", b"# spec\n")
         .git_credential("https", "git.example", "bot", "mode-git-5");
     server.assign(&token, execution);
-    assert_eq!(agent.wait_exit(WAIT).await, 0, "{}", agent.output_tail());
+    let code = agent.wait_exit(WAIT).await;
+    assert_exit(&agent, code, ExitCode::Success, "the run finished");
     let modes = std::fs::read_to_string(&modes).unwrap_or_else(|e| panic!("{}: {e}", modes.display()));
-    let files: Vec<&str> = modes.lines().map(|line| line.split_once(' ').map_or(line, |(_, file)| file)).collect();
-    assert_eq!(files, ["metadata.json", "git-credentials", "attachments/spec.md"], "{modes}");
+    let listed: Vec<&str> = modes.lines().map(|line| line.split_once(' ').map_or(line, |(_, file)| file)).collect();
+    let expected: Vec<String> = files.iter().map(|file| file.display().to_string()).collect();
+    assert_eq!(listed, expected, "{modes}");
     for line in modes.lines() {
         assert!(line.starts_with("600 "), "not mode 0600: {line}");
     }
@@ -833,7 +840,8 @@ async fn a_cwd_through_a_symlink_leading_out_is_refused_and_nothing_is_fetched()
     let script = format!("touch '{}'", marker.display());
     let execution_id =
         server.assign(&token, ExecutionSetup::new(&["sh", "-c", &script]).cwd("escape").secret("K", "symlink-6"));
-    assert_eq!(agent.wait_exit(WAIT).await, 13, "{}", agent.output_tail());
+    let code = agent.wait_exit(WAIT).await;
+    assert_exit(&agent, code, ExitCode::InstallFailed, "the install failed");
     let failures = server.install_failures(&execution_id);
     assert_eq!(failures.len(), 1, "{:?}", server.events(&execution_id));
     assert_eq!((failures[0].stage.as_str(), failures[0].requeueable), ("check", false), "{:?}", failures[0]);
@@ -873,7 +881,8 @@ async fn a_64_mib_frame_closes_the_connection_without_growing_the_agents_memory(
     );
     assert_eq!(second.state, AgentState::Ready, "the oversized `retired` was not acted on");
     server.retire(&token, None).expect("retire");
-    assert_eq!(agent.wait_exit(WAIT).await, 0, "{}", agent.output_tail());
+    let code = agent.wait_exit(WAIT).await;
+    assert_exit(&agent, code, ExitCode::Success, "the agent finished");
 }
 
 // ---- no secret in any log line ------------------------------------------------------------------

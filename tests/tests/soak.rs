@@ -41,7 +41,7 @@ use standby_e2e::proxy::{
     ConnId, ConnInfo, Direction, Fault, FaultPolicy, FaultProxy, RandomFaults, Rng, seed_from_env,
 };
 use standby_e2e::server_process::{API_KEY, ServerBuilder, ServerProcess, marked, tail};
-use standby_protocol::{AgentMessage, AgentState};
+use standby_protocol::{AgentMessage, AgentState, Event, EventKind, PROTOCOL_HEADER, PROTOCOL_VERSION, SOCKET_PATH};
 use tokio::time::Instant;
 use tokio_tungstenite::tungstenite::{self, Message, client::IntoClientRequest};
 
@@ -143,7 +143,7 @@ impl PhaseFaults {
         let head = String::from_utf8_lossy(&conn.head);
         let first_path = head.split_whitespace().nth(1).unwrap_or_default();
         let index = |name: &str| PHASES.iter().position(|phase| *phase == name);
-        if first_path.ends_with("/ws") {
+        if first_path.ends_with(SOCKET_PATH) {
             let run = head.contains("Bearer run_");
             let text = match direction {
                 Direction::ToClient => String::from_utf8_lossy(data).into_owned(),
@@ -532,14 +532,14 @@ async fn soak_with_faults_kills_and_restarts_loses_nothing_and_runs_nothing_twic
     for id in runs.keys() {
         let events = server_now.get(&format!("/v1/runs/{id}/events")).await;
         let events = events["events"].as_array().cloned().unwrap_or_default();
-        let of = |kind: &str| events.iter().filter(|e| e["event"]["type"] == kind).count();
-        if of("started") > 1 || of("exited") + of("cancelled") > 1 {
-            problems.push(format!("run {id} has {} started and {} end events", of("started"), of("exited")));
+        let kind = |e: &Value| serde_json::from_value::<Event>(e["event"].clone()).ok().map(|event| event.kind);
+        let started: Vec<&Value> = events.iter().filter(|e| kind(e) == Some(EventKind::Started)).collect();
+        let ends = events.iter().filter(|e| matches!(kind(e), Some(EventKind::Exited { .. } | EventKind::Cancelled)));
+        let ends = ends.count();
+        if started.len() > 1 || ends > 1 {
+            problems.push(format!("run {id} has {} started and {ends} end events", started.len()));
         }
-        started_attempts.insert(
-            id.clone(),
-            events.iter().filter(|e| e["event"]["type"] == "started").filter_map(|e| e["attempt"].as_u64()).collect(),
-        );
+        started_attempts.insert(id.clone(), started.iter().filter_map(|e| e["attempt"].as_u64()).collect());
     }
     // Markers: no command ran twice, no sandbox ran two runs.
     let markers = std::fs::read_to_string(&marker).unwrap_or_default();
@@ -735,7 +735,7 @@ async fn storm_connection(storm: Arc<Storm>, index: usize, token: String, seed: 
         lock(&storm.attempts).push(Instant::now());
         let mut request = storm.ws_url.as_str().into_client_request().expect("a request");
         request.headers_mut().insert("Authorization", format!("Bearer {token}").parse().expect("a header"));
-        request.headers_mut().insert("Standby-Protocol", "1".parse().expect("a header"));
+        request.headers_mut().insert(PROTOCOL_HEADER, PROTOCOL_VERSION.parse().expect("a header"));
         let delay = match tokio_tungstenite::connect_async(request).await {
             Ok((socket, _)) => {
                 let since = Instant::now();
@@ -836,7 +836,7 @@ async fn reconnect_storm_of_a_thousand_standbys_spreads_with_the_agents_backoff(
         })
         .await;
     let storm = Arc::new(Storm {
-        ws_url: format!("ws://{}/ws", proxy.addr()),
+        ws_url: format!("ws://{}{SOCKET_PATH}", proxy.addr()),
         sessions: Mutex::new(vec![Vec::new(); tokens.len()]),
         attempts: Mutex::new(Vec::new()),
         due: Mutex::new(Vec::new()),

@@ -9,10 +9,12 @@ use std::time::{Duration, SystemTime};
 
 use nix::sys::signal::Signal;
 use serde_json::{Value, json};
+use standby_e2e::harness::event_kinds;
 use standby_e2e::harness::{assert_exit, read_pid_file, wait_processes_gone, write_json};
-use standby_e2e::server::{CredentialKind, Endpoint, ExecutionSetup, Failure, Frame, ScriptedUpgrade};
+use standby_e2e::server::{CredentialKind, Endpoint, ExecutionSetup, Failure, Frame, STANDBY_PREFIX, ScriptedUpgrade};
 use standby_e2e::{AgentBuilder, AgentProcess, GitRepo, TestServer};
-use standby_protocol::{AgentState, EventKind};
+use standby_protocol::layout::StateDir;
+use standby_protocol::{AgentState, EventKind, ExitCode, Spec, Stage};
 use tempfile::TempDir;
 
 /// Bound on every wait for the agent; generous because the machine is
@@ -23,7 +25,7 @@ fn scratch() -> TempDir {
     TempDir::with_prefix("standby-e2e-").expect("create a scratch directory")
 }
 
-fn write_spec(dir: &Path, spec: &Value) -> PathBuf {
+fn write_spec(dir: &Path, spec: &impl serde::Serialize) -> PathBuf {
     let path = dir.join("spec.json");
     write_json(&path, spec);
     path
@@ -50,7 +52,7 @@ fn with_processes(dir: &Path) -> Value {
 
 /// An agent on `server` with a spec file holding an empty workspace.
 fn agent(server: &TestServer, token: &str, dir: &Path) -> AgentBuilder {
-    AgentBuilder::new(&server.url(), token).spec_file(&write_spec(dir, &json!({"workspace": {}})))
+    AgentBuilder::new(&server.url(), token).spec_file(&write_spec(dir, &Spec::default()))
 }
 
 async fn wait_ready(server: &TestServer) {
@@ -67,7 +69,9 @@ async fn assert_unavailable(server: &TestServer, token: &str) {
     let dir = scratch();
     let mut agent = agent(server, token, dir.path()).spawn();
     let code = agent.wait_exit(EXIT).await;
-    assert_exit(&agent, code, 10, "410 on the standby credential");
+    // The number itself, as a supervisor reads it: what a 410 on the
+    // standby credential means on the wire.
+    assert_eq!(code, 10, "410 on the standby credential: exit {code}\n{}", agent.output_tail());
     let upgrades = server.upgrades();
     assert_eq!(upgrades.len(), 1, "410 is not retried:\n{}", server.records().summary());
     assert_eq!(upgrades[0].status, 410);
@@ -77,7 +81,7 @@ async fn assert_unavailable(server: &TestServer, token: &str) {
 #[tokio::test]
 async fn unknown_standby_credential_exits_10_without_retry() {
     let server = TestServer::start().await;
-    assert_unavailable(&server, "sby_never_issued_0123456789").await;
+    assert_unavailable(&server, &format!("{STANDBY_PREFIX}never_issued_0123456789")).await;
 }
 
 #[tokio::test]
@@ -103,7 +107,7 @@ async fn wrong_standby_credential_exits_11() {
     let token = "not-a-credential-5f2e9";
     let mut agent = agent(&server, token, dir.path()).spawn();
     let code = agent.wait_exit(EXIT).await;
-    assert_exit(&agent, code, 11, "401 on the standby credential");
+    assert_exit(&agent, code, ExitCode::Unauthorized, "401 on the standby credential");
     assert_eq!(server.upgrades().len(), 1, "401 is not retried");
     agent.assert_output_lacks(&[token]);
 }
@@ -116,7 +120,7 @@ async fn forbidden_standby_credential_exits_11() {
     server.script_upgrade(ScriptedUpgrade::status(403));
     let mut agent = agent(&server, &token, dir.path()).spawn();
     let code = agent.wait_exit(EXIT).await;
-    assert_exit(&agent, code, 11, "403 on the standby credential");
+    assert_exit(&agent, code, ExitCode::Unauthorized, "403 on the standby credential");
     assert_eq!(server.upgrades().len(), 1, "403 is not retried");
 }
 
@@ -128,7 +132,7 @@ async fn deadline_as_a_duration_exits_12() {
     let mut agent = agent(&server, &token, dir.path()).heartbeat_interval("200ms").deadline("2s").spawn();
     agent.watch(wait_ready(&server)).await;
     let code = agent.wait_exit(EXIT).await;
-    assert_exit(&agent, code, 12, "deadline with no assignment");
+    assert_exit(&agent, code, ExitCode::DeadlinePassed, "deadline with no assignment");
 }
 
 #[tokio::test]
@@ -139,7 +143,7 @@ async fn deadline_as_an_rfc3339_time_exits_12() {
     let deadline = humantime::format_rfc3339_seconds(SystemTime::now() + Duration::from_secs(3)).to_string();
     let mut agent = agent(&server, &token, dir.path()).deadline(&deadline).spawn();
     let code = agent.wait_exit(EXIT).await;
-    assert_exit(&agent, code, 12, "STANDBY_DEADLINE as RFC 3339 with no assignment");
+    assert_exit(&agent, code, ExitCode::DeadlinePassed, "STANDBY_DEADLINE as RFC 3339 with no assignment");
 }
 
 #[tokio::test]
@@ -147,10 +151,10 @@ async fn deadline_from_the_served_spec_exits_12() {
     let server = TestServer::start().await;
     let token = server.add_standby();
     let deadline = humantime::format_rfc3339_seconds(SystemTime::now() + Duration::from_secs(3)).to_string();
-    server.set_spec_json(json!({"workspace": {}, "deadline": deadline}));
+    server.set_spec(&Spec { deadline: Some(deadline), ..Spec::default() });
     let mut agent = AgentBuilder::new(&server.url(), &token).spawn();
     let code = agent.wait_exit(EXIT).await;
-    assert_exit(&agent, code, 12, "the spec's deadline with no assignment");
+    assert_exit(&agent, code, ExitCode::DeadlinePassed, "the spec's deadline with no assignment");
 }
 
 // ---- configuration -------------------------------------------------------
@@ -162,7 +166,7 @@ async fn bad_heartbeat_interval_exits_2_naming_the_setting_and_value() {
     let token = server.add_standby();
     let mut agent = agent(&server, &token, dir.path()).heartbeat_interval("abc").spawn();
     let code = agent.wait_exit(EXIT).await;
-    assert_exit(&agent, code, 2, "unparsable STANDBY_HEARTBEAT_INTERVAL");
+    assert_exit(&agent, code, ExitCode::Usage, "unparsable STANDBY_HEARTBEAT_INTERVAL");
     let stderr = agent.stderr();
     assert!(
         stderr.contains("abc")
@@ -176,7 +180,7 @@ async fn bad_heartbeat_interval_exits_2_naming_the_setting_and_value() {
 async fn missing_server_url_exits_2() {
     let mut agent = AgentBuilder::bare().env("STANDBY_TOKEN", "sby_x").spawn();
     let code = agent.wait_exit(EXIT).await;
-    assert_exit(&agent, code, 2, "no STANDBY_SERVER_URL");
+    assert_exit(&agent, code, ExitCode::Usage, "no STANDBY_SERVER_URL");
 }
 
 #[tokio::test]
@@ -184,7 +188,7 @@ async fn missing_token_exits_2() {
     let server = TestServer::start().await;
     let mut agent = AgentBuilder::new(&server.url(), "unused").env_remove("STANDBY_TOKEN").spawn();
     let code = agent.wait_exit(EXIT).await;
-    assert_exit(&agent, code, 2, "no STANDBY_TOKEN");
+    assert_exit(&agent, code, ExitCode::Usage, "no STANDBY_TOKEN");
     assert!(server.upgrades().is_empty());
 }
 
@@ -192,11 +196,10 @@ async fn missing_token_exits_2() {
 async fn plain_http_to_a_non_loopback_host_is_refused_without_insecure() {
     let dir = scratch();
     // TEST-NET-1: never routed, so nothing could answer anyway.
-    let mut agent = AgentBuilder::new("http://192.0.2.1:9", "sby_x")
-        .spec_file(&write_spec(dir.path(), &json!({"workspace": {}})))
-        .spawn();
+    let mut agent =
+        AgentBuilder::new("http://192.0.2.1:9", "sby_x").spec_file(&write_spec(dir.path(), &Spec::default())).spawn();
     let code = agent.wait_exit(EXIT).await;
-    assert_exit(&agent, code, 2, "plain http to a non-loopback host");
+    assert_exit(&agent, code, ExitCode::Usage, "plain http to a non-loopback host");
     let stderr = agent.stderr();
     assert!(stderr.contains("192.0.2.1") && stderr.contains("insecure"), "stderr does not explain:\n{stderr}");
 }
@@ -205,12 +208,12 @@ async fn plain_http_to_a_non_loopback_host_is_refused_without_insecure() {
 async fn plain_http_to_a_non_loopback_host_is_allowed_with_insecure() {
     let dir = scratch();
     let mut agent = AgentBuilder::new("http://192.0.2.1:9", "sby_x")
-        .spec_file(&write_spec(dir.path(), &json!({"workspace": {}})))
+        .spec_file(&write_spec(dir.path(), &Spec::default()))
         .arg("--insecure")
         .deadline("2s")
         .spawn();
     let code = agent.wait_exit(EXIT).await;
-    assert_exit(&agent, code, 12, "accepted with --insecure; nothing answers until the deadline");
+    assert_exit(&agent, code, ExitCode::DeadlinePassed, "accepted with --insecure; nothing answers until the deadline");
 }
 
 // ---- heartbeats and frames -----------------------------------------------
@@ -261,7 +264,7 @@ async fn heartbeats_follow_the_interval_from_preparing_to_ready() {
     assert_eq!(server.connections().len(), 1);
     server.retire(&token, None).expect("retire");
     let code = agent.wait_exit(EXIT).await;
-    assert_exit(&agent, code, 0, "retired");
+    assert_exit(&agent, code, ExitCode::Success, "retired");
     server.assert_no_violations();
 }
 
@@ -313,7 +316,7 @@ async fn binary_unknown_and_malformed_frames_are_skipped() {
     assert_eq!(server.connections().len(), 1, "junk frames made the agent reconnect");
     server.retire(&token, Some("still listening?")).expect("retire");
     let code = agent.wait_exit(EXIT).await;
-    assert_exit(&agent, code, 0, "retired after the junk frames");
+    assert_exit(&agent, code, ExitCode::Success, "retired after the junk frames");
     server.assert_no_violations();
 }
 
@@ -358,7 +361,7 @@ async fn reconnects_after_close_frames_and_dropped_connections_with_growing_back
     );
     server.retire(&token, None).expect("retire");
     let code = agent.wait_exit(EXIT).await;
-    assert_exit(&agent, code, 0, "retired");
+    assert_exit(&agent, code, ExitCode::Success, "retired");
 }
 
 #[tokio::test]
@@ -417,7 +420,7 @@ async fn sigterm_while_waiting_exits_0_and_leaves_no_process() {
     let (mut agent, pids) = started_with_processes(&server, &token, dir.path()).await;
     agent.signal(Signal::SIGTERM);
     let code = agent.wait_exit(EXIT).await;
-    assert_exit(&agent, code, 0, "SIGTERM while waiting");
+    assert_exit(&agent, code, ExitCode::Success, "SIGTERM while waiting");
     wait_processes_gone(&pids, EXIT).await;
     agent.wait_no_leftovers(EXIT).await;
 }
@@ -430,7 +433,7 @@ async fn retired_exits_0_and_stops_mcp_servers_and_the_shell() {
     let (mut agent, pids) = started_with_processes(&server, &token, dir.path()).await;
     server.retire(&token, Some("pool shrunk")).expect("retire");
     let code = agent.wait_exit(EXIT).await;
-    assert_exit(&agent, code, 0, "retired");
+    assert_exit(&agent, code, ExitCode::Success, "retired");
     wait_processes_gone(&pids, EXIT).await;
     agent.wait_no_leftovers(EXIT).await;
     server.assert_no_violations();
@@ -467,7 +470,7 @@ async fn prepare_once(server: &TestServer, workspace: &Path, spec: &Path) -> Age
     agent.watch(ready).await;
     server.retire(&token, None).expect("retire");
     let code = agent.wait_exit(EXIT).await;
-    assert_exit(&agent, code, 0, "retired after preparing");
+    assert_exit(&agent, code, ExitCode::Success, "retired after preparing");
     agent
 }
 
@@ -484,7 +487,7 @@ async fn restart_on_a_prepared_workspace_skips_clone_and_setup() {
     prepare_once(&server, &workspace, &spec).await;
     assert_eq!(line_count(&log), 1, "the setup step ran once");
     assert_eq!(std::fs::read_to_string(workspace.join("app/README.md")).expect("cloned"), "hello\n");
-    assert!(workspace.join(".standby/state.json").is_file(), "the fingerprint is recorded");
+    assert!(StateDir::of(&workspace).state_file().is_file(), "the fingerprint is recorded");
 
     // A new commit upstream would show if the second agent cloned again.
     repo.commit(&[("NEW.md", "new\n")]);
@@ -522,7 +525,7 @@ async fn assert_path_refused(repo_path: &str) {
     let code = agent.wait_exit(EXIT).await;
     // 15: preparation failed with no assignment held (the agent's own code;
     // the contract leaves it open).
-    assert_exit(&agent, code, 15, "a repo path leaving the workspace");
+    assert_exit(&agent, code, ExitCode::PrepareFailed, "a repo path leaving the workspace");
     assert!(agent.output().contains(repo_path), "the refusal does not name {repo_path:?}\n{}", agent.output_tail());
     assert!(!dir.path().join("escape").exists(), "something was written outside the workspace");
 }
@@ -572,7 +575,7 @@ async fn the_spec_is_fetched_from_the_server_without_a_spec_file() {
     assert_eq!(spec_calls, [503, 503, 200], "transient failures of the spec fetch are retried");
     server.retire(&token, None).expect("retire");
     let code = agent.wait_exit(EXIT).await;
-    assert_exit(&agent, code, 0, "retired");
+    assert_exit(&agent, code, ExitCode::Success, "retired");
 }
 
 #[tokio::test]
@@ -596,10 +599,11 @@ async fn an_assignment_during_preparation_is_held_then_installed() {
     let opened = tokio::time::Instant::now();
     std::fs::write(&gate, "").expect("open the gate");
     agent.watch(server.wait_for_connection(|connection| connection.credential == CredentialKind::Run)).await;
-    let exited = agent.watch(server.wait_for_event(&execution_id, "exited")).await;
+    let exited =
+        agent.watch(server.wait_for_event(&execution_id, |kind| matches!(kind, EventKind::Exited { .. }))).await;
     assert_eq!(exited.kind, EventKind::Exited { code: 0 });
     let code = agent.wait_exit(EXIT).await;
-    assert_exit(&agent, code, 0, "the run finished");
+    assert_exit(&agent, code, ExitCode::Success, "the run finished");
 
     let early: Vec<String> = server
         .http_calls()
@@ -612,9 +616,7 @@ async fn an_assignment_during_preparation_is_held_then_installed() {
         server.http_calls().iter().any(|call| call.endpoint == Endpoint::Secrets),
         "the held assignment was installed"
     );
-    let kinds: Vec<&str> =
-        server.events(&execution_id).iter().map(|event| standby_e2e::server::event_type(&event.kind)).collect();
-    assert_eq!(kinds, ["started", "exited"]);
+    assert_eq!(event_kinds(&server, &execution_id), [EventKind::Started, EventKind::Exited { code: 0 }]);
     let credential = server.run_credential(&execution_id).expect("minted");
     agent.assert_output_lacks(&[&token, &credential, "s3cr3t-value-91"]);
     server.assert_no_violations();
@@ -639,7 +641,7 @@ async fn an_oversized_frame_drops_the_connection_and_the_agent_reconnects() {
     // The oversized `retired` was never acted on; a normal one still is.
     server.retire(&token, None).expect("retire");
     let code = agent.wait_exit(EXIT).await;
-    assert_exit(&agent, code, 0, "retired after reconnecting");
+    assert_exit(&agent, code, ExitCode::Success, "retired after reconnecting");
 }
 
 #[tokio::test]
@@ -652,7 +654,7 @@ async fn json_log_format_writes_one_json_object_per_line() {
     agent.watch(wait_ready(&server)).await;
     server.retire(&token, None).expect("retire");
     let code = agent.wait_exit(EXIT).await;
-    assert_exit(&agent, code, 0, "retired");
+    assert_exit(&agent, code, ExitCode::Success, "retired");
     let stderr = agent.stderr();
     let lines: Vec<&str> = stderr.lines().filter(|line| !line.trim().is_empty()).collect();
     assert!(lines.len() > 3, "too few log lines:\n{stderr}");
@@ -695,20 +697,22 @@ async fn a_failing_setup_step_exits_15_naming_the_step_and_its_status() {
     ]}});
     let mut agent = AgentBuilder::new(&server.url(), &token).spec_file(&write_spec(dir.path(), &spec)).spawn();
     let code = agent.wait_exit(EXIT).await;
-    assert_exit(&agent, code, 15, "a setup step failed");
+    assert_exit(&agent, code, ExitCode::PrepareFailed, "a setup step failed");
     let output = agent.output();
     assert!(output.contains("\"deps\"") && output.contains("exit status 3"), "{}", agent.output_tail());
     assert!(!dir.path().join("never-ran").exists(), "a later step ran after the failure");
-    let log = std::fs::read_to_string(agent.workspace().join(".standby/setup.log")).expect("setup.log");
+    let log = std::fs::read_to_string(StateDir::of(agent.workspace()).setup_log()).expect("setup.log");
     assert!(log.contains("installing"), "the step's output is kept in setup.log:\n{log}");
 }
 
 #[tokio::test]
 async fn a_refused_spec_fetch_exits_like_a_refused_socket() {
-    for (status, expected) in [(401, 11), (403, 11), (410, 10)] {
+    for (status, expected) in
+        [(401, ExitCode::Unauthorized), (403, ExitCode::Unauthorized), (410, ExitCode::Unavailable)]
+    {
         let server = TestServer::start().await;
         let token = server.add_standby();
-        server.set_spec_json(json!({"workspace": {}}));
+        server.set_spec(&Spec::default());
         server.fail(Endpoint::Spec, Failure::always(status));
         let mut agent = AgentBuilder::new(&server.url(), &token).spawn();
         let code = agent.wait_exit(EXIT).await;
@@ -724,7 +728,7 @@ async fn an_unreadable_or_malformed_spec_file_exits_2_naming_it() {
     for (path, needle) in [(dir.path().join("missing.json"), "missing.json"), (malformed.clone(), "malformed.json")] {
         let mut agent = AgentBuilder::new("http://127.0.0.1:9", "token-x").spec_file(&path).spawn();
         let code = agent.wait_exit(EXIT).await;
-        assert_exit(&agent, code, 2, "bad spec file");
+        assert_exit(&agent, code, ExitCode::Usage, "bad spec file");
         let stderr = agent.stderr();
         assert!(stderr.contains("STANDBY_SPEC") && stderr.contains(needle), "{stderr}");
     }
@@ -738,16 +742,16 @@ async fn a_spec_still_unfetched_when_the_assignment_arrives_fails_the_install_in
     // and the spec is never asked for with the run credential.
     let server = TestServer::start().await;
     let token = server.add_standby();
-    server.set_spec_json(json!({"workspace": {}}));
+    server.set_spec(&Spec::default());
     server.fail(Endpoint::Spec, Failure::always(503));
     let mut agent = AgentBuilder::new(&server.url(), &token).heartbeat_interval("200ms").confirm_timeout("2s").spawn();
     agent.watch(server.wait_for_http_call(|call| call.endpoint == Endpoint::Spec && call.status == 503)).await;
     let execution_id = server.assign(&token, ExecutionSetup::new(&["true"]));
     let code = agent.wait_exit(EXIT).await;
-    assert_exit(&agent, code, 13, "the spec could not be fetched after the assignment");
+    assert_exit(&agent, code, ExitCode::InstallFailed, "the spec could not be fetched after the assignment");
     let failures = server.install_failures(&execution_id);
     assert_eq!(failures.len(), 1, "{}", server.records().summary());
-    assert_eq!(failures[0].stage, "confirm");
+    assert_eq!(failures[0].stage, Stage::Confirm.name());
     assert!(failures[0].requeueable);
     let run_credential_tried = server
         .http_calls()

@@ -1,13 +1,14 @@
-//! `TestServer`: the server half of the contract, over real HTTP and
-//! WebSocket on 127.0.0.1.
+//! `TestServer`: the server half of the contract over real HTTP and
+//! WebSocket on 127.0.0.1, as a recorder and a fault injector.
 //!
-//! It is faithful rather than accommodating: like a production server it
-//! refuses what the contract makes illegal (a revoked credential, a second
-//! assignment to one sandbox, a log chunk that leaves a gap) instead of
-//! answering whatever is asked, so a test passes only if the agent behaves
-//! against a real server. Breaches by the client are collected in
-//! [`Records::violations`].
+//! It records what the agent sent (upgrades, connections, heartbeats,
+//! calls, events, log bytes) and breaches of the contract in
+//! [`Records::violations`]; it injects the faults a test asks for (statuses,
+//! delays, dropped connections, any frame, refusals). Everything else it
+//! answers by the contract's rules as `standby_protocol` states them, so a
+//! test passes only if the agent behaves against a real server.
 
+mod calls;
 mod http;
 mod records;
 mod setup;
@@ -18,18 +19,17 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use standby_protocol::{Event, EventKind, Spec};
-use tokio::net::TcpListener;
-use tokio::task::JoinHandle;
-
 pub use records::{
-    CloseCause, ConnectionId, ConnectionRecord, CredentialKind, Endpoint, ExecutionRecord, HeartbeatRecord,
-    HttpCallRecord, InstallFailed, Records, Revocation, UpgradeRecord, event_type,
+    CloseCause, ConnectionId, ConnectionRecord, ExecutionRecord, HeartbeatRecord, HttpCallRecord, InstallFailed,
+    Records, Revocation, UpgradeRecord,
 };
 pub use setup::{AttachmentSetup, ExecutionSetup, Failure, Frame, ScriptedUpgrade, ServerError};
+pub use standby_protocol::{CredentialKind, Endpoint};
+use standby_protocol::{Event, EventKind, Spec};
 pub use state::STANDBY_PREFIX;
-
 use state::{Command, Shared};
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
 
 /// A running contract server. Dropping it stops accepting and drops every
 /// live connection.
@@ -73,12 +73,7 @@ impl TestServer {
 
     /// Mints an active standby credential (`sby_…`).
     pub fn add_standby(&self) -> String {
-        self.shared.update(|inner| inner.add_standby(None))
-    }
-
-    /// Registers `token` as an active standby credential.
-    pub fn add_standby_token(&self, token: &str) {
-        self.shared.update(|inner| inner.add_standby(Some(token)));
+        self.shared.update(|inner| inner.add_standby())
     }
 
     /// Sends `retired` on the standby's live connections; its credential is
@@ -94,13 +89,12 @@ impl TestServer {
 
     /// What `GET /v1/standby/spec` answers (`404` until set).
     pub fn set_spec(&self, spec: &Spec) {
-        let value = serde_json::to_value(spec).expect("a spec serializes");
-        self.shared.update(|inner| inner.set_spec(Some(value)));
+        self.set_spec_json(serde_json::to_value(spec).expect("a spec serializes"));
     }
 
     /// Like [`TestServer::set_spec`], for a spec the types cannot express.
     pub fn set_spec_json(&self, spec: serde_json::Value) {
-        self.shared.update(|inner| inner.set_spec(Some(spec)));
+        self.shared.update(|inner| inner.spec = Some(spec));
     }
 
     // ---- executions -----------------------------------------------------
@@ -140,54 +134,38 @@ impl TestServer {
         self.shared.update(|inner| inner.revoke_run(execution_id, why).map(drop))
     }
 
-    /// Status of an upgrade or call with a revoked run credential: `401`
-    /// (the default) or `410`.
-    pub fn set_revoked_run_status(&self, status: u16) {
-        self.shared.update(|inner| inner.set_revoked_run_status(status));
-    }
-
-    /// Whether `events` and `log` still accept a revoked run credential
-    /// (default: yes). The contract has a cancelled run report `cancelled`,
-    /// which it could not do if revocation also closed the reporting calls;
-    /// revocation bars starting the run and fetching its data.
-    pub fn set_reports_after_revocation(&self, accept: bool) {
-        self.shared.update(|inner| inner.set_reports_after_revocation(accept));
-    }
-
     // ---- fault injection ------------------------------------------------
+
+    /// The status a withdrawn (revoked or cancelled) run credential is
+    /// answered, on the upgrade and on every call it is refused, instead of
+    /// the one [`standby_protocol::Standing::admits`] gives.
+    pub fn set_revoked_run_status(&self, status: u16) {
+        self.shared.update(|inner| inner.faults.withdrawn_run_status = Some(status));
+    }
 
     /// Queues an answer for a coming upgrade request, consumed before any
     /// credential check by the first request it applies to.
     pub fn script_upgrade(&self, answer: ScriptedUpgrade) {
-        self.shared.update(|inner| inner.script_upgrade(answer));
+        self.shared.update(|inner| inner.faults.upgrades.push_back(answer));
     }
 
     /// Delay before answering every `/v1/executions/…` call.
     pub fn set_latency(&self, latency: Duration) {
-        self.shared.update(|inner| inner.set_latency(None, Some(latency)));
+        self.shared.update(|inner| inner.faults.execution_latency = Some(latency));
     }
 
     /// Delay before answering one endpoint; overrides [`TestServer::set_latency`].
     pub fn set_endpoint_latency(&self, endpoint: Endpoint, latency: Duration) {
-        self.shared.update(|inner| inner.set_latency(Some(endpoint), Some(latency)));
-    }
-
-    pub fn clear_latency(&self) {
-        self.shared.update(|inner| {
-            inner.set_latency(None, None);
-            for endpoint in ALL_ENDPOINTS {
-                inner.set_latency(Some(endpoint), None);
-            }
-        });
+        self.shared.update(|inner| inner.faults.latency.insert(endpoint, latency));
     }
 
     /// Makes an endpoint fail (after the credential check) as `failure` says.
     pub fn fail(&self, endpoint: Endpoint, failure: Failure) {
-        self.shared.update(|inner| inner.set_failure(endpoint, Some(failure)));
+        self.shared.update(|inner| inner.faults.failures.insert(endpoint, failure));
     }
 
     pub fn clear_failures(&self) {
-        self.shared.update(|inner| inner.clear_failures());
+        self.shared.update(|inner| inner.faults.failures.clear());
     }
 
     /// Forgets all but the first `keep` bytes of an execution's log (as a
@@ -199,7 +177,7 @@ impl TestServer {
 
     /// Pings every connection opened from now on every `every`.
     pub fn set_ping_interval(&self, every: Option<Duration>) {
-        self.shared.update(|inner| inner.ping_interval = every);
+        self.shared.update(|inner| inner.faults.ping_interval = every);
     }
 
     /// Pings one live connection every `every` (`None` stops).
@@ -219,10 +197,6 @@ impl TestServer {
     /// Drops a live connection without a close frame.
     pub fn drop_connection(&self, connection: ConnectionId) -> Result<(), ServerError> {
         self.shared.read(|inner| inner.send(connection, Command::Drop))
-    }
-
-    pub fn live_connections(&self) -> Vec<ConnectionId> {
-        self.shared.read(|inner| inner.live_connections())
     }
 
     // ---- observations ---------------------------------------------------
@@ -293,7 +267,7 @@ impl TestServer {
 
     /// Timeout of every `wait_*` call (default 30 s).
     pub fn set_wait_timeout(&self, timeout: Duration) {
-        self.shared.update(|inner| inner.wait_timeout = timeout);
+        self.shared.update(|inner| inner.wait_timeout = Some(timeout));
     }
 
     /// Waits until `check` finds what it looks for in the records, woken by
@@ -302,7 +276,7 @@ impl TestServer {
     /// server's lock: it must not call back into the server.
     pub async fn wait_until<T>(&self, what: &str, mut check: impl FnMut(&Records) -> Option<T>) -> T {
         let mut changed = self.shared.subscribe();
-        let timeout = self.shared.read(|inner| inner.wait_timeout);
+        let timeout = self.shared.read(|inner| inner.wait_timeout).unwrap_or(Duration::from_secs(30));
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
             if let Some(found) = self.shared.read(|inner| check(&inner.records)) {
@@ -365,25 +339,11 @@ impl TestServer {
         .await
     }
 
-    /// The first `count` upgrade attempts.
-    pub async fn wait_for_upgrades(&self, count: usize) -> Vec<UpgradeRecord> {
-        self.wait_until(&format!("{count} upgrade attempts"), |records| {
-            (records.upgrades.len() >= count).then(|| records.upgrades[..count].to_vec())
-        })
-        .await
-    }
-
-    /// The first event of `type_name` (`started`, `exited`, `cancelled`,
-    /// `install_failed`) reported for the execution.
-    pub async fn wait_for_event(&self, execution_id: &str, type_name: &str) -> Event {
-        self.wait_until(&format!("a {type_name} event for {execution_id}"), |records| {
-            records
-                .executions
-                .get(execution_id)?
-                .events
-                .iter()
-                .find(|event| event_type(&event.kind) == type_name)
-                .cloned()
+    /// The first event reported for the execution whose kind matches
+    /// `matches` (`|kind| matches!(kind, EventKind::Exited { .. })`).
+    pub async fn wait_for_event(&self, execution_id: &str, matches: impl Fn(&EventKind) -> bool) -> Event {
+        self.wait_until(&format!("a matching event for {execution_id}"), |records| {
+            records.executions.get(execution_id)?.events.iter().find(|event| matches(&event.kind)).cloned()
         })
         .await
     }
@@ -411,15 +371,3 @@ impl Drop for TestServer {
         self.shared.update(|inner| inner.shutdown());
     }
 }
-
-const ALL_ENDPOINTS: [Endpoint; 9] = [
-    Endpoint::Spec,
-    Endpoint::Secrets,
-    Endpoint::Attachments,
-    Endpoint::AttachmentFile,
-    Endpoint::GitCredentials,
-    Endpoint::Metadata,
-    Endpoint::CloudCredentials,
-    Endpoint::Events,
-    Endpoint::Log,
-];

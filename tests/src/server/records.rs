@@ -4,15 +4,8 @@
 use std::collections::BTreeMap;
 use std::fmt::{self, Write as _};
 
-use standby_protocol::{AgentState, Event, EventKind};
+use standby_protocol::{AgentState, CredentialKind, Endpoint, Event, Standing};
 use tokio::time::Instant;
-
-/// Which kind of credential a request or connection carried.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum CredentialKind {
-    Standby,
-    Run,
-}
 
 /// Server-assigned number of an accepted WebSocket connection, in order of
 /// acceptance.
@@ -82,41 +75,6 @@ pub struct HeartbeatRecord {
     pub at: Instant,
 }
 
-/// The HTTP endpoints of the contract, for scripting and for records.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Endpoint {
-    Spec,
-    Secrets,
-    Attachments,
-    AttachmentFile,
-    GitCredentials,
-    Metadata,
-    CloudCredentials,
-    Events,
-    Log,
-}
-
-impl Endpoint {
-    /// The calls of the install's network group (step 3 of the contract),
-    /// whose concurrency tests measure.
-    pub fn is_install(self) -> bool {
-        matches!(
-            self,
-            Self::Secrets
-                | Self::Attachments
-                | Self::AttachmentFile
-                | Self::GitCredentials
-                | Self::Metadata
-                | Self::CloudCredentials
-        )
-    }
-
-    /// Everything under `/v1/executions/{id}/`.
-    pub fn is_execution(self) -> bool {
-        !matches!(self, Self::Spec)
-    }
-}
-
 /// One HTTP request, from arrival to answer.
 #[derive(Debug, Clone)]
 pub struct HttpCallRecord {
@@ -143,8 +101,19 @@ pub enum Revocation {
     Requeued,
 }
 
+impl Revocation {
+    /// Where the run credential stands after it: a cancelled run still
+    /// reports (1.1); a superseded or requeued one is fenced.
+    pub fn standing(self) -> Standing {
+        match self {
+            Self::Cancelled => Standing::Finishing,
+            Self::Superseded | Self::Requeued => Standing::Revoked,
+        }
+    }
+}
+
 /// Everything reported against one execution.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct ExecutionRecord {
     pub execution_id: String,
     pub standby_token: String,
@@ -169,22 +138,6 @@ pub struct ExecutionRecord {
     /// When the run credential first connected (delivery confirmed).
     pub confirmed_at: Option<Instant>,
     pub revoked: Option<Revocation>,
-}
-
-impl ExecutionRecord {
-    pub fn has_event(&self, type_name: &str) -> bool {
-        self.events.iter().any(|event| event_type(&event.kind) == type_name)
-    }
-}
-
-/// The contract's `type` of an event kind.
-pub fn event_type(kind: &EventKind) -> &'static str {
-    match kind {
-        EventKind::Started => "started",
-        EventKind::Exited { .. } => "exited",
-        EventKind::Cancelled => "cancelled",
-        EventKind::InstallFailed { .. } => "install_failed",
-    }
 }
 
 /// The details of an `install_failed` event.
@@ -212,8 +165,8 @@ pub struct Records {
     pub violations: Vec<String>,
 }
 
-impl Records {
-    pub(crate) fn new() -> Self {
+impl Default for Records {
+    fn default() -> Self {
         Self {
             started: Instant::now(),
             upgrades: Vec::new(),
@@ -224,7 +177,9 @@ impl Records {
             violations: Vec::new(),
         }
     }
+}
 
+impl Records {
     pub fn connection(&self, id: ConnectionId) -> Option<&ConnectionRecord> {
         self.connections.iter().find(|connection| connection.id == id)
     }
@@ -245,22 +200,13 @@ impl Records {
     pub fn summary(&self) -> String {
         let ms = |at: Instant| at.saturating_duration_since(self.started).as_millis();
         let mut out = String::new();
-        let _ = writeln!(out, "upgrades ({}):", self.upgrades.len());
-        for upgrade in tail(&self.upgrades) {
-            let _ = writeln!(
-                out,
-                "  +{}ms {:?} -> {}{}",
-                ms(upgrade.at),
-                upgrade.credential,
-                upgrade.status,
-                if upgrade.scripted { " (scripted)" } else { "" }
-            );
-        }
-        let _ = writeln!(out, "connections ({}):", self.connections.len());
-        for connection in tail(&self.connections) {
-            let _ = writeln!(
-                out,
-                "  {} {:?} exec={:?} opened +{}ms closed {:?} ({:?}) pongs={}",
+        section(&mut out, "upgrades", &self.upgrades, |upgrade| {
+            let scripted = if upgrade.scripted { " (scripted)" } else { "" };
+            format!("+{}ms {:?} -> {}{scripted}", ms(upgrade.at), upgrade.credential, upgrade.status)
+        });
+        section(&mut out, "connections", &self.connections, |connection| {
+            format!(
+                "{} {:?} exec={:?} opened +{}ms closed {:?} ({:?}) pongs={}",
                 connection.id,
                 connection.credential,
                 connection.execution_id,
@@ -268,33 +214,16 @@ impl Records {
                 connection.closed_at.map(|at| format!("+{}ms", ms(at))),
                 connection.close,
                 connection.pongs
-            );
-        }
-        let _ = writeln!(out, "heartbeats ({}):", self.heartbeats.len());
-        for heartbeat in tail(&self.heartbeats) {
-            let _ = writeln!(
-                out,
-                "  +{}ms on {} {:?} {:?} exec={:?}",
-                ms(heartbeat.at),
-                heartbeat.connection,
-                heartbeat.credential,
-                heartbeat.state,
-                heartbeat.execution_id
-            );
-        }
-        let _ = writeln!(out, "http calls ({}):", self.http_calls.len());
-        for call in tail(&self.http_calls) {
-            let _ = writeln!(
-                out,
-                "  +{}ms..+{}ms {} {} {:?} -> {}",
-                ms(call.started),
-                ms(call.ended),
-                call.method,
-                call.path,
-                call.credential,
-                call.status
-            );
-        }
+            )
+        });
+        section(&mut out, "heartbeats", &self.heartbeats, |heartbeat| {
+            let HeartbeatRecord { connection, credential, state, execution_id, at } = heartbeat;
+            format!("+{}ms on {connection} {credential:?} {state:?} exec={execution_id:?}", ms(*at))
+        });
+        section(&mut out, "http calls", &self.http_calls, |call| {
+            let (start, end) = (ms(call.started), ms(call.ended));
+            format!("+{start}ms..+{end}ms {} {} {:?} -> {}", call.method, call.path, call.credential, call.status)
+        });
         for execution in self.executions.values() {
             let _ = writeln!(
                 out,
@@ -313,11 +242,14 @@ impl Records {
     }
 }
 
-/// The last entries of a list: a timeout message stays readable even after
-/// thousands of heartbeats.
-fn tail<T>(items: &[T]) -> &[T] {
+/// A titled list of the last entries of `items`, one line each: a timeout
+/// message stays readable even after thousands of heartbeats.
+fn section<T>(out: &mut String, title: &str, items: &[T], line: impl Fn(&T) -> String) {
     const SHOWN: usize = 30;
-    &items[items.len().saturating_sub(SHOWN)..]
+    let _ = writeln!(out, "{title} ({}):", items.len());
+    for item in &items[items.len().saturating_sub(SHOWN)..] {
+        let _ = writeln!(out, "  {}", line(item));
+    }
 }
 
 /// Sweep over interval ends; an interval that ends exactly when another

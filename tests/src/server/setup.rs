@@ -3,7 +3,13 @@
 
 use std::collections::BTreeMap;
 
-use standby_protocol::{GitCredential, Run, Secret, Workspace};
+use sha2::{Digest, Sha256};
+use standby_protocol::{
+    Attachment, AttachmentsResponse, CloudCredentialsResponse, CredentialKind, Endpoint, GitCredential,
+    GitCredentialsResponse, Run, Secret, SecretsResponse, Standing, Workspace, paths,
+};
+
+use super::calls::HttpAnswer;
 
 /// One execution as the server commits it: the run sent in the assignment
 /// and the data its HTTP calls answer with.
@@ -27,15 +33,7 @@ impl ExecutionSetup {
     pub fn new(command: &[&str]) -> Self {
         Self {
             execution_id: None,
-            run: Run {
-                command: command.iter().map(|part| (*part).to_owned()).collect(),
-                cwd: None,
-                env: BTreeMap::new(),
-                mcp_env: BTreeMap::new(),
-                workspace: None,
-                strict_mcp: false,
-                attachments: None,
-            },
+            run: Run { command: command.iter().map(|part| (*part).to_owned()).collect(), ..Run::default() },
             secrets: BTreeMap::new(),
             attachments: Vec::new(),
             git_credentials: Vec::new(),
@@ -118,6 +116,48 @@ impl ExecutionSetup {
         self.cloud_env.insert(name.to_owned(), value.to_owned());
         self
     }
+
+    /// The attachments as the attachments call answers them (and an inline
+    /// assignment lists them).
+    pub(crate) fn listed_attachments(&self, execution_id: &str) -> Vec<Attachment> {
+        let sha256 = |content: &[u8]| Sha256::digest(content).iter().map(|byte| format!("{byte:02x}")).collect();
+        self.attachments
+            .iter()
+            .map(|attachment| Attachment {
+                name: attachment.name.clone(),
+                url: attachment.url.clone().unwrap_or_else(|| paths::attachment(execution_id, &attachment.name)),
+                sha256: attachment.sha256.clone().unwrap_or_else(|| sha256(&attachment.content)),
+            })
+            .collect()
+    }
+
+    /// The answer to a call for this data: `attachment` names the file of
+    /// an [`Endpoint::AttachmentFile`] call.
+    pub(crate) fn answer(&self, execution_id: &str, endpoint: Endpoint, attachment: Option<&str>) -> HttpAnswer {
+        let secrets = |map: &BTreeMap<String, String>| {
+            map.iter().map(|(name, value)| (name.clone(), Secret::new(value.clone()))).collect()
+        };
+        match endpoint {
+            Endpoint::Secrets => HttpAnswer::json(200, &SecretsResponse { secrets: secrets(&self.secrets) }),
+            Endpoint::Attachments => {
+                HttpAnswer::json(200, &AttachmentsResponse { attachments: self.listed_attachments(execution_id) })
+            }
+            Endpoint::AttachmentFile => {
+                match self.attachments.iter().find(|file| Some(file.name.as_str()) == attachment) {
+                    Some(file) => HttpAnswer::bytes(file.content.clone()),
+                    None => HttpAnswer::error(404, "no such attachment"),
+                }
+            }
+            Endpoint::GitCredentials => {
+                HttpAnswer::json(200, &GitCredentialsResponse { credentials: self.git_credentials.clone() })
+            }
+            Endpoint::Metadata => HttpAnswer::json(200, &self.metadata),
+            Endpoint::CloudCredentials => {
+                HttpAnswer::json(200, &CloudCredentialsResponse { env: secrets(&self.cloud_env) })
+            }
+            Endpoint::Spec | Endpoint::Events | Endpoint::Log => HttpAnswer::error(404, "not a data call"),
+        }
+    }
 }
 
 /// An attachment, with overrides to make it lie about itself.
@@ -154,7 +194,7 @@ pub struct ScriptedUpgrade {
     /// Seconds, sent as `Retry-After`.
     pub retry_after: Option<u64>,
     /// Only a request with this kind of credential consumes the answer.
-    pub credential: Option<super::CredentialKind>,
+    pub credential: Option<CredentialKind>,
 }
 
 impl ScriptedUpgrade {
@@ -167,7 +207,7 @@ impl ScriptedUpgrade {
         self
     }
 
-    pub fn for_credential(mut self, kind: super::CredentialKind) -> Self {
+    pub fn for_credential(mut self, kind: CredentialKind) -> Self {
         self.credential = Some(kind);
         self
     }
@@ -216,8 +256,8 @@ pub enum Frame {
 pub enum ServerError {
     #[error("no standby credential {0:?}")]
     UnknownStandby(String),
-    #[error("standby {token:?} is {status} and cannot take {action}")]
-    StandbyNotActive { token: String, status: &'static str, action: &'static str },
+    #[error("standby {token:?} is {standing:?} and cannot take {action}")]
+    StandbyNotActive { token: String, standing: Standing, action: &'static str },
     #[error("standby {token:?} already holds execution {execution_id:?}")]
     AlreadyAssigned { token: String, execution_id: String },
     #[error("execution {0:?} already exists (one sandbox per execution)")]

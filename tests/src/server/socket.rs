@@ -11,10 +11,11 @@ use axum::response::Response;
 use tokio::sync::mpsc;
 use tokio::time::{Instant, Interval, MissedTickBehavior};
 
-use super::http::error_response;
-use super::records::{CloseCause, CredentialKind};
+use super::calls::HttpAnswer;
+use super::http::respond;
+use super::records::CloseCause;
 use super::setup::Frame;
-use super::state::{Admission, Command, Shared};
+use super::state::{Command, Holder, Shared};
 
 /// Server messages are a few hundred bytes (an assignment carries a run and
 /// a workspace) and heartbeats less than one hundred, so a small read buffer
@@ -32,10 +33,9 @@ pub(crate) async fn upgrade(
     headers: HeaderMap,
     upgrade: Result<WebSocketUpgrade, WebSocketUpgradeRejection>,
 ) -> Response {
-    let admission = shared.update(|inner| inner.admit(&headers, upgrade.is_ok()));
-    match (admission, upgrade) {
-        (Admission::Reject { status, retry_after, reason }, _) => error_response(status, retry_after, &reason),
-        (Admission::Admit { credential, standby_token, execution_id }, Ok(upgrade)) => {
+    match (shared.update(|inner| inner.upgrade(&headers, upgrade.is_ok())), upgrade) {
+        (Err(refused), _) => respond(refused),
+        (Ok(holder), Ok(upgrade)) => {
             let failed = Arc::clone(&shared);
             upgrade
                 .read_buffer_size(READ_BUFFER)
@@ -47,9 +47,9 @@ pub(crate) async fn upgrade(
                 .on_failed_upgrade(move |error| {
                     failed.update(|inner| inner.violation(format!("WebSocket upgrade failed: {error}")));
                 })
-                .on_upgrade(move |socket| connection(shared, socket, credential, standby_token, execution_id))
+                .on_upgrade(move |socket| connection(shared, socket, holder))
         }
-        (Admission::Admit { .. }, Err(rejection)) => error_response(400, None, &rejection.to_string()),
+        (Ok(_), Err(rejection)) => respond(HttpAnswer::error(400, &rejection.to_string())),
     }
 }
 
@@ -87,29 +87,15 @@ async fn sleep_until(deadline: Option<Instant>) {
     }
 }
 
-async fn connection(
-    shared: Arc<Shared>,
-    mut socket: WebSocket,
-    credential: CredentialKind,
-    standby_token: String,
-    execution_id: Option<String>,
-) {
+async fn connection(shared: Arc<Shared>, mut socket: WebSocket, holder: Holder) {
     let (sender, mut commands) = mpsc::unbounded_channel();
-    let (id, replay, ping) = shared.update(|inner| {
-        let (id, replay) = inner.register(credential, &standby_token, execution_id, sender);
-        (id, replay, inner.ping_interval)
-    });
+    let (id, ping) = shared.update(|inner| (inner.register(&holder, sender), inner.faults.ping_interval));
     let mut pinger = pinger(ping);
     // Set by the first close frame either side sends; the loop then keeps
     // reading so the close handshake completes.
     let mut closing: Option<CloseCause> = None;
     let mut failed: Option<String> = None;
     let mut close_deadline: Option<Instant> = None;
-    if let Some(assignment) = replay
-        && let Err(error) = socket.send(Message::Text(assignment.into())).await
-    {
-        failed = Some(format!("replay failed: {error}"));
-    }
     while failed.is_none() {
         tokio::select! {
             incoming = socket.recv() => match incoming {
