@@ -34,6 +34,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use axum::http::StatusCode;
+use standby_protocol::{self as protocol, Standing};
 
 use super::{ConnId, Dispatch, Effect, Step};
 use crate::credential::{self, CredentialKind};
@@ -53,6 +54,18 @@ pub enum Call {
     /// A run's events and log: still accepted in a run credential's cancel
     /// grace.
     Report,
+}
+
+impl Call {
+    /// The contract's name for what the credential is presented for: its
+    /// refusal rule is `standby_protocol::Standing::admits`.
+    pub const fn purpose(self) -> protocol::Purpose {
+        match self {
+            Self::Socket => protocol::Purpose::Socket,
+            Self::Fetch => protocol::Purpose::Fetch,
+            Self::Report => protocol::Purpose::Report,
+        }
+    }
 }
 
 /// Who a presented credential is.
@@ -147,22 +160,26 @@ impl Dispatch {
     /// its cancel grace for anything but its run's events and log.
     pub fn check(&self, token: &str, call: Call) -> Result<Admission, Refusal> {
         let parsed = credential::parse(token).ok_or(Refusal::Unauthorized)?;
-        let Some(record) = self.credentials.get(parsed.id) else {
-            return Err(match parsed.kind {
-                CredentialKind::Standby => Refusal::Gone,
-                CredentialKind::Run => Refusal::Unauthorized,
-            });
+        let record = self.credentials.get(parsed.id);
+        let standing = match record {
+            None => match parsed.kind {
+                CredentialKind::Standby => Standing::Retired,
+                CredentialKind::Run => Standing::Unknown,
+            },
+            Some(record) if record.kind != parsed.kind || !record.hash.matches(token) => Standing::Unknown,
+            Some(record) => match record.state {
+                CredentialState::Active => Standing::Active,
+                CredentialState::Finishing => Standing::Finishing,
+                CredentialState::Revoked => Standing::Revoked,
+                CredentialState::Retired => Standing::Retired,
+            },
         };
-        if record.kind != parsed.kind || !record.hash.matches(token) {
-            return Err(Refusal::Unauthorized);
-        }
-        match (record.state, record.kind) {
-            (CredentialState::Active, _) => {}
-            (CredentialState::Finishing, CredentialKind::Run) if call == Call::Report => {}
-            (CredentialState::Revoked, _) => return Err(Refusal::Unauthorized),
-            (CredentialState::Retired, CredentialKind::Standby) => return Err(Refusal::Gone),
-            (CredentialState::Retired | CredentialState::Finishing, _) => return Err(Refusal::Ended),
-        }
+        standing.admits(call.purpose()).map_err(|refusal| match (refusal, parsed.kind) {
+            (protocol::Refusal::Unauthorized, _) => Refusal::Unauthorized,
+            (protocol::Refusal::Gone, CredentialKind::Standby) => Refusal::Gone,
+            (protocol::Refusal::Gone, CredentialKind::Run) => Refusal::Ended,
+        })?;
+        let Some(record) = record else { return Err(Refusal::Unauthorized) };
         Ok(match (record.kind, &record.run_id, record.attempt) {
             (CredentialKind::Run, Some(run_id), Some(attempt)) => Admission::Run {
                 sandbox_id: record.sandbox_id.clone(),
