@@ -510,8 +510,6 @@ impl Lifecycle {
 
 #[cfg(test)]
 mod tests {
-    use std::collections::BTreeMap;
-
     use standby_protocol::{Answer, Cancel, Retired, Run};
 
     use super::*;
@@ -538,15 +536,7 @@ mod tests {
         ServerMessage::Assignment(Assignment {
             execution_id: id.into(),
             run_credential: Secret::new(format!("cred-{id}")),
-            run: Run {
-                command: vec!["true".into()],
-                cwd: None,
-                env: BTreeMap::new(),
-                mcp_env: BTreeMap::new(),
-                workspace: None,
-                strict_mcp: false,
-                attachments: None,
-            },
+            run: Run { command: vec!["true".into()], ..Run::default() },
         })
     }
 

@@ -27,15 +27,7 @@ fn config(pool_size: usize) -> DispatchConfig {
 }
 
 fn run(command: &str) -> Run {
-    Run {
-        command: vec![command.to_owned()],
-        cwd: None,
-        env: BTreeMap::new(),
-        mcp_env: BTreeMap::new(),
-        workspace: None,
-        strict_mcp: false,
-        attachments: None,
-    }
+    Run { command: vec![command.to_owned()], ..Run::default() }
 }
 
 fn request() -> RunRequest {
