@@ -50,3 +50,14 @@ fn a_restart_remembers_the_key_and_the_window_forgets_it() {
     assert!(world.snapshot().idempotency.is_empty(), "forgotten in the store too");
     assert!(matches!(keyed(&mut world, "h2"), Ok(Submitted::New(_))), "a forgotten key makes a new run");
 }
+
+#[test]
+fn a_key_past_its_window_makes_a_new_run_before_any_tick_forgets_it() {
+    let mut world = World::new(0);
+    let Ok(Submitted::New(first)) = keyed(&mut world, "h1") else { panic!("a new run") };
+    world.advance(i64::try_from(RunBounds::default().idempotency_window.as_millis()).expect("fits"));
+    let Ok(Submitted::New(second)) = keyed(&mut world, "h1") else { panic!("a new run: the key was past its window") };
+    assert_ne!(first, second);
+    let kept = world.snapshot().idempotency;
+    assert_eq!(kept.iter().map(|kept| kept.run_id.as_str()).collect::<Vec<_>>(), [second.as_str()]);
+}
