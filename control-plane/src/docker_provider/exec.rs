@@ -14,6 +14,7 @@ use std::time::Duration;
 use bollard::Docker;
 use bollard::exec::{CreateExecOptions, StartExecResults};
 use futures::StreamExt as _;
+use standby_protocol::vars;
 use tokio::io::AsyncWriteExt as _;
 use tokio::sync::{oneshot, watch};
 
@@ -31,11 +32,11 @@ const EXIT_POLL: Duration = Duration::from_millis(200);
 /// The contract's variables of an exec'd agent; never the credential.
 pub(super) fn agent_env(launch: &AgentLaunch) -> Vec<String> {
     let mut env = vec![
-        format!("STANDBY_SERVER_URL={}", launch.server_url),
-        "STANDBY_TOKEN_FILE=/dev/stdin".to_owned(),
-        format!("STANDBY_WORKSPACE={WORKSPACE}"),
-        format!("STANDBY_HEARTBEAT_INTERVAL={}", humantime::format_duration(launch.heartbeat_interval)),
-        format!("STANDBY_LOG={}", launch.log_filter),
+        format!("{}={}", vars::SERVER_URL, launch.server_url),
+        format!("{}=/dev/stdin", vars::TOKEN_FILE),
+        format!("{}={WORKSPACE}", vars::WORKSPACE),
+        format!("{}={}", vars::HEARTBEAT_INTERVAL, humantime::format_duration(launch.heartbeat_interval)),
+        format!("{}={}", vars::LOG, launch.log_filter),
     ];
     // The server is reached at its address on the sandboxes' own bridge
     // network, which is not loopback: plain http there is allowed only by
