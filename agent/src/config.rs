@@ -7,7 +7,7 @@ use std::time::{Duration, SystemTime};
 
 use clap::{Parser, ValueEnum};
 use reqwest::Url;
-use standby_protocol::{ExitCode, Secret};
+use standby_protocol::{ExitCode, Secret, vars};
 
 use crate::urls::is_loopback;
 
@@ -25,54 +25,54 @@ use crate::urls::is_loopback;
 pub struct Args {
     /// Base URL of the server, `http(s)://host:port[/prefix]`. The control
     /// socket is the same URL with `ws(s)` and `/ws` appended.
-    #[arg(long, env = "STANDBY_SERVER_URL", value_name = "URL")]
+    #[arg(long, env = vars::SERVER_URL, value_name = "URL")]
     pub(crate) server_url: String,
 
     /// The standby credential identifying this sandbox. Never logged.
     /// Exactly one of this and --token-file.
-    #[arg(long, env = "STANDBY_TOKEN", value_name = "TOKEN", hide_env_values = true,
+    #[arg(long, env = vars::TOKEN, value_name = "TOKEN", hide_env_values = true,
           value_parser = parse_secret)]
     pub(crate) token: Option<Secret>,
 
     /// A file holding the standby credential (a mounted secret), read once
     /// at start; a trailing line break is trimmed. Exactly one of this and
     /// --token.
-    #[arg(long, env = "STANDBY_TOKEN_FILE", value_name = "FILE")]
+    #[arg(long, env = vars::TOKEN_FILE, value_name = "FILE")]
     pub(crate) token_file: Option<PathBuf>,
 
     /// Directory the workspace is prepared in.
-    #[arg(long, env = "STANDBY_WORKSPACE", value_name = "DIR", default_value = "/workspace")]
+    #[arg(long, env = vars::WORKSPACE, value_name = "DIR", default_value = "/workspace")]
     pub(crate) workspace: PathBuf,
 
     /// Path of a spec file (JSON). When unset the spec is fetched from
     /// `GET /v1/standby/spec`.
-    #[arg(long, env = "STANDBY_SPEC", value_name = "FILE")]
+    #[arg(long, env = vars::SPEC, value_name = "FILE")]
     pub(crate) spec: Option<PathBuf>,
 
     /// How often a heartbeat is sent on the control socket (e.g. 250ms, 15s, 2m).
-    #[arg(long, env = "STANDBY_HEARTBEAT_INTERVAL", value_name = "DURATION", default_value = "15s",
+    #[arg(long, env = vars::HEARTBEAT_INTERVAL, value_name = "DURATION", default_value = "15s",
           value_parser = parse_duration)]
     pub(crate) heartbeat_interval: Duration,
 
     /// With no assignment by then, exit 12. An RFC 3339 time or a duration
     /// from start. The earlier of this and the spec's `deadline` applies.
-    #[arg(long, env = "STANDBY_DEADLINE", value_name = "TIME|DURATION", value_parser = parse_deadline)]
+    #[arg(long, env = vars::DEADLINE, value_name = "TIME|DURATION", value_parser = parse_deadline)]
     pub(crate) deadline: Option<Deadline>,
 
     /// How long delivery confirmation retries transient failures.
-    #[arg(long, env = "STANDBY_CONFIRM_TIMEOUT", value_name = "DURATION", default_value = "5m",
+    #[arg(long, env = vars::CONFIRM_TIMEOUT, value_name = "DURATION", default_value = "5m",
           value_parser = parse_duration)]
     pub(crate) confirm_timeout: Duration,
 
     /// Bound on installing the run, retries included.
-    #[arg(long, env = "STANDBY_INSTALL_TIMEOUT", value_name = "DURATION", default_value = "5m",
+    #[arg(long, env = vars::INSTALL_TIMEOUT, value_name = "DURATION", default_value = "5m",
           value_parser = parse_duration)]
     pub(crate) install_timeout: Duration,
 
     /// Bound on the whole preparation (spec, clones, setup, MCP servers, idle
     /// shell). When it passes with no assignment held, exit 15; with one
     /// held, the install fails (stage `prepare`, requeueable) and exit 13.
-    #[arg(long, env = "STANDBY_PREPARE_TIMEOUT", value_name = "DURATION", default_value = "30m",
+    #[arg(long, env = vars::PREPARE_TIMEOUT, value_name = "DURATION", default_value = "30m",
           value_parser = parse_duration)]
     pub(crate) prepare_timeout: Duration,
 
@@ -92,11 +92,11 @@ pub struct Args {
     pub(crate) event_timeout: Duration,
 
     /// Log filter in `tracing` EnvFilter syntax; `RUST_LOG` is read when unset.
-    #[arg(long = "log", env = "STANDBY_LOG", value_name = "FILTER")]
+    #[arg(long = "log", env = vars::LOG, value_name = "FILTER")]
     pub log_filter: Option<String>,
 
     /// Log line format: `text` for people, `json` for log collectors.
-    #[arg(long, env = "STANDBY_LOG_FORMAT", value_name = "FORMAT", default_value = "text")]
+    #[arg(long, env = vars::LOG_FORMAT, value_name = "FORMAT", default_value = "text")]
     pub log_format: LogFormat,
 
     /// Allow plain `http://`/`ws://` to a host that is not a loopback address

@@ -24,6 +24,7 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use standby_protocol::layout::StateDir;
+use standby_protocol::vars;
 use standby_protocol::{
     Cause, CloudCredentialsResponse, Fingerprint, GitCredential, GitCredentialsResponse, Run, Secret, SecretsResponse,
     Spec, Stage, fingerprint, paths,
@@ -352,12 +353,12 @@ fn run_env(input: &InstallInput, fetched: &Fetched, mcp_config: Option<&Path>) -
     env.extend(fetched.secrets.iter().map(|(k, v)| (k.clone(), v.expose().to_owned())));
     env.extend(fetched.cloud.iter().map(|(k, v)| (k.clone(), v.expose().to_owned())));
     env.extend(fetched.git_env.clone());
-    env.insert("STANDBY_EXECUTION_ID".into(), input.execution_id.clone());
+    env.insert(vars::EXECUTION_ID.into(), input.execution_id.clone());
     let state_dir = StateDir::of(&input.root);
-    env.insert("STANDBY_METADATA_FILE".into(), state_dir.metadata_file().display().to_string());
-    env.insert("STANDBY_ATTACHMENTS_DIR".into(), state_dir.attachments_dir().display().to_string());
+    env.insert(vars::METADATA_FILE.into(), state_dir.metadata_file().display().to_string());
+    env.insert(vars::ATTACHMENTS_DIR.into(), state_dir.attachments_dir().display().to_string());
     if let Some(path) = mcp_config {
-        env.insert("STANDBY_MCP_CONFIG".into(), path.display().to_string());
+        env.insert(vars::MCP_CONFIG.into(), path.display().to_string());
     }
     env
 }

@@ -12,7 +12,7 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 /// Variables that configure the agent and must not leak to children: the
 /// standby credential above all (a setup step or MCP server must never be
 /// able to act as the sandbox), and where it came from.
-const AGENT_ONLY: &[&str] = &["STANDBY_TOKEN", "STANDBY_TOKEN_FILE"];
+const AGENT_ONLY: &[&str] = &standby_protocol::vars::CREDENTIAL;
 
 /// Makes the agent not dumpable (`PR_SET_DUMPABLE` 0): its `/proc/<pid>/`
 /// files then belong to root, so a process of the same user (the run, an

@@ -30,18 +30,29 @@ pub(crate) struct AppState {
     pub containment: &'static str,
 }
 
-/// An error answer: `{"error": "...", "field": "..."}` (`field` when one
-/// field is to blame).
+/// An error answer. The agent-facing contract shows it as
+/// `{"error": "...", "field": "..."}` (`field` when one field is to
+/// blame); the user API as a problem (`user_api::problem`).
 #[derive(Debug)]
 pub struct ApiError {
     status: StatusCode,
     message: String,
     field: Option<String>,
+    place: Place,
+}
+
+/// Where the field to blame is: the JSON body (the default), a query
+/// parameter or a header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Place {
+    Body,
+    Query,
+    Header,
 }
 
 impl ApiError {
     pub fn new(status: StatusCode, message: impl Into<String>) -> Self {
-        Self { status, message: message.into(), field: None }
+        Self { status, message: message.into(), field: None, place: Place::Body }
     }
 
     pub fn with_field(mut self, field: impl Into<String>) -> Self {
@@ -49,12 +60,32 @@ impl ApiError {
         self
     }
 
+    /// The field to blame is a query parameter.
+    pub fn in_query(mut self) -> Self {
+        self.place = Place::Query;
+        self
+    }
+
+    /// The field to blame is a header.
+    pub fn in_header(mut self) -> Self {
+        self.place = Place::Header;
+        self
+    }
+
     pub fn status(&self) -> StatusCode {
         self.status
     }
 
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+
     pub fn field(&self) -> Option<&str> {
         self.field.as_deref()
+    }
+
+    pub fn place(&self) -> Place {
+        self.place
     }
 }
 

@@ -106,12 +106,38 @@ fn git(dir: &Path, args: &[&str]) -> Result<(), DemoError> {
     }
 }
 
-const SETUP: &str = "#!/bin/sh
-# The sample's setup step: what `npm ci` or `cargo build` would be.
+/// The sample's setup step where python3 can make a virtual environment:
+/// what `pip install -r requirements.txt`, `npm ci` or `cargo build` is in a
+/// real repository, seconds of real work that a cold sandbox pays after the
+/// run was submitted and a standby paid before. A virtual environment with
+/// its own pip (ensurepip), and the repository's package installed into it
+/// by a `.pth` file, as an editable install does, so nothing is fetched.
+const SETUP_VENV: &str = r#"#!/bin/sh
+set -e
+python3 -m venv .venv
+site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+pwd > "$site/sample_pkg.pth"
+.venv/bin/python -m compileall -q sample_pkg
+mkdir -p build
+.venv/bin/python -c 'import sample_pkg; sample_pkg.build()' > build/info.txt
+"#;
+
+/// The sample's setup step without python3's `venv`: a stand-in build.
+const SETUP_PLAIN: &str = "#!/bin/sh
 set -e
 mkdir -p build
 echo \"built from $(git rev-parse --short HEAD)\" > build/info.txt
 ";
+
+/// The sample repository's package, installed by [`SETUP_VENV`].
+const SAMPLE_PACKAGE: &str = r#""""The sample repository's package, installed by its setup step."""
+import subprocess
+
+
+def build():
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
+    print(f"built from {head.stdout.strip()} in a virtual environment")
+"#;
 
 const TASK: &str = "#!/bin/sh
 # The sample's run: reads what setup built.
@@ -136,16 +162,40 @@ fn on_path(program: &str) -> bool {
     std::env::var_os("PATH").is_some_and(|path| std::env::split_paths(&path).any(|dir| dir.join(program).is_file()))
 }
 
+/// Whether `python3` can make a virtual environment with its own pip
+/// (Debian splits `venv` and `ensurepip` into python3-venv).
+fn python_venv() -> bool {
+    std::process::Command::new("python3")
+        .args(["-c", "import venv, ensurepip"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|status| status.success())
+}
+
+/// What the sample's standbys have: an MCP server (python3 on the PATH),
+/// and a setup step that builds a Python virtual environment.
+#[derive(Debug, Clone, Copy)]
+struct Sample {
+    mcp: bool,
+    venv: bool,
+}
+
 /// The sample repository and the spec that prepares it.
-fn sample(dir: &Path, setup_cost: Duration) -> Result<(Spec, bool), DemoError> {
+fn sample(dir: &Path, setup_cost: Duration) -> Result<(Spec, Sample), DemoError> {
+    let python = on_path("python3");
+    let venv = python && python_venv();
+    let base = if venv { SETUP_VENV } else { SETUP_PLAIN };
     let setup =
-        if setup_cost.is_zero() { SETUP.to_owned() } else { format!("{SETUP}sleep {:.3}\n", setup_cost.as_secs_f64()) };
+        if setup_cost.is_zero() { base.to_owned() } else { format!("{base}sleep {:.3}\n", setup_cost.as_secs_f64()) };
     let repo = dir.join("sample-repo");
-    std::fs::create_dir_all(&repo).map_err(io("create", &repo))?;
+    std::fs::create_dir_all(repo.join("sample_pkg")).map_err(io("create", &repo))?;
     for (name, content) in [
         ("README.md", "# Sample\nA repository the demo's standbys prepare.\n"),
+        (".gitignore", ".venv/\nbuild/\n__pycache__/\n"),
         ("setup.sh", &setup),
         ("task.sh", TASK),
+        ("sample_pkg/__init__.py", SAMPLE_PACKAGE),
     ] {
         let path = repo.join(name);
         std::fs::write(&path, content).map_err(io("write", &path))?;
@@ -153,7 +203,6 @@ fn sample(dir: &Path, setup_cost: Duration) -> Result<(Spec, bool), DemoError> {
     git(&repo, &["init", "--quiet", "--initial-branch=main"])?;
     git(&repo, &["add", "--all"])?;
     git(&repo, &["commit", "--quiet", "--message", "sample"])?;
-    let python = on_path("python3");
     let mut mcp_servers = Vec::new();
     if python {
         let script = dir.join("mcp_notes.py");
@@ -186,7 +235,7 @@ fn sample(dir: &Path, setup_cost: Duration) -> Result<(Spec, bool), DemoError> {
         shell: Some(vec!["/bin/sh".into()]),
         deadline: None,
     };
-    Ok((spec, python))
+    Ok((spec, Sample { mcp: python, venv }))
 }
 
 /// A line on stderr that says what the demo waits for, rewritten in place
@@ -280,7 +329,7 @@ pub async fn run(options: &DemoOptions, out: &mut impl Write) -> Result<Vec<Demo
         options,
         Duration::from_millis(500),
         |_| {},
-        async |server, key, sandboxes, mcp| drive(options, server, key, sandboxes, mcp, out).await,
+        async |server, key, sandboxes, sample| drive(options, server, key, sandboxes, sample, out).await,
     )
     .await
 }
@@ -291,14 +340,14 @@ async fn with_server<T>(
     options: &DemoOptions,
     heartbeat: Duration,
     configure: impl FnOnce(&mut ServerConfig),
-    body: impl AsyncFnOnce(&RunningServer<LocalProvider>, &Secret, &Path, bool) -> Result<T, DemoError>,
+    body: impl AsyncFnOnce(&RunningServer<LocalProvider>, &Secret, &Path, Sample) -> Result<T, DemoError>,
 ) -> Result<T, DemoError> {
     if !options.agent_bin.is_file() {
         return Err(DemoError::NoAgent(options.agent_bin.clone()));
     }
     let dir =
         tempfile::Builder::new().prefix("standby-demo-").tempdir().map_err(io("create", &std::env::temp_dir()))?;
-    let (spec, mcp) = sample(dir.path(), options.setup_cost)?;
+    let (spec, sample) = sample(dir.path(), options.setup_cost)?;
     let sandboxes = dir.path().join("sandboxes");
     let provider = Arc::new(LocalProvider::new(sandboxes.clone(), options.agent_bin.clone()));
     let store = Arc::new(SqliteStore::open(&dir.path().join("standby.db"), &SealKey::random())?);
@@ -311,7 +360,7 @@ async fn with_server<T>(
     config.launch_timeout = Duration::from_secs(60);
     configure(&mut config);
     let server = start(config, store, provider).await?;
-    let result = body(&server, &key, &sandboxes, mcp).await;
+    let result = body(&server, &key, &sandboxes, sample).await;
     server.shutdown().await?;
     drop(dir);
     result
@@ -495,15 +544,18 @@ async fn drive<P: SandboxProvider>(
     server: &RunningServer<P>,
     key: &Secret,
     sandboxes: &Path,
-    mcp: bool,
+    sample: Sample,
     out: &mut impl Write,
 ) -> Result<Vec<DemoRow>, DemoError> {
     let client = Client::new(server.url(), key)?;
     let mut progress = Progress::new();
     let wrote = |e: std::io::Error| DemoError::Io { action: "write", path: "stdout".into(), source: e };
     writeln!(out, "standby demo: server at {}, pool of {} standbys", server.url(), options.pool_size).map_err(wrote)?;
-    if !mcp {
+    if !sample.mcp {
         writeln!(out, "(python3 not found: the standbys run without the sample MCP server)").map_err(wrote)?;
+    } else if !sample.venv {
+        writeln!(out, "(python3 cannot make a virtual environment: the setup step is a stand-in build)")
+            .map_err(wrote)?;
     }
 
     let deadline = tokio::time::Instant::now() + options.timeout;
@@ -512,9 +564,10 @@ async fn drive<P: SandboxProvider>(
         let ready =
             listing["sandboxes"].as_array().map_or(0, |all| all.iter().filter(|s| s["candidate"] == true).count());
         progress.show(&format!(
-            "waiting for {} standbys to prepare (clone, setup step{}): {ready}/{} ready",
+            "waiting for {} standbys to prepare (clone, setup step{}{}): {ready}/{} ready",
             options.pool_size,
-            if mcp { ", MCP server" } else { "" },
+            if sample.venv { " building a Python virtual environment" } else { "" },
+            if sample.mcp { ", MCP server" } else { "" },
             options.pool_size
         ));
         if ready >= options.pool_size {
@@ -653,8 +706,56 @@ fn print_table(out: &mut impl Write, rows: &[DemoRow]) -> std::io::Result<()> {
         out,
         "cold: no standby was free, so a sandbox was created for the run and prepared after it was submitted."
     )?;
+    if let Some((cold, warm, ratio)) = cold_over_warm(rows) {
+        writeln!(
+            out,
+            "cold / warm: {ratio:.0}× (submit→start, medians: cold {}, warm {})",
+            seconds(Some(cold)),
+            seconds(Some(warm))
+        )?;
+    }
     for row in rows {
         writeln!(out, "{} output: {}", row.run_id, row.output)?;
     }
     Ok(())
+}
+
+/// The medians of the cold and the warm runs' submit-to-start times, and
+/// how many times longer cold took: the wait a standby removed.
+fn cold_over_warm(rows: &[DemoRow]) -> Option<(u64, u64, f64)> {
+    let times = |path: &str| rows.iter().filter(|r| r.path == path).filter_map(|r| r.submit_to_start_ms).collect();
+    let (cold, warm) = (median(times("cold"))?, median(times("warm"))?);
+    Some((cold, warm, cold as f64 / warm.max(1) as f64))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(path: &str, ms: Option<u64>) -> DemoRow {
+        DemoRow {
+            run_id: "exe_x".into(),
+            path: path.into(),
+            submit_to_start_ms: ms,
+            queued_ms: None,
+            commit_to_sent_ms: None,
+            sent_to_confirmed_ms: None,
+            confirmed_to_started_ms: None,
+            exit_code: Some(0),
+            output: String::new(),
+        }
+    }
+
+    #[test]
+    fn cold_over_warm_divides_the_medians() {
+        let rows = [row("warm", Some(40)), row("warm", Some(60)), row("cold", Some(5000)), row("cold", None)];
+        assert_eq!(cold_over_warm(&rows), Some((5000, 50, 100.0)));
+    }
+
+    #[test]
+    fn cold_over_warm_needs_both_paths_and_never_divides_by_zero() {
+        assert_eq!(cold_over_warm(&[row("warm", Some(40))]), None);
+        assert_eq!(cold_over_warm(&[row("cold", Some(40))]), None);
+        assert_eq!(cold_over_warm(&[row("cold", Some(40)), row("warm", Some(0))]), Some((40, 0, 40.0)));
+    }
 }

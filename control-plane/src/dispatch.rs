@@ -56,13 +56,15 @@
 //! ends), `events`, `logs`, `sandboxes` (launch, exit, loss, probes after
 //! a restart), `ticks` (time passing), `placement` (binding queued runs),
 //! `pool`, `threads` (the pointer, parking), `resume` (a follow-up turn on
-//! a parked sandbox), `bounds` (what a run may cost) and `views` (what the
-//! API and `/metrics` read).
+//! a parked sandbox), `bounds` (what a run may cost), `idempotency` (a
+//! retried submission answers the run it made) and `views` (what the API
+//! and `/metrics` read).
 
 mod admission;
 mod bounds;
 mod connections;
 mod events;
+mod idempotency;
 mod logs;
 mod placement;
 mod pool;
@@ -80,13 +82,14 @@ use standby_protocol::{AgentState, Fingerprint, Secret, ServerMessage};
 
 use crate::credential::{CredentialKind, Mint, TokenHash};
 use crate::model::{
-    CredentialRecord, CredentialState, Millis, Park, ParkMode, RunPath, RunRecord, RunRequest, RunState, SandboxRecord,
-    SandboxState, StoredEvent, ThreadRecord,
+    CredentialRecord, CredentialState, IdempotencyRecord, Millis, Park, ParkMode, RunPath, RunRecord, RunRequest,
+    RunState, SandboxRecord, SandboxState, StoredEvent, ThreadRecord,
 };
 use crate::policy::AutoStop;
 
 pub use admission::{Admission, Call, Refusal};
 pub use bounds::{Evicted, MAX_EVENTS_PER_RUN, RunBounds};
+pub use idempotency::{IdempotencyKey, KeyReused, Submitted};
 pub use logs::{LogError, LogLedger};
 pub use resume::{ResumeFailure, ResumeStart};
 pub use runs::CancelError;
@@ -182,6 +185,13 @@ pub enum Write {
         record: Box<ThreadRecord>,
         expected: u64,
     },
+    /// An `Idempotency-Key`, written with the run it made (replacing one
+    /// past its window that no tick forgot yet).
+    Idempotency(Box<IdempotencyRecord>),
+    /// Forget the `Idempotency-Key`s made at or before `through`.
+    ForgetIdempotency {
+        through: Millis,
+    },
 }
 
 /// Something the driver does after the step's writes are durable.
@@ -265,6 +275,8 @@ pub struct Snapshot {
     /// Finished runs, which are not loaded: how many, by state and path.
     pub finished: Vec<((RunState, Option<RunPath>), u64)>,
     pub threads: Vec<ThreadRecord>,
+    /// The `Idempotency-Key`s still kept.
+    pub idempotency: Vec<IdempotencyRecord>,
 }
 
 #[derive(Debug, Clone)]
@@ -374,6 +386,8 @@ pub struct Dispatch {
     blocked: usize,
     blocked_cold: usize,
     admissions: admission::Admissions,
+    /// `Idempotency-Key`s of submissions within the window, by key.
+    idempotency: HashMap<String, IdempotencyRecord>,
 }
 
 impl std::fmt::Debug for Dispatch {
@@ -407,6 +421,7 @@ impl Dispatch {
             blocked: 0,
             blocked_cold: 0,
             admissions: admission::Admissions::default(),
+            idempotency: HashMap::new(),
         }
     }
 
@@ -429,6 +444,7 @@ impl Dispatch {
         machine.logs = snapshot.logs.into_iter().collect();
         machine.evicted.runs = snapshot.finished.into_iter().collect();
         machine.threads = snapshot.threads.into_iter().map(|t| (t.id.clone(), t)).collect();
+        machine.idempotency = snapshot.idempotency.into_iter().map(|k| (k.key.clone(), k)).collect();
         let resuming: Vec<String> =
             machine.runs.values().filter(|run| run.state == RunState::Resuming).map(|run| run.id.clone()).collect();
         for run_id in resuming {

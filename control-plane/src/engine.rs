@@ -20,8 +20,8 @@ use standby_protocol::{AgentState, Event, Run, Secret, ServerMessage};
 use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::dispatch::{
-    Admission, Call, CancelError, ConnId, Dispatch, Effect, Found, LogError, MetricsSnapshot, Provision, Refusal,
-    ResumeFailure, ResumeStart, SandboxPage, SandboxView, Step,
+    Admission, Call, CancelError, ConnId, Dispatch, Effect, Found, IdempotencyKey, KeyReused, LogError,
+    MetricsSnapshot, Provision, Refusal, ResumeFailure, ResumeStart, SandboxPage, SandboxView, Step, Submitted,
 };
 use crate::model::{Millis, RunRecord, RunRequest, RunState, SandboxRecord, ThreadRecord};
 use crate::policy::raised_auto_stop;
@@ -51,27 +51,94 @@ pub struct EngineGone;
 
 #[derive(Debug)]
 enum Command {
-    Check { token: String, call: Call, reply: oneshot::Sender<Result<Admission, Refusal>> },
-    ClaimSocket { conn: ConnId, token: String, reply: oneshot::Sender<Result<Admission, Refusal>> },
-    Connect { conn: ConnId, sender: mpsc::UnboundedSender<Outbound>, credential_id: String, presented: Secret },
-    Disconnect { conn: ConnId },
-    Heartbeat { conn: ConnId, state: AgentState },
-    AssignmentSent { run_id: String },
-    Submit { run: Box<Run>, request: Box<RunRequest>, thread_id: Option<String>, reply: oneshot::Sender<RunRecord> },
-    GetThread { thread_id: String, reply: oneshot::Sender<Option<ThreadRecord>> },
-    Cancel { run_id: String, reply: oneshot::Sender<Result<RunState, CancelError>> },
-    GetRun { run_id: String, reply: oneshot::Sender<Option<RunRecord>> },
-    GetSandbox { sandbox_id: String, reply: oneshot::Sender<Option<SandboxRecord>> },
-    Sandboxes { page: SandboxPage, reply: oneshot::Sender<Vec<(SandboxView, Details)>> },
-    Event { run_id: String, attempt: u32, event: Event, reply: oneshot::Sender<()> },
-    Log { chunk: LogInput, reply: oneshot::Sender<Result<u64, LogError>> },
-    Metrics { reply: oneshot::Sender<MetricsSnapshot> },
-    Exited { sandbox_id: String, code: Option<i32> },
-    LaunchFailed { sandbox_id: String, error: String },
-    SpecServed { sandbox_id: String },
-    ResumeFailed { sandbox_id: String, failure: ResumeFailure },
-    Probed { sandbox_id: String, found: Found },
-    Drain { reply: oneshot::Sender<()> },
+    Check {
+        token: String,
+        call: Call,
+        reply: oneshot::Sender<Result<Admission, Refusal>>,
+    },
+    ClaimSocket {
+        conn: ConnId,
+        token: String,
+        reply: oneshot::Sender<Result<Admission, Refusal>>,
+    },
+    Connect {
+        conn: ConnId,
+        sender: mpsc::UnboundedSender<Outbound>,
+        credential_id: String,
+        presented: Secret,
+    },
+    Disconnect {
+        conn: ConnId,
+    },
+    Heartbeat {
+        conn: ConnId,
+        state: AgentState,
+    },
+    AssignmentSent {
+        run_id: String,
+    },
+    Submit {
+        run: Box<Run>,
+        request: Box<RunRequest>,
+        thread_id: Option<String>,
+        key: Option<IdempotencyKey>,
+        reply: oneshot::Sender<Result<(Submitted, Option<RunRecord>), KeyReused>>,
+    },
+    GetThread {
+        thread_id: String,
+        reply: oneshot::Sender<Option<ThreadRecord>>,
+    },
+    Cancel {
+        run_id: String,
+        reply: oneshot::Sender<Result<RunState, CancelError>>,
+    },
+    GetRun {
+        run_id: String,
+        reply: oneshot::Sender<Option<RunRecord>>,
+    },
+    GetSandbox {
+        sandbox_id: String,
+        reply: oneshot::Sender<Option<SandboxRecord>>,
+    },
+    Sandboxes {
+        page: SandboxPage,
+        reply: oneshot::Sender<Vec<(SandboxView, Details)>>,
+    },
+    Event {
+        run_id: String,
+        attempt: u32,
+        event: Event,
+        reply: oneshot::Sender<()>,
+    },
+    Log {
+        chunk: LogInput,
+        reply: oneshot::Sender<Result<u64, LogError>>,
+    },
+    Metrics {
+        reply: oneshot::Sender<MetricsSnapshot>,
+    },
+    Exited {
+        sandbox_id: String,
+        code: Option<i32>,
+    },
+    LaunchFailed {
+        sandbox_id: String,
+        error: String,
+    },
+    SpecServed {
+        sandbox_id: String,
+    },
+    ResumeFailed {
+        sandbox_id: String,
+        failure: ResumeFailure,
+    },
+    Probed {
+        sandbox_id: String,
+        found: Found,
+    },
+    Drain {
+        reply: oneshot::Sender<()>,
+    },
     Stop,
 }
 
@@ -171,7 +238,24 @@ impl EngineHandle {
         request: RunRequest,
         thread_id: Option<String>,
     ) -> Result<RunRecord, EngineGone> {
-        self.ask(|reply| Command::Submit { run: Box::new(run), request: Box::new(request), thread_id, reply }).await
+        match self.submit_keyed(run, request, thread_id, None).await? {
+            Ok((_, Some(record))) => Ok(record),
+            // Without a key there is always a new run, in memory.
+            Ok((_, None)) | Err(_) => Err(EngineGone),
+        }
+    }
+
+    /// Submits a run under an `Idempotency-Key` (when given): the run it
+    /// made (and its record while in memory), or [`KeyReused`].
+    pub async fn submit_keyed(
+        &self,
+        run: Run,
+        request: RunRequest,
+        thread_id: Option<String>,
+        key: Option<IdempotencyKey>,
+    ) -> Result<Result<(Submitted, Option<RunRecord>), KeyReused>, EngineGone> {
+        self.ask(|reply| Command::Submit { run: Box::new(run), request: Box::new(request), thread_id, key, reply })
+            .await
     }
 
     /// A sandbox's agent was served its spec.
@@ -349,11 +433,16 @@ impl<P: SandboxProvider> Engine<P> {
                 let step = self.machine.assignment_sent(now, &run_id);
                 self.apply(step).await?;
             }
-            Command::Submit { run, request, thread_id, reply } => {
-                let (step, run_id) = self.machine.submit_turn(now, *run, *request, thread_id);
-                self.apply(step).await?;
-                if let Some(record) = self.machine.run(&run_id) {
-                    let _ = reply.send(record.clone());
+            Command::Submit { run, request, thread_id, key, reply } => {
+                match self.machine.submit_keyed(now, *run, *request, thread_id, key) {
+                    Ok((step, submitted)) => {
+                        self.apply(step).await?;
+                        let record = self.machine.run(submitted.run_id()).cloned();
+                        let _ = reply.send(Ok((submitted, record)));
+                    }
+                    Err(reused) => {
+                        let _ = reply.send(Err(reused));
+                    }
                 }
             }
             Command::Cancel { run_id, reply } => match self.machine.cancel(now, &run_id) {

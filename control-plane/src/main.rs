@@ -148,6 +148,11 @@ struct BoundsArgs {
     /// the API reads it from there after.
     #[arg(long, env = "STANDBY_SERVER_RUN_RETENTION", default_value = "10m", value_parser = parse_duration, value_name = "DURATION")]
     run_retention: Duration,
+    /// How long an `Idempotency-Key` of `POST /v1/runs` is kept: a retry
+    /// with the same key and body within it answers the run the first
+    /// made; after it, the key is forgotten (and may make a new run).
+    #[arg(long, env = "STANDBY_SERVER_IDEMPOTENCY_WINDOW", default_value = "24h", value_parser = parse_duration, value_name = "DURATION")]
+    idempotency_window: Duration,
 }
 
 /// Bounds of the listener (`docs/operations.md`, "Listener limits").
@@ -428,7 +433,11 @@ async fn serve(args: Serve) -> anyhow::Result<()> {
         anyhow::bail!("--provider-minute must be longer than zero");
     }
     config.pool_policy = args.pool_policy.pool_policy();
-    config.bounds = RunBounds { log_cap: args.bounds.log_cap, retention: args.bounds.run_retention };
+    config.bounds = RunBounds {
+        log_cap: args.bounds.log_cap,
+        retention: args.bounds.run_retention,
+        idempotency_window: args.bounds.idempotency_window,
+    };
     config.listener = args.limits.limits()?;
     let local_options = args.pool_policy.local_options(args.stop_grace, args.sandbox_containment);
     match agent {

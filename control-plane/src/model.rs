@@ -43,7 +43,7 @@ impl Millis {
 /// is bound, a run may be `waiting` (the running cap is reached, or another
 /// turn of its thread holds the thread's sandbox) or `resuming` (its
 /// thread's parked sandbox is being started for it).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum RunState {
     Queued,
@@ -115,7 +115,7 @@ impl fmt::Display for RunState {
 /// What kind of sandbox an attempt got: a pre-warmed standby, a sandbox
 /// created for it, or its thread's parked sandbox, still running (Tier 2)
 /// or stopped and started again for it (Tier 1).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum RunPath {
     Warm,
@@ -138,7 +138,7 @@ impl RunPath {
 }
 
 /// How an attempt ended, when it is not the run's live one.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum AttemptOutcome {
     /// The run finished on it (exited, failed after starting, cancelled).
@@ -244,14 +244,14 @@ impl RunRecord {
 }
 
 /// Whether a sandbox was made ahead of time for the pool or for one run.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum SandboxKind {
     Warm,
     Cold,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum SandboxState {
     /// No run bound: a standby (warm) or about to get one (never for cold).
@@ -268,6 +268,8 @@ pub enum SandboxState {
 }
 
 impl SandboxState {
+    pub const ALL: [Self; 5] = [Self::Standby, Self::Assigned, Self::Parked, Self::Resuming, Self::Retired];
+
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Standby => "standby",
@@ -280,7 +282,7 @@ impl SandboxState {
 }
 
 /// How a sandbox kept for a thread waits for the next turn.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum ParkMode {
     /// Tier 2: running, with a fresh agent, until the warm idle window ends.
@@ -430,4 +432,16 @@ pub struct StoredEvent {
     pub attempt: u32,
     pub received_at: Millis,
     pub event: standby_protocol::Event,
+}
+
+/// An `Idempotency-Key` of `POST /v1/runs`: the run it made and a hash of
+/// the body it came with, kept for the idempotency window.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IdempotencyRecord {
+    pub key: String,
+    /// SHA-256 (hex) of the submission as parsed JSON, so that a retry
+    /// with the same fields in another order or spacing is the same body.
+    pub request_hash: String,
+    pub run_id: String,
+    pub created_at: Millis,
 }

@@ -55,7 +55,7 @@ use std::time::{Duration, Instant};
 use nix::sys::signal::{Signal, kill, killpg};
 use nix::unistd::Pid;
 use serde::{Deserialize, Serialize};
-use standby_protocol::Secret;
+use standby_protocol::{Secret, vars};
 use tokio::sync::{oneshot, watch};
 
 use crate::containment::{Containment, ContainmentChoice, ContainmentError};
@@ -554,11 +554,11 @@ impl SandboxProvider for LocalProvider {
         command
             .env_clear()
             .envs(inner.base_env.iter().map(|(name, value)| (name, value)))
-            .env("STANDBY_SERVER_URL", &launch.server_url)
-            .env("STANDBY_TOKEN", launch.token.expose())
-            .env("STANDBY_WORKSPACE", dir.join("workspace"))
-            .env("STANDBY_HEARTBEAT_INTERVAL", humantime::format_duration(launch.heartbeat_interval).to_string())
-            .env("STANDBY_LOG", &launch.log_filter)
+            .env(vars::SERVER_URL, &launch.server_url)
+            .env(vars::TOKEN, launch.token.expose())
+            .env(vars::WORKSPACE, dir.join("workspace"))
+            .env(vars::HEARTBEAT_INTERVAL, humantime::format_duration(launch.heartbeat_interval).to_string())
+            .env(vars::LOG, &launch.log_filter)
             .env(SANDBOX_MARK, sandbox_id)
             .current_dir(&dir)
             .stdin(Stdio::null())

@@ -115,6 +115,7 @@ fn router(state: AppState) -> Router {
         .route("/v1/sandboxes", get(user_api::reads::sandboxes))
         .route("/v1/threads/{id}", get(user_api::thread))
         .route("/metrics", get(user_api::metrics))
+        .route("/openapi.json", get(user_api::openapi::openapi_json))
         .with_state(state)
 }
 

@@ -1,64 +1,97 @@
 //! The user API: submit, inspect and cancel runs, list sandboxes, metrics.
-//! Every call needs `Authorization: Bearer <api key>`. The reads (lists,
-//! logs, events) are in [`reads`].
+//! Every call needs `Authorization: Bearer <api key>`; every refusal is a
+//! problem (`problem`). The reads (lists, logs, events) are in [`reads`],
+//! what the answers hold in [`views`], the OpenAPI document that
+//! describes them all in [`openapi`].
 
 use std::collections::{BTreeMap, HashSet};
 
 use axum::Json;
 use axum::body::Bytes;
+use axum::extract::rejection::{BytesRejection, PathRejection};
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use base64::Engine as _;
-use serde::{Deserialize, Serialize};
+use serde::Deserialize;
 use sha2::{Digest, Sha256};
 use standby_protocol::{GitCredential, Run, Secret, Workspace};
+use utoipa::ToSchema;
 
+pub(crate) mod openapi;
+pub(crate) mod problem;
 pub(crate) mod reads;
+pub(crate) mod views;
 
+use self::problem::{PROBLEM_JSON, Problem};
+use self::views::{RunView, ThreadView, view};
 use crate::app::{ApiError, AppState, bad, bearer, from_store, parse_json};
 use crate::credential::hex;
-use crate::dispatch::CancelError;
-use crate::model::{Attempt, Millis, Resume, RunRecord, RunRequest, RunState, StoredAttachment, ThreadRecord};
+use crate::dispatch::{CancelError, IdempotencyKey, Submitted};
+use crate::model::{RunRecord, RunRequest, StoredAttachment, ThreadRecord};
 
-/// `POST /v1/runs`.
-#[derive(Debug, Deserialize)]
+/// `POST /v1/runs`: a run to start on a prepared sandbox.
+#[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Submission {
+    /// The program and its arguments; the program must not be empty.
+    #[schema(min_items = 1)]
     pub command: Vec<String>,
+    /// A relative path inside the workspace (no `..`).
     #[serde(default)]
+    #[schema(min_length = 1, pattern = "^[^/]")]
     pub cwd: Option<String>,
+    /// Environment of the run. Names are not empty and hold no `=`.
     #[serde(default)]
     pub env: BTreeMap<String, String>,
+    /// Secrets the agent fetches at install time; redacted from the log.
     #[serde(default)]
+    #[schema(value_type = BTreeMap<String, String>)]
     pub secrets: BTreeMap<String, Secret>,
+    /// Cloud credentials, as environment variables; never stored in clear.
     #[serde(default)]
+    #[schema(value_type = BTreeMap<String, String>)]
     pub cloud_env: BTreeMap<String, Secret>,
+    /// Git credentials (the contract's `GitCredential`); `protocol` and
+    /// `host` must not be empty.
     #[serde(default)]
+    #[schema(schema_with = openapi::git_credentials_schema)]
     pub git_credentials: Vec<GitCredential>,
+    /// Any JSON, handed to the run as a file.
     #[serde(default)]
+    #[schema(value_type = Option<Object>)]
     pub metadata: Option<serde_json::Value>,
     #[serde(default)]
     pub attachments: Vec<AttachmentInput>,
+    /// Environment of the MCP servers for this run.
     #[serde(default)]
     pub mcp_env: BTreeMap<String, String>,
+    /// Fail the install when an MCP server does not come up.
     #[serde(default)]
     pub strict_mcp: bool,
+    /// The workspace the run needs (the contract's `Workspace`); the pool
+    /// spec's when absent.
     #[serde(default)]
+    #[schema(schema_with = openapi::workspace_schema)]
     pub workspace: Option<Workspace>,
     /// The conversation the run is a turn of: the sandbox is kept for the
-    /// thread's next turn.
+    /// thread's next turn. Not `.` or `..`.
     #[serde(default)]
+    #[schema(min_length = 1, max_length = 128, pattern = "^[A-Za-z0-9._:-]+$")]
     pub thread_id: Option<String>,
 }
 
-/// An attachment given inline: UTF-8 `content` or `content_base64`.
-#[derive(Debug, Deserialize)]
+/// An attachment given inline: exactly one of UTF-8 `content` and
+/// `content_base64`.
+#[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct AttachmentInput {
+    /// A plain file name, unique among the run's attachments.
+    #[schema(min_length = 1, max_length = 255, pattern = "^[A-Za-z0-9_-][A-Za-z0-9._-]*$")]
     pub name: String,
     #[serde(default)]
     pub content: Option<String>,
+    /// Standard base64 (with padding).
     #[serde(default)]
     pub content_base64: Option<String>,
 }
@@ -208,239 +241,218 @@ impl Submission {
     }
 }
 
-// ---- views ---------------------------------------------------------------------
-
-#[derive(Debug, Serialize)]
-struct AttemptView {
-    number: u32,
-    sandbox_id: String,
-    path: &'static str,
-    committed_at: String,
-    assignment_sent_at: Option<String>,
-    delivery_confirmed_at: Option<String>,
-    started_at: Option<String>,
-    ended_at: Option<String>,
-    outcome: Option<crate::model::AttemptOutcome>,
-    reason: Option<String>,
-}
-
-impl From<&Attempt> for AttemptView {
-    fn from(attempt: &Attempt) -> Self {
-        Self {
-            number: attempt.number,
-            sandbox_id: attempt.sandbox_id.clone(),
-            path: attempt.path.as_str(),
-            committed_at: attempt.committed_at.rfc3339(),
-            assignment_sent_at: attempt.assignment_sent_at.map(Millis::rfc3339),
-            delivery_confirmed_at: attempt.delivery_confirmed_at.map(Millis::rfc3339),
-            started_at: attempt.started_at.map(Millis::rfc3339),
-            ended_at: attempt.ended_at.map(Millis::rfc3339),
-            outcome: attempt.outcome,
-            reason: attempt.reason.clone(),
-        }
-    }
-}
-
-/// The run's timeline: the submission, then its latest attempt.
-#[derive(Debug, Serialize)]
-struct Timestamps {
-    submitted: String,
-    committed: Option<String>,
-    assignment_sent: Option<String>,
-    delivery_confirmed: Option<String>,
-    started: Option<String>,
-    exited: Option<String>,
-    ended: Option<String>,
-}
-
-/// Submit to start, and its parts, in milliseconds.
-#[derive(Debug, Serialize)]
-struct Durations {
-    submit_to_start: Option<u64>,
-    /// Submitted → committed to the attempt that ran (earlier attempts included).
-    queued: Option<u64>,
-    commit_to_assignment_sent: Option<u64>,
-    assignment_sent_to_delivery_confirmed: Option<u64>,
-    delivery_confirmed_to_started: Option<u64>,
-    /// A follow-up turn's resume: claimed → its sandbox's agent ready.
-    resume: Option<u64>,
-}
-
-#[derive(Debug, Serialize)]
-struct WaitView {
-    reason: String,
-    since: String,
-}
-
-#[derive(Debug, Serialize)]
-struct ResumeView {
-    sandbox_id: String,
-    from: &'static str,
-    began_at: String,
-    ready_at: Option<String>,
-    /// Why the resume was given up and the run placed like a new one.
-    fallback: Option<String>,
-}
-
-impl From<&Resume> for ResumeView {
-    fn from(resume: &Resume) -> Self {
-        Self {
-            sandbox_id: resume.sandbox_id.clone(),
-            from: resume.from.as_str(),
-            began_at: resume.began_at.rfc3339(),
-            ready_at: resume.ready_at.map(Millis::rfc3339),
-            fallback: resume.fallback.clone(),
-        }
-    }
-}
-
-#[derive(Debug, Serialize)]
-pub(crate) struct RunView {
-    id: String,
-    state: RunState,
-    path: Option<&'static str>,
-    command: Vec<String>,
-    thread_id: Option<String>,
-    /// Why it is `waiting`.
-    wait: Option<WaitView>,
-    resume: Option<ResumeView>,
-    attempts: Vec<AttemptView>,
-    exit_code: Option<i32>,
-    error: Option<String>,
-    timestamps: Timestamps,
-    durations_ms: Durations,
-}
-
-fn span(from: Option<Millis>, to: Option<Millis>) -> Option<u64> {
-    Some(to?.since(from?))
-}
-
-pub(crate) fn view(run: &RunRecord) -> RunView {
-    let current = run.current();
-    let at = |f: fn(&Attempt) -> Option<Millis>| current.and_then(f);
-    let committed = current.map(|a| a.committed_at);
-    let sent = at(|a| a.assignment_sent_at);
-    let confirmed = at(|a| a.delivery_confirmed_at);
-    let started = at(|a| a.started_at);
-    RunView {
-        id: run.id.clone(),
-        state: run.state,
-        path: run.path().map(|path| path.as_str()),
-        command: run.run.command.clone(),
-        thread_id: run.thread_id.clone(),
-        wait: run
-            .wait
-            .as_ref()
-            .filter(|_| run.state == RunState::Waiting)
-            .map(|wait| WaitView { reason: wait.reason.clone(), since: wait.since.rfc3339() }),
-        resume: run.resume.as_ref().map(ResumeView::from),
-        attempts: run.attempts.iter().map(AttemptView::from).collect(),
-        exit_code: run.exit_code,
-        error: run.error.clone(),
-        timestamps: Timestamps {
-            submitted: run.submitted_at.rfc3339(),
-            committed: committed.map(Millis::rfc3339),
-            assignment_sent: sent.map(Millis::rfc3339),
-            delivery_confirmed: confirmed.map(Millis::rfc3339),
-            started: started.map(Millis::rfc3339),
-            exited: run.ended_at.filter(|_| run.state == RunState::Exited).map(Millis::rfc3339),
-            ended: run.ended_at.map(Millis::rfc3339),
-        },
-        durations_ms: Durations {
-            submit_to_start: span(Some(run.submitted_at), started),
-            queued: span(Some(run.submitted_at), committed),
-            commit_to_assignment_sent: span(committed, sent),
-            assignment_sent_to_delivery_confirmed: span(sent, confirmed),
-            delivery_confirmed_to_started: span(confirmed, started),
-            resume: run.resume.as_ref().and_then(|resume| span(Some(resume.began_at), resume.ready_at)),
-        },
-    }
-}
-
 // ---- handlers ---------------------------------------------------------------------
 
-pub(crate) fn authorize(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
+pub(crate) fn authorize(state: &AppState, headers: &HeaderMap) -> Result<(), Problem> {
     match bearer(headers) {
         Some(key) if state.api_key.matches(key) => Ok(()),
-        Some(_) => Err(ApiError::new(StatusCode::UNAUTHORIZED, "the API key is not valid")),
-        None => Err(ApiError::new(StatusCode::UNAUTHORIZED, "missing `Authorization: Bearer <api key>`")),
+        Some(_) => Err(Problem::new(StatusCode::UNAUTHORIZED, "the API key is not valid")),
+        None => Err(Problem::new(StatusCode::UNAUTHORIZED, "missing `Authorization: Bearer <api key>`")),
     }
 }
 
+/// The header that makes a submission idempotent.
+pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
+/// Longest `Idempotency-Key`.
+pub const IDEMPOTENCY_KEY_MAX: usize = 255;
+
+/// The submission's `Idempotency-Key` (1 to 255 visible ASCII characters),
+/// if it has one, with the hash of the body it came with.
+fn idempotency_key(headers: &HeaderMap, body: &[u8]) -> Result<Option<IdempotencyKey>, ApiError> {
+    let Some(value) = headers.get(IDEMPOTENCY_KEY) else { return Ok(None) };
+    let refused = || {
+        ApiError::new(
+            StatusCode::BAD_REQUEST,
+            format!("Idempotency-Key: must be 1 to {IDEMPOTENCY_KEY_MAX} visible ASCII characters"),
+        )
+        .with_field("Idempotency-Key")
+        .in_header()
+    };
+    let key = value.to_str().map_err(|_| refused())?;
+    if key.is_empty() || key.len() > IDEMPOTENCY_KEY_MAX || !key.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err(refused());
+    }
+    // The body as parsed JSON (already known to parse), so that key order
+    // and spacing do not make another body.
+    let canonical =
+        serde_json::from_slice::<serde_json::Value>(body).map(|value| value.to_string()).unwrap_or_default();
+    Ok(Some(IdempotencyKey { key: key.to_owned(), request_hash: hex(&Sha256::digest(canonical.as_bytes())) }))
+}
+
+/// A body the server would not read: too large, or not read whole.
+fn unread(rejection: &BytesRejection) -> Problem {
+    Problem::new(rejection.status(), format!("the request body could not be read: {}", rejection.body_text()))
+}
+
+/// `POST /v1/runs`: queues a run and places it on a prepared sandbox at
+/// once when one is ready.
+#[utoipa::path(
+    post,
+    path = "/v1/runs",
+    operation_id = "submitRun",
+    tag = "runs",
+    request_body(content = Submission, content_type = "application/json"),
+    params(
+        ("Idempotency-Key" = Option<String>, Header, min_length = 1, max_length = 255, pattern = "^[!-~]+$",
+            description = "Makes the submission idempotent: a retry with the same key and the same body within the \
+                idempotency window (`--idempotency-window`, 24 h by default) answers the run the first made, and \
+                starts nothing; with another body it is refused (422)."),
+    ),
+    responses(
+        (status = 201, description = "The run (new, or the one this `Idempotency-Key` made)", body = RunView,
+            links(
+                ("GetRun" = (operation_id = "getRun", parameters(("id" = "$response.body#/id")))),
+                ("GetRunLog" = (operation_id = "getRunLog", parameters(("id" = "$response.body#/id")))),
+                ("ListRunEvents" = (operation_id = "listRunEvents", parameters(("id" = "$response.body#/id")))),
+                ("CancelRun" = (operation_id = "cancelRun", parameters(("id" = "$response.body#/id")))),
+            )),
+        (status = 400, description = "A field, the body or the `Idempotency-Key` is refused: `errors` names it", body = Problem, content_type = PROBLEM_JSON),
+        (status = 401, description = "No API key, or not this server's", body = Problem, content_type = PROBLEM_JSON),
+        (status = 413, description = "The body is over the server's limit", body = Problem, content_type = PROBLEM_JSON),
+        (status = 422, description = "The `Idempotency-Key` was used with another body", body = Problem, content_type = PROBLEM_JSON),
+        (status = 500, description = "The store failed", body = Problem, content_type = PROBLEM_JSON),
+        (status = 503, description = "The server is shutting down", body = Problem, content_type = PROBLEM_JSON),
+    ),
+)]
 pub(crate) async fn submit(
     State(state): State<AppState>,
     headers: HeaderMap,
-    body: Bytes,
-) -> Result<Response, ApiError> {
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, Problem> {
     authorize(&state, &headers)?;
+    let body = body.map_err(|rejection| unread(&rejection))?;
     let submission: Submission = parse_json(&body)?;
+    let key = idempotency_key(&headers, &body)?;
     let (run, request, thread_id) = submission.accept()?;
-    let record = state.engine.submit_turn(run, request, thread_id).await?;
-    tracing::info!(run_id = %record.id, state = %record.state, "run submitted");
+    let (submitted, record) = state.engine.submit_keyed(run, request, thread_id, key).await?.map_err(|reused| {
+        Problem::of_type(problem::KEY_REUSED, StatusCode::UNPROCESSABLE_ENTITY, reused.to_string())
+            .with_header("Idempotency-Key")
+    })?;
+    let record = match record {
+        Some(record) => record,
+        None => find(&state, submitted.run_id()).await?,
+    };
+    match submitted {
+        Submitted::New(_) => tracing::info!(run_id = %record.id, state = %record.state, "run submitted"),
+        Submitted::Replayed(_) => tracing::info!(run_id = %record.id, "run submitted again under its idempotency key"),
+    }
     Ok((StatusCode::CREATED, Json(view(&record))).into_response())
 }
 
 /// The run, from memory or (finished and evicted) from the store.
-pub(crate) async fn find(state: &AppState, run_id: &str) -> Result<RunRecord, ApiError> {
+pub(crate) async fn find(state: &AppState, run_id: &str) -> Result<RunRecord, Problem> {
     if let Some(run) = state.engine.run(run_id).await? {
         return Ok(run);
     }
     let id = run_id.to_owned();
     from_store(state, move |store| store.run(&id))
         .await?
-        .ok_or_else(|| ApiError::new(StatusCode::NOT_FOUND, format!("no run `{run_id}`")))
+        .ok_or_else(|| Problem::new(StatusCode::NOT_FOUND, format!("no run `{run_id}`")))
 }
 
+/// `GET /v1/runs/{id}`: a run.
+#[utoipa::path(
+    get,
+    path = "/v1/runs/{id}",
+    operation_id = "getRun",
+    tag = "runs",
+    params(("id" = String, Path, description = "The run's id")),
+    responses(
+        (status = 200, description = "The run", body = RunView),
+        (status = 401, description = "No API key, or not this server's", body = Problem, content_type = PROBLEM_JSON),
+        (status = 404, description = "No run with this id", body = Problem, content_type = PROBLEM_JSON),
+        (status = 500, description = "The store failed", body = Problem, content_type = PROBLEM_JSON),
+        (status = 503, description = "The server is shutting down", body = Problem, content_type = PROBLEM_JSON),
+    ),
+)]
 pub(crate) async fn get(
     State(state): State<AppState>,
     headers: HeaderMap,
-    Path(run_id): Path<String>,
-) -> Result<Response, ApiError> {
+    run_id: Result<Path<String>, PathRejection>,
+) -> Result<Response, Problem> {
     authorize(&state, &headers)?;
+    let Path(run_id) = run_id?;
     Ok(Json(view(&find(&state, &run_id).await?)).into_response())
 }
 
+/// `POST /v1/runs/{id}/cancel`: before the run starts it never does; once
+/// started, its sandbox is told and the run ends when the agent reports.
+#[utoipa::path(
+    post,
+    path = "/v1/runs/{id}/cancel",
+    operation_id = "cancelRun",
+    tag = "runs",
+    params(("id" = String, Path, description = "The run's id")),
+    responses(
+        (status = 200, description = "The run, cancelled or cancelling", body = RunView),
+        (status = 401, description = "No API key, or not this server's", body = Problem, content_type = PROBLEM_JSON),
+        (status = 404, description = "No run with this id", body = Problem, content_type = PROBLEM_JSON),
+        (status = 409, description = "The run is finished (exited or failed)", body = Problem, content_type = PROBLEM_JSON),
+        (status = 500, description = "The store failed", body = Problem, content_type = PROBLEM_JSON),
+        (status = 503, description = "The server is shutting down", body = Problem, content_type = PROBLEM_JSON),
+    ),
+)]
 pub(crate) async fn cancel(
     State(state): State<AppState>,
     headers: HeaderMap,
-    Path(run_id): Path<String>,
-) -> Result<Response, ApiError> {
+    run_id: Result<Path<String>, PathRejection>,
+) -> Result<Response, Problem> {
     authorize(&state, &headers)?;
+    let Path(run_id) = run_id?;
     match state.engine.cancel(&run_id).await? {
         Ok(_) => Ok(Json(view(&find(&state, &run_id).await?)).into_response()),
         // Not in memory: finished and evicted, or unknown.
         Err(CancelError::NotFound(_)) => {
             let run = find(&state, &run_id).await?;
             let error = CancelError::Finished { run_id, state: run.state };
-            Err(ApiError::new(StatusCode::CONFLICT, error.to_string()))
+            Err(Problem::new(StatusCode::CONFLICT, error.to_string()))
         }
-        Err(error @ CancelError::Finished { .. }) => Err(ApiError::new(StatusCode::CONFLICT, error.to_string())),
+        Err(error @ CancelError::Finished { .. }) => Err(Problem::new(StatusCode::CONFLICT, error.to_string())),
     }
 }
 
 /// `GET /v1/threads/{id}`: the thread's pointer.
+#[utoipa::path(
+    get,
+    path = "/v1/threads/{id}",
+    operation_id = "getThread",
+    tag = "runs",
+    params(("id" = String, Path, description = "The thread's id (a run's `thread_id`)")),
+    responses(
+        (status = 200, description = "The thread's pointer", body = ThreadView),
+        (status = 401, description = "No API key, or not this server's", body = Problem, content_type = PROBLEM_JSON),
+        (status = 404, description = "No thread with this id", body = Problem, content_type = PROBLEM_JSON),
+        (status = 503, description = "The server is shutting down", body = Problem, content_type = PROBLEM_JSON),
+    ),
+)]
 pub(crate) async fn thread(
     State(state): State<AppState>,
     headers: HeaderMap,
-    Path(thread_id): Path<String>,
-) -> Result<Response, ApiError> {
+    thread_id: Result<Path<String>, PathRejection>,
+) -> Result<Response, Problem> {
     authorize(&state, &headers)?;
+    let Path(thread_id) = thread_id?;
     let thread: ThreadRecord = state
         .engine
         .thread(&thread_id)
         .await?
-        .ok_or_else(|| ApiError::new(StatusCode::NOT_FOUND, format!("no thread `{thread_id}`")))?;
-    Ok(Json(serde_json::json!({
-        "id": thread.id,
-        "generation": thread.generation,
-        "sandbox_id": thread.sandbox_id,
-        "holder": thread.holder,
-        "updated_at": thread.updated_at.rfc3339(),
-    }))
-    .into_response())
+        .ok_or_else(|| Problem::new(StatusCode::NOT_FOUND, format!("no thread `{thread_id}`")))?;
+    Ok(Json(ThreadView::from(thread)).into_response())
 }
 
-pub(crate) async fn metrics(State(state): State<AppState>, headers: HeaderMap) -> Result<Response, ApiError> {
+/// `GET /metrics`: Prometheus text.
+#[utoipa::path(
+    get,
+    path = "/metrics",
+    operation_id = "getMetrics",
+    tag = "server",
+    responses(
+        (status = 200, description = "Prometheus text exposition (0.0.4)", body = String, content_type = "text/plain; version=0.0.4"),
+        (status = 401, description = "No API key, or not this server's", body = Problem, content_type = PROBLEM_JSON),
+        (status = 503, description = "The server is shutting down", body = Problem, content_type = PROBLEM_JSON),
+    ),
+)]
+pub(crate) async fn metrics(State(state): State<AppState>, headers: HeaderMap) -> Result<Response, Problem> {
     authorize(&state, &headers)?;
     let snapshot = state.engine.metrics().await?;
     Ok((

@@ -235,7 +235,7 @@ async fn the_user_api_needs_the_key_and_names_bad_fields() {
     let wrong = harness.http.get(harness.url("/v1/sandboxes")).bearer_auth("nope").send().await.expect("answered");
     assert_eq!(wrong.status().as_u16(), 401);
     let (status, body) = harness.api(reqwest::Method::GET, "/v1/runs/exe_nope", None).await;
-    assert_eq!((status, body["error"].as_str().is_some()), (404, true));
+    assert_eq!((status, body["detail"].as_str().is_some()), (404, true));
     assert_eq!(harness.api(reqwest::Method::POST, "/v1/runs/exe_nope/cancel", None).await.0, 404);
     assert_eq!(harness.api(reqwest::Method::GET, "/v1/runs/exe_nope/log", None).await.0, 404);
     for (body, field) in [
@@ -248,7 +248,7 @@ async fn the_user_api_needs_the_key_and_names_bad_fields() {
         let (status, answer) = harness.api(reqwest::Method::POST, "/v1/runs", Some(body.clone())).await;
         assert_eq!(status, 400, "{body} → {answer}");
         assert_eq!(answer["field"], field, "{body} → {answer}");
-        assert!(answer["error"].as_str().is_some_and(|e| e.contains(field)), "{answer}");
+        assert!(answer["detail"].as_str().is_some_and(|e| e.contains(field)), "{answer}");
     }
     let raw =
         harness.http.post(harness.url("/v1/runs")).bearer_auth(KEY).body("{not json").send().await.expect("answered");
@@ -522,7 +522,11 @@ async fn bounded(store: Arc<dyn Store>, bounds: RunBounds) -> Harness {
     Harness { server, provider, launches, http: reqwest::Client::new() }
 }
 
-const BOUNDS: RunBounds = RunBounds { log_cap: 64 * 1024 * 1024, retention: Duration::from_secs(600) };
+const BOUNDS: RunBounds = RunBounds {
+    log_cap: 64 * 1024 * 1024,
+    retention: Duration::from_secs(600),
+    idempotency_window: Duration::from_secs(24 * 3600),
+};
 
 /// Submits a run and takes its assignment on its cold sandbox's standby
 /// connection: the run's id and credential.

@@ -15,6 +15,7 @@ mod message;
 mod refusal;
 mod secret;
 mod spec;
+pub mod vars;
 
 pub use endpoint::{Endpoint, Method};
 pub use exit::ExitCode;

@@ -19,18 +19,7 @@ use standby_protocol::{EventKind, ExitCode};
 use tempfile::TempDir;
 
 /// The agent's configuration variables, as the contract names them.
-pub mod vars {
-    pub const SERVER_URL: &str = "STANDBY_SERVER_URL";
-    pub const TOKEN: &str = "STANDBY_TOKEN";
-    pub const WORKSPACE: &str = "STANDBY_WORKSPACE";
-    pub const SPEC: &str = "STANDBY_SPEC";
-    pub const HEARTBEAT_INTERVAL: &str = "STANDBY_HEARTBEAT_INTERVAL";
-    pub const DEADLINE: &str = "STANDBY_DEADLINE";
-    pub const CONFIRM_TIMEOUT: &str = "STANDBY_CONFIRM_TIMEOUT";
-    pub const INSTALL_TIMEOUT: &str = "STANDBY_INSTALL_TIMEOUT";
-    pub const LOG: &str = "STANDBY_LOG";
-    pub const LOG_FORMAT: &str = "STANDBY_LOG_FORMAT";
-}
+pub use standby_protocol::vars;
 
 /// Name of the variable that marks every process descended from one agent.
 /// Children inherit the agent's environment (minus its credentials), so the

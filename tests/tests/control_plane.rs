@@ -360,6 +360,8 @@ async fn the_demo_prints_a_warm_and_a_cold_run() {
     let rows: Vec<&str> = stdout.lines().filter(|line| line.starts_with("exe_")).collect();
     assert!(rows.iter().any(|row| row.split_whitespace().nth(1) == Some("warm")), "{stdout}");
     assert!(rows.iter().any(|row| row.split_whitespace().nth(1) == Some("cold")), "{stdout}");
+    assert!(stdout.lines().any(|line| line.starts_with("cold / warm: ")), "the demo prints the ratio: {stdout}");
+    assert!(stdout.contains("in a virtual environment"), "the setup step built the sample's venv: {stdout}");
     let left = marked(&mark);
     assert!(left.is_empty(), "the demo left processes running: {}", describe(&left));
 }

@@ -25,7 +25,6 @@ use standby_protocol::{AgentState, ExitCode, Spec, Stage};
 use tempfile::TempDir;
 
 const WAIT: Duration = Duration::from_secs(30);
-const TOKEN_FILE: &str = "STANDBY_TOKEN_FILE";
 /// `nobody`: an unprivileged user, so `/proc` access checks apply.
 const NOBODY: u32 = 65534;
 
@@ -141,8 +140,9 @@ async fn the_standby_credential_can_come_from_a_file() {
     let token = server.add_standby();
     let path = dir.path().join("token");
     std::fs::write(&path, format!("{token}\n")).expect("write the token file");
-    let builder =
-        AgentBuilder::new(&server.url(), "unused").env_remove(vars::TOKEN).env(TOKEN_FILE, &path.display().to_string());
+    let builder = AgentBuilder::new(&server.url(), "unused")
+        .env_remove(vars::TOKEN)
+        .env(vars::TOKEN_FILE, &path.display().to_string());
     let mut agent = ready_agent(&server, builder, dir.path(), &Spec::default()).await;
     server.retire(&token, None).expect("retire");
     let code = agent.wait_exit(WAIT).await;
@@ -160,21 +160,21 @@ async fn exactly_one_of_the_token_and_the_token_file_is_accepted() {
     let missing = dir.path().join("missing");
     let url = "http://127.0.0.1:9";
     let cases = [
-        (AgentBuilder::bare().env(vars::SERVER_URL, url), vec!["STANDBY_TOKEN", TOKEN_FILE]),
+        (AgentBuilder::bare().env(vars::SERVER_URL, url), vec!["STANDBY_TOKEN", vars::TOKEN_FILE]),
         (
             AgentBuilder::bare()
                 .env(vars::SERVER_URL, url)
                 .env(vars::TOKEN, "t")
-                .env(TOKEN_FILE, &good.display().to_string()),
-            vec!["STANDBY_TOKEN", TOKEN_FILE],
+                .env(vars::TOKEN_FILE, &good.display().to_string()),
+            vec!["STANDBY_TOKEN", vars::TOKEN_FILE],
         ),
         (
-            AgentBuilder::bare().env(vars::SERVER_URL, url).env(TOKEN_FILE, &missing.display().to_string()),
-            vec![TOKEN_FILE, "missing"],
+            AgentBuilder::bare().env(vars::SERVER_URL, url).env(vars::TOKEN_FILE, &missing.display().to_string()),
+            vec![vars::TOKEN_FILE, "missing"],
         ),
         (
-            AgentBuilder::bare().env(vars::SERVER_URL, url).env(TOKEN_FILE, &empty.display().to_string()),
-            vec![TOKEN_FILE, "empty"],
+            AgentBuilder::bare().env(vars::SERVER_URL, url).env(vars::TOKEN_FILE, &empty.display().to_string()),
+            vec![vars::TOKEN_FILE, "empty"],
         ),
     ];
     for (builder, named) in cases {

@@ -27,11 +27,18 @@ pub struct RunBounds {
     pub log_cap: u64,
     /// How long a finished run stays in memory.
     pub retention: Duration,
+    /// How long an `Idempotency-Key` of `POST /v1/runs` is kept: a retry
+    /// within it answers the run the key made.
+    pub idempotency_window: Duration,
 }
 
 impl Default for RunBounds {
     fn default() -> Self {
-        Self { log_cap: 64 * 1024 * 1024, retention: Duration::from_secs(600) }
+        Self {
+            log_cap: 64 * 1024 * 1024,
+            retention: Duration::from_secs(600),
+            idempotency_window: Duration::from_secs(24 * 3600),
+        }
     }
 }
 

@@ -8,7 +8,7 @@ use standby_protocol::{Assignment, Cause, Event, EventKind, Repo, Run, Stage, Wo
 
 use super::*;
 use crate::credential::CountingMint;
-use crate::model::{AttemptOutcome, SandboxKind};
+use crate::model::{AttemptOutcome, IdempotencyRecord, SandboxKind};
 
 const SECOND: i64 = 1000;
 
@@ -193,6 +193,7 @@ impl World {
         let mut event_ids = Vec::new();
         let mut logs: BTreeMap<String, LogLedger> = BTreeMap::new();
         let mut threads = BTreeMap::new();
+        let mut keys: BTreeMap<String, IdempotencyRecord> = BTreeMap::new();
         for write in &self.writes {
             match write {
                 Write::NewRun(run, _) | Write::Run(run) => {
@@ -216,6 +217,10 @@ impl World {
                     );
                     threads.insert(record.id.clone(), (**record).clone());
                 }
+                Write::Idempotency(record) => {
+                    keys.insert(record.key.clone(), (**record).clone());
+                }
+                Write::ForgetIdempotency { through } => keys.retain(|_, kept| kept.created_at > *through),
             }
         }
         // As the store loads it: finished runs only counted.
@@ -234,6 +239,7 @@ impl World {
             logs: logs.into_iter().collect(),
             finished: finished.into_iter().collect(),
             threads: threads.into_values().collect(),
+            idempotency: keys.into_values().collect(),
         }
     }
 }
@@ -390,6 +396,7 @@ mod admission;
 mod bounds;
 mod connections;
 mod events;
+mod idempotency;
 mod logs;
 mod placement;
 mod pool;

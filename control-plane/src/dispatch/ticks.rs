@@ -35,6 +35,7 @@ impl Dispatch {
         self.expire_graces(now, &mut step);
         self.expire_standbys(now, &mut step);
         self.evict_finished(now);
+        self.expire_idempotency(now, &mut step);
         self.place_and_top_up(now, &mut step);
         step
     }

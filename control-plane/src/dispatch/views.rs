@@ -30,6 +30,10 @@ pub struct SandboxPage {
     /// The last sandbox of the previous page (`created_at`, id).
     pub after: Option<(Millis, String)>,
     pub limit: usize,
+    /// Only sandboxes in this state.
+    pub state: Option<SandboxState>,
+    /// Only sandboxes kept for (or last serving) this thread.
+    pub thread_id: Option<String>,
 }
 
 /// Numbers for `/metrics`.
@@ -74,7 +78,7 @@ impl Dispatch {
 
     /// Every sandbox.
     pub fn sandbox_views(&self, now: Millis) -> Vec<SandboxView> {
-        self.sandbox_page(now, &SandboxPage { after: None, limit: usize::MAX })
+        self.sandbox_page(now, &SandboxPage { limit: usize::MAX, ..SandboxPage::default() })
     }
 
     /// A page of sandboxes in creation order (`created_at`, then id).
@@ -84,6 +88,8 @@ impl Dispatch {
             .values()
             .filter(|live| {
                 page.after.as_ref().is_none_or(|(at, id)| (live.record.created_at, &live.record.id) > (*at, id))
+                    && page.state.is_none_or(|state| live.record.state == state)
+                    && page.thread_id.as_ref().is_none_or(|thread| live.record.thread_id.as_ref() == Some(thread))
             })
             .collect();
         lives.sort_by(|a, b| (a.record.created_at, &a.record.id).cmp(&(b.record.created_at, &b.record.id)));

@@ -15,8 +15,8 @@ use super::{PostgresStore, RunQuery, SqliteStore, Store, StoreError};
 use crate::credential::{CredentialKind, TokenHash};
 use crate::dispatch::{LogLedger, Write};
 use crate::model::{
-    Attempt, AttemptOutcome, CredentialRecord, CredentialState, Millis, RunPath, RunRecord, RunRequest, RunState,
-    StoredAttachment, StoredEvent, ThreadRecord,
+    Attempt, AttemptOutcome, CredentialRecord, CredentialState, IdempotencyRecord, Millis, RunPath, RunRecord,
+    RunRequest, RunState, StoredAttachment, StoredEvent, ThreadRecord,
 };
 use crate::seal::SealKey;
 
@@ -126,6 +126,7 @@ contract!(
     a_sealed_request_cannot_be_moved_to_another_run,
     missing_records_read_as_none,
     any_text_round_trips_exactly,
+    idempotency_keys_are_kept_with_their_run_and_forgotten_by_age,
 );
 
 pub(super) fn run(id: &str) -> RunRecord {
@@ -536,4 +537,39 @@ fn any_text_round_trips_exactly(backend: &dyn Backend) {
         [stored]
     );
     assert_eq!(store.load().expect("load").event_ids, [("exe_odd".to_owned(), odd.to_owned())]);
+}
+
+fn kept_key(key: &str, run_id: &str, created_at: i64) -> Write {
+    Write::Idempotency(Box::new(IdempotencyRecord {
+        key: key.into(),
+        request_hash: format!("hash-of-{run_id}"),
+        run_id: run_id.into(),
+        created_at: Millis(created_at),
+    }))
+}
+
+fn idempotency_keys_are_kept_with_their_run_and_forgotten_by_age(backend: &dyn Backend) {
+    let store = backend.open();
+    store
+        .apply(&[Write::NewRun(Box::new(run("exe_1")), Box::new(request())), kept_key("k/1 ü", "exe_1", 10)])
+        .expect("apply");
+    // Committed with the run: a step whose run is refused keeps no key.
+    store
+        .apply(&[Write::NewRun(Box::new(run("exe_1")), Box::new(request())), kept_key("k2", "exe_1", 20)])
+        .expect_err("a duplicate run is refused");
+    store
+        .apply(&[Write::NewRun(Box::new(run("exe_2")), Box::new(request())), kept_key("k3", "exe_2", 30)])
+        .expect("apply");
+    let loaded = backend.open().load().expect("load").idempotency;
+    let keys: Vec<(&str, &str, i64)> =
+        loaded.iter().map(|kept| (kept.key.as_str(), kept.run_id.as_str(), kept.created_at.0)).collect();
+    assert_eq!(keys, [("k/1 ü", "exe_1", 10), ("k3", "exe_2", 30)]);
+    assert_eq!(loaded[0].request_hash, "hash-of-exe_1");
+    // A key past its window that was not forgotten yet is replaced.
+    store
+        .apply(&[Write::NewRun(Box::new(run("exe_3")), Box::new(request())), kept_key("k/1 ü", "exe_3", 40)])
+        .expect("apply");
+    store.apply(&[Write::ForgetIdempotency { through: Millis(30) }]).expect("forget");
+    let left: Vec<String> = store.load().expect("load").idempotency.into_iter().map(|kept| kept.run_id).collect();
+    assert_eq!(left, ["exe_3"]);
 }

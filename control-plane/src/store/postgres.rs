@@ -257,6 +257,18 @@ impl PostgresStore {
                 execute(transaction, sql, &[run_id, &counts[0], &counts[1], &counts[2]]).await.map_err(&failed)?;
             }
             Write::Thread { record, expected } => self.write_thread(transaction, record, *expected).await?,
+            Write::Idempotency(record) => {
+                // A key past its window that no tick forgot yet names the new run.
+                let sql = "INSERT INTO idempotency_keys (id, created_at, doc) VALUES ($1, $2, $3)
+                           ON CONFLICT (id) DO UPDATE SET created_at = excluded.created_at, doc = excluded.doc";
+                execute(transaction, sql, &[&record.key, &record.created_at.0, &encode(record)])
+                    .await
+                    .map_err(&failed)?;
+            }
+            Write::ForgetIdempotency { through } => {
+                let sql = "DELETE FROM idempotency_keys WHERE created_at <= $1";
+                execute(transaction, sql, &[&through.0]).await.map_err(&failed)?;
+            }
         }
         Ok(())
     }
@@ -376,6 +388,9 @@ impl Store for PostgresStore {
             let credentials =
                 self.docs(&transaction, "credentials", "SELECT id, doc FROM credentials ORDER BY id", &[]).await?;
             let threads = self.docs(&transaction, "threads", "SELECT id, doc FROM threads ORDER BY id", &[]).await?;
+            let idempotency = self
+                .docs(&transaction, "idempotency_keys", "SELECT id, doc FROM idempotency_keys ORDER BY id", &[])
+                .await?;
             let event_ids = query(
                 &transaction,
                 &format!(
@@ -421,7 +436,7 @@ impl Store for PostgresStore {
             .filter_map(|(state, path, count)| Some((finished_key(&state, path.as_deref())?, to_u64(count))))
             .collect();
             transaction.commit().await.map_err(&failed)?;
-            Ok(Snapshot { runs, sandboxes, credentials, event_ids, logs, finished, threads })
+            Ok(Snapshot { runs, sandboxes, credentials, event_ids, logs, finished, threads, idempotency })
         })
     }
 

@@ -17,7 +17,9 @@ use serde::de::DeserializeOwned;
 
 use super::{RunQuery, Store, StoreError, decode, encode, finished_key, open_request, terminal_states, to_i64, to_u64};
 use crate::dispatch::{LogLedger, Snapshot, Write};
-use crate::model::{CredentialRecord, RunRecord, RunRequest, RunState, SandboxRecord, StoredEvent, ThreadRecord};
+use crate::model::{
+    CredentialRecord, IdempotencyRecord, RunRecord, RunRequest, RunState, SandboxRecord, StoredEvent, ThreadRecord,
+};
 use crate::seal::{SealKey, Sealer};
 
 /// Columns of `runs` read from its document, indexed for paging and for
@@ -53,6 +55,7 @@ CREATE TABLE IF NOT EXISTS log_ledgers (
     held INTEGER NOT NULL,
     over_cap INTEGER NOT NULL
 );
+CREATE TABLE IF NOT EXISTS idempotency_keys (id TEXT PRIMARY KEY, created_at INTEGER NOT NULL, doc TEXT NOT NULL);
 ";
 
 /// The SQLite [`Store`].
@@ -250,6 +253,7 @@ impl Store for SqliteStore {
         let sandboxes: Vec<SandboxRecord> = self.docs(&connection, "sandboxes")?;
         let credentials: Vec<CredentialRecord> = self.docs(&connection, "credentials")?;
         let threads: Vec<ThreadRecord> = self.docs(&connection, "threads")?;
+        let idempotency: Vec<IdempotencyRecord> = self.docs(&connection, "idempotency_keys")?;
         let mut statement = connection
             .prepare(&format!(
                 "SELECT e.run_id, e.event_id FROM events e JOIN runs r ON r.id = e.run_id
@@ -300,7 +304,7 @@ impl Store for SqliteStore {
             .into_iter()
             .filter_map(|(state, path, count)| Some((finished_key(&state, path.as_deref())?, count)))
             .collect();
-        Ok(Snapshot { runs, sandboxes, credentials, event_ids, logs, finished, threads })
+        Ok(Snapshot { runs, sandboxes, credentials, event_ids, logs, finished, threads, idempotency })
     }
 
     fn apply(&self, writes: &[Write]) -> Result<(), StoreError> {
@@ -358,6 +362,20 @@ impl Store for SqliteStore {
                         .map_err(write)?;
                 }
                 Write::Thread { record, expected } => self.write_thread(&transaction, record, *expected)?,
+                Write::Idempotency(record) => {
+                    transaction
+                        .execute(
+                            "INSERT INTO idempotency_keys (id, created_at, doc) VALUES (?1, ?2, ?3)
+                             ON CONFLICT (id) DO UPDATE SET created_at = excluded.created_at, doc = excluded.doc",
+                            params![record.key, record.created_at.0, encode(record)],
+                        )
+                        .map_err(write)?;
+                }
+                Write::ForgetIdempotency { through } => {
+                    transaction
+                        .execute("DELETE FROM idempotency_keys WHERE created_at <= ?1", [through.0])
+                        .map_err(write)?;
+                }
             }
         }
         transaction.commit().map_err(|source| sqlite(&self.path, "commit", source))

@@ -6,15 +6,18 @@ use std::collections::HashMap;
 
 use axum::Json;
 use axum::body::{Body, Bytes};
+use axum::extract::rejection::{PathRejection, QueryRejection};
 use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 
-use super::{RunView, authorize, check_thread_id, find, view};
+use super::problem::{PROBLEM_JSON, Problem};
+use super::views::{EventView, EventsPage, RunsPage, SandboxView, SandboxesPage, view};
+use super::{authorize, check_thread_id, find};
 use crate::app::{ApiError, AppState, from_store};
 use crate::bounds::{LogView, OutOfBounds, cursor, page_limit, parse_cursor};
 use crate::dispatch::SandboxPage;
-use crate::model::{Millis, RunState};
+use crate::model::{Millis, RunState, SandboxState};
 use crate::store::RunQuery;
 
 /// Stored pieces of a log read per store call while streaming: at most 16
@@ -25,19 +28,22 @@ const LOG_PAGE_ROWS: usize = 16;
 /// server has accounted for: the end of the log, to ask for the next range.
 pub const LOG_RECEIVED_HEADER: &str = "standby-log-received";
 
-type Params = Query<HashMap<String, String>>;
+/// The query string, as name → value (a malformed one is a problem too).
+type Params = Result<Query<HashMap<String, String>>, QueryRejection>;
 
 impl From<OutOfBounds> for ApiError {
     fn from(out: OutOfBounds) -> Self {
-        ApiError::new(StatusCode::BAD_REQUEST, format!("{}: {}", out.field, out.problem)).with_field(out.field)
+        ApiError::new(StatusCode::BAD_REQUEST, format!("{}: {}", out.field, out.problem))
+            .with_field(out.field)
+            .in_query()
     }
 }
 
-fn refused(out: OutOfBounds) -> ApiError {
-    out.into()
+fn refused(out: OutOfBounds) -> Problem {
+    ApiError::from(out).into()
 }
 
-fn number(params: &HashMap<String, String>, field: &'static str) -> Result<Option<u64>, ApiError> {
+fn number(params: &HashMap<String, String>, field: &'static str) -> Result<Option<u64>, Problem> {
     params
         .get(field)
         .map(|raw| raw.parse::<u64>())
@@ -46,35 +52,67 @@ fn number(params: &HashMap<String, String>, field: &'static str) -> Result<Optio
 }
 
 /// A page's `limit` and the `cursor` it starts after, from the query.
-fn page(params: &HashMap<String, String>) -> Result<(usize, Option<(i64, String)>), ApiError> {
+fn page(params: &HashMap<String, String>) -> Result<(usize, Option<(i64, String)>), Problem> {
     let limit = page_limit(params.get("limit").map(String::as_str)).map_err(refused)?;
     let after = params.get("cursor").map(|raw| parse_cursor(raw)).transpose().map_err(refused)?;
     Ok((limit, after))
 }
 
+/// `state` of a list: one of `names`' states.
+fn state_param<S: Copy>(
+    params: &HashMap<String, String>,
+    all: impl IntoIterator<Item = S>,
+    name: impl Fn(S) -> &'static str,
+    what: &str,
+) -> Result<Option<S>, Problem> {
+    let Some(raw) = params.get("state") else { return Ok(None) };
+    all.into_iter()
+        .find(|state| name(*state) == raw)
+        .map(Some)
+        .ok_or_else(|| refused(OutOfBounds { field: "state", problem: format!("is not a {what} state") }))
+}
+
+/// `thread_id` of a list, checked as a submission's is.
+fn thread_param(params: &HashMap<String, String>) -> Result<Option<String>, Problem> {
+    let thread_id = params.get("thread_id").cloned();
+    if let Some(thread_id) = &thread_id {
+        check_thread_id(thread_id).map_err(|error| Problem::from(error.in_query()))?;
+    }
+    Ok(thread_id)
+}
+
 /// `GET /v1/runs?limit=&cursor=&state=&thread_id=`: runs in submission
 /// order, a page at a time, from the store; `next_cursor` names the next
 /// page (`null`: this was the last).
+#[utoipa::path(
+    get,
+    path = "/v1/runs",
+    operation_id = "listRuns",
+    tag = "runs",
+    params(
+        ("limit" = Option<u32>, Query, minimum = 1, maximum = 1000, description = "Runs per page (default 100)"),
+        ("cursor" = Option<String>, Query, description = "The `next_cursor` of the previous page"),
+        ("state" = Option<RunState>, Query, description = "Only runs in this state"),
+        ("thread_id" = Option<String>, Query, min_length = 1, max_length = 128, pattern = "^[A-Za-z0-9._:-]+$",
+            description = "Only turns of this thread"),
+    ),
+    responses(
+        (status = 200, description = "A page of runs, oldest submission first", body = RunsPage),
+        (status = 400, description = "A parameter is refused: `errors` names it", body = Problem, content_type = PROBLEM_JSON),
+        (status = 401, description = "No API key, or not this server's", body = Problem, content_type = PROBLEM_JSON),
+        (status = 500, description = "The store failed", body = Problem, content_type = PROBLEM_JSON),
+    ),
+)]
 pub(crate) async fn list(
     State(state): State<AppState>,
     headers: HeaderMap,
-    Query(params): Params,
-) -> Result<Response, ApiError> {
+    params: Params,
+) -> Result<Response, Problem> {
     authorize(&state, &headers)?;
+    let Query(params) = params?;
     let (limit, after) = page(&params)?;
-    let run_state = params
-        .get("state")
-        .map(|raw| {
-            RunState::ALL
-                .into_iter()
-                .find(|state| state.as_str() == raw)
-                .ok_or_else(|| refused(OutOfBounds { field: "state", problem: "is not a run state".into() }))
-        })
-        .transpose()?;
-    let thread_id = params.get("thread_id").cloned();
-    if let Some(thread_id) = &thread_id {
-        check_thread_id(thread_id)?;
-    }
+    let run_state = state_param(&params, RunState::ALL, RunState::as_str, "run")?;
+    let thread_id = thread_param(&params)?;
     let query =
         RunQuery { after: after.map(|(at, id)| (Millis(at), id)), limit: limit + 1, state: run_state, thread_id };
     let mut runs = from_store(&state, move |store| store.runs(&query)).await?;
@@ -82,8 +120,7 @@ pub(crate) async fn list(
         runs.truncate(limit);
         runs.last().map(|run| cursor(run.submitted_at.0, &run.id))
     });
-    let views: Vec<RunView> = runs.iter().map(view).collect();
-    Ok(Json(serde_json::json!({ "runs": views, "next_cursor": next_cursor.flatten() })).into_response())
+    Ok(Json(RunsPage { runs: runs.iter().map(view).collect(), next_cursor: next_cursor.flatten() }).into_response())
 }
 
 /// `GET /v1/runs/{id}/log?offset=&limit=`: the bytes of the run's output
@@ -91,13 +128,34 @@ pub(crate) async fn list(
 /// (default: to the end), streamed from the store a page at a time. Gaps
 /// the agent declared and bytes dropped past the cap show as marker lines.
 /// The `Standby-Log-Received` header gives the end of the log.
+#[utoipa::path(
+    get,
+    path = "/v1/runs/{id}/log",
+    operation_id = "getRunLog",
+    tag = "runs",
+    params(
+        ("id" = String, Path, description = "The run's id"),
+        ("offset" = Option<u64>, Query, minimum = 0, description = "Stream offset to start at (default 0)"),
+        ("limit" = Option<u64>, Query, minimum = 0, description = "Most bytes of output (default: to the end)"),
+    ),
+    responses(
+        (status = 200, description = "The run's output (redacted by its agent), with marker lines for gaps and \
+            bytes over the cap", body = String, content_type = "text/plain; charset=utf-8",
+            headers(("Standby-Log-Received" = u64, description = "Bytes of output the server has accounted for"))),
+        (status = 400, description = "A parameter is refused: `errors` names it", body = Problem, content_type = PROBLEM_JSON),
+        (status = 401, description = "No API key, or not this server's", body = Problem, content_type = PROBLEM_JSON),
+        (status = 404, description = "No run with this id", body = Problem, content_type = PROBLEM_JSON),
+        (status = 500, description = "The store failed", body = Problem, content_type = PROBLEM_JSON),
+    ),
+)]
 pub(crate) async fn log(
     State(state): State<AppState>,
     headers: HeaderMap,
-    Path(run_id): Path<String>,
-    Query(params): Params,
-) -> Result<Response, ApiError> {
+    run_id: Result<Path<String>, PathRejection>,
+    params: Params,
+) -> Result<Response, Problem> {
     authorize(&state, &headers)?;
+    let (Path(run_id), Query(params)) = (run_id?, params?);
     let from = number(&params, "offset")?.unwrap_or(0);
     let limit = number(&params, "limit")?;
     find(&state, &run_id).await?;
@@ -129,13 +187,32 @@ pub(crate) async fn log(
 
 /// `GET /v1/runs/{id}/events?limit=&cursor=`: the run's events in arrival
 /// order, a page at a time.
+#[utoipa::path(
+    get,
+    path = "/v1/runs/{id}/events",
+    operation_id = "listRunEvents",
+    tag = "runs",
+    params(
+        ("id" = String, Path, description = "The run's id"),
+        ("limit" = Option<u32>, Query, minimum = 1, maximum = 1000, description = "Events per page (default 100)"),
+        ("cursor" = Option<String>, Query, description = "The `next_cursor` of the previous page"),
+    ),
+    responses(
+        (status = 200, description = "A page of the run's events, in arrival order", body = EventsPage),
+        (status = 400, description = "A parameter is refused: `errors` names it", body = Problem, content_type = PROBLEM_JSON),
+        (status = 401, description = "No API key, or not this server's", body = Problem, content_type = PROBLEM_JSON),
+        (status = 404, description = "No run with this id", body = Problem, content_type = PROBLEM_JSON),
+        (status = 500, description = "The store failed", body = Problem, content_type = PROBLEM_JSON),
+    ),
+)]
 pub(crate) async fn events(
     State(state): State<AppState>,
     headers: HeaderMap,
-    Path(run_id): Path<String>,
-    Query(params): Params,
-) -> Result<Response, ApiError> {
+    run_id: Result<Path<String>, PathRejection>,
+    params: Params,
+) -> Result<Response, Problem> {
     authorize(&state, &headers)?;
+    let (Path(run_id), Query(params)) = (run_id?, params?);
     let (limit, after) = page(&params)?;
     let after = u64::try_from(after.map_or(0, |(seq, _)| seq)).unwrap_or(0);
     find(&state, &run_id).await?;
@@ -144,68 +221,50 @@ pub(crate) async fn events(
         events.truncate(limit);
         events.last().map(|(seq, _)| cursor(i64::try_from(*seq).unwrap_or(i64::MAX), ""))
     });
-    let views: Vec<serde_json::Value> = events
-        .into_iter()
-        .map(|(_, stored)| {
-            serde_json::json!({
-                "attempt": stored.attempt,
-                "received_at": stored.received_at.rfc3339(),
-                "event": stored.event,
-            })
-        })
-        .collect();
-    Ok(Json(serde_json::json!({ "events": views, "next_cursor": next_cursor.flatten() })).into_response())
+    let events = events.into_iter().map(|(_, stored)| EventView::from(stored)).collect();
+    Ok(Json(EventsPage { events, next_cursor: next_cursor.flatten() }).into_response())
 }
 
-/// `GET /v1/sandboxes?limit=&cursor=`: sandboxes in creation order, a page
-/// at a time.
+/// `GET /v1/sandboxes?limit=&cursor=&state=&thread_id=`: sandboxes in
+/// creation order, a page at a time.
+#[utoipa::path(
+    get,
+    path = "/v1/sandboxes",
+    operation_id = "listSandboxes",
+    tag = "sandboxes",
+    params(
+        ("limit" = Option<u32>, Query, minimum = 1, maximum = 1000, description = "Sandboxes per page (default 100)"),
+        ("cursor" = Option<String>, Query, description = "The `next_cursor` of the previous page"),
+        ("state" = Option<SandboxState>, Query, description = "Only sandboxes in this state"),
+        ("thread_id" = Option<String>, Query, min_length = 1, max_length = 128, pattern = "^[A-Za-z0-9._:-]+$",
+            description = "Only sandboxes kept for (or that served) this thread"),
+    ),
+    responses(
+        (status = 200, description = "A page of sandboxes, oldest first", body = SandboxesPage),
+        (status = 400, description = "A parameter is refused: `errors` names it", body = Problem, content_type = PROBLEM_JSON),
+        (status = 401, description = "No API key, or not this server's", body = Problem, content_type = PROBLEM_JSON),
+        (status = 503, description = "The server is shutting down", body = Problem, content_type = PROBLEM_JSON),
+    ),
+)]
 pub(crate) async fn sandboxes(
     State(state): State<AppState>,
     headers: HeaderMap,
-    Query(params): Params,
-) -> Result<Response, ApiError> {
+    params: Params,
+) -> Result<Response, Problem> {
     authorize(&state, &headers)?;
+    let Query(params) = params?;
     let (limit, after) = page(&params)?;
-    let page = SandboxPage { after: after.map(|(at, id)| (Millis(at), id)), limit: limit + 1 };
+    let page = SandboxPage {
+        after: after.map(|(at, id)| (Millis(at), id)),
+        limit: limit + 1,
+        state: state_param(&params, SandboxState::ALL, SandboxState::as_str, "sandbox")?,
+        thread_id: thread_param(&params)?,
+    };
     let mut sandboxes = state.engine.sandboxes(page).await?;
     let next_cursor = (sandboxes.len() > limit).then(|| {
         sandboxes.truncate(limit);
         sandboxes.last().map(|(view, _)| cursor(view.record.created_at.0, &view.record.id))
     });
-    let views: Vec<serde_json::Value> = sandboxes
-        .into_iter()
-        .map(|(view, details)| {
-            let record = view.record;
-            serde_json::json!({
-                "id": record.id,
-                "kind": record.kind,
-                "state": record.state.as_str(),
-                "run_id": record.run_id,
-                "created_at": record.created_at.rfc3339(),
-                "connected": view.connected,
-                "candidate": view.candidate,
-                "running": view.running,
-                "thread_id": record.thread_id,
-                "park": record.park.as_ref().map(|park| serde_json::json!({
-                    "mode": park.mode.as_str(),
-                    "since": park.since.rfc3339(),
-                    "until": park.until.map(Millis::rfc3339),
-                })),
-                "expires_at": record.expires_at.map(Millis::rfc3339),
-                "deadline": record.deadline.map(Millis::rfc3339),
-                "auto_stop_minutes": record.auto_stop_minutes,
-                "last_heartbeat_at": view.last_heartbeat_at.map(Millis::rfc3339),
-                "last_state": view.last_state,
-                "connections": record.connections,
-                "run_connections": record.run_connections,
-                "fingerprint": record.fingerprint,
-                "retired_at": record.retired_at.map(Millis::rfc3339),
-                "retire_reason": record.retire_reason,
-                "exit_code": record.exit_code,
-                "pid": details.pid,
-                "dir": details.dir,
-            })
-        })
-        .collect();
-    Ok(Json(serde_json::json!({ "sandboxes": views, "next_cursor": next_cursor.flatten() })).into_response())
+    let sandboxes = sandboxes.into_iter().map(|(live, details)| SandboxView::new(live, details)).collect();
+    Ok(Json(SandboxesPage { sandboxes, next_cursor: next_cursor.flatten() }).into_response())
 }

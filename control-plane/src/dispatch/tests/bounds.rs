@@ -5,7 +5,7 @@ use super::*;
 
 fn bounded(log_cap: u64, retention: Duration) -> World {
     let mut config = config(1);
-    config.bounds = RunBounds { log_cap, retention };
+    config.bounds = RunBounds { log_cap, retention, ..RunBounds::default() };
     World::with(config)
 }
 

@@ -29,10 +29,11 @@ CREATE TABLE IF NOT EXISTS schema_migrations (
 /// queries filter on are written beside them from the same record. An event
 /// id is the agent's, and may hold a NUL, which `text` cannot: it is kept
 /// as its UTF-8 bytes.
-pub(super) const MIGRATIONS: &[Migration] = &[Migration {
-    version: 1,
-    name: "runs, requests, sandboxes, credentials, events, thread pointers, logs",
-    sql: r#"
+pub(super) const MIGRATIONS: &[Migration] = &[
+    Migration {
+        version: 1,
+        name: "runs, requests, sandboxes, credentials, events, thread pointers, logs",
+        sql: r#"
 CREATE TABLE runs (
     id TEXT COLLATE "C" PRIMARY KEY,
     doc TEXT NOT NULL,
@@ -69,7 +70,16 @@ CREATE TABLE log_ledgers (
     over_cap BIGINT NOT NULL
 );
 "#,
-}];
+    },
+    Migration {
+        version: 2,
+        name: "idempotency keys of submissions",
+        sql: r#"
+CREATE TABLE idempotency_keys (id TEXT COLLATE "C" PRIMARY KEY, created_at BIGINT NOT NULL, doc TEXT NOT NULL);
+CREATE INDEX idempotency_keys_by_age ON idempotency_keys (created_at);
+"#,
+    },
+];
 
 /// The newest version this binary knows.
 pub(super) fn known() -> i32 {
