@@ -13,8 +13,8 @@ use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use base64::Engine as _;
 use standby_protocol::{
-    AgentMessage, AttachmentsResponse, CloudCredentialsResponse, Event, EventKind, GitCredentialsResponse,
-    LogChunk, LogReceived, Secret, SecretsResponse, Spec,
+    AgentMessage, AttachmentsResponse, CloudCredentialsResponse, Event, EventKind, GitCredentialsResponse, LogChunk,
+    LogReceived, Secret, SecretsResponse, Spec,
 };
 use tokio::sync::mpsc;
 

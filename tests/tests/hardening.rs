@@ -248,7 +248,10 @@ echo end-of-run"#;
     assert!(log.contains("run-environ-lines-1"), "the run is not an ordinary process:\n{log}");
     assert_eq!(agent_owner, Some(0), "the agent's /proc files are root's: it is not dumpable");
     for pid in started {
-        assert!(children.iter().any(|(child, _)| *child == pid), "{pid} (the idle shell or the MCP server) ran: {children:?}");
+        assert!(
+            children.iter().any(|(child, _)| *child == pid),
+            "{pid} (the idle shell or the MCP server) ran: {children:?}"
+        );
     }
     for (pid, owner) in children {
         assert_eq!(owner, NOBODY, "child {pid} of the agent is an ordinary, dumpable process");
