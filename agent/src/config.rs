@@ -242,12 +242,23 @@ impl Args {
 const URL_SETTING: &str = "STANDBY_SERVER_URL (--server-url)";
 const TOKEN_SETTINGS: &str = "STANDBY_TOKEN (--token) / STANDBY_TOKEN_FILE (--token-file)";
 const TOKEN_FILE_SETTING: &str = "STANDBY_TOKEN_FILE (--token-file)";
+/// `STANDBY_TOKEN_FILE=/dev/stdin`: the credential comes on the standard input.
+const STDIN_PATH: &str = "/dev/stdin";
 
 /// The credential in `path`, without its trailing line breaks (`echo`
 /// and editors add one; a mounted Kubernetes Secret has none).
 fn read_token_file(path: &std::path::Path) -> Result<Secret, ConfigError> {
     let bad = |problem: String| ConfigError { setting: TOKEN_FILE_SETTING, problem };
-    let text = std::fs::read_to_string(path).map_err(|e| bad(format!("cannot read {}: {e}", path.display())))?;
+    // `/dev/stdin` is read from descriptor 0 rather than opened: when the
+    // stdin is a pipe made by another user (a container engine's exec, as
+    // the Docker provider passes each fresh credential), opening its
+    // `/proc/self/fd/0` link is refused, reading the descriptor is not.
+    let read = if path == std::path::Path::new(STDIN_PATH) {
+        std::io::read_to_string(std::io::stdin())
+    } else {
+        std::fs::read_to_string(path)
+    };
+    let text = read.map_err(|e| bad(format!("cannot read {}: {e}", path.display())))?;
     let token = text.trim_end_matches(['\n', '\r']);
     if token.trim().is_empty() {
         return Err(bad(format!("{} is empty", path.display())));

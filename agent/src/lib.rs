@@ -14,7 +14,8 @@
 //! other crates use, and nothing else:
 //! - `main.rs`: [`config::Args`] and [`config::Config`], [`agent::spec_source`]
 //!   and [`agent::run`], [`logging`], [`tls::client_config`],
-//!   [`process::make_undumpable`], [`api::install_tls_provider`];
+//!   [`process::make_undumpable`], [`api::install_tls_provider`],
+//!   [`hold::run`] (`standby hold`, a container's PID 1);
 //! - the fuzz target and the throughput example: [`redact::Redactor`];
 //! - the soak test's simulated fleet: the reconnect bounds, as
 //!   [`control::BACKOFF_MIN`], [`control::BACKOFF_CAP`] and
@@ -28,6 +29,7 @@ mod attachments;
 pub mod config;
 pub mod control;
 mod git;
+pub mod hold;
 mod hygiene;
 mod install;
 mod lifecycle;

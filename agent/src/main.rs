@@ -9,6 +9,12 @@ use standby_agent::{agent, logging, tls};
 use standby_protocol::ExitCode as Exit;
 
 fn main() -> ExitCode {
+    // `standby hold`: a container's PID 1 between agents (the Docker
+    // provider). A word of its own rather than a flag: it takes none of
+    // the agent's configuration, and needs none of it to be valid.
+    if std::env::args_os().nth(1).is_some_and(|word| word == "hold") && std::env::args_os().len() == 2 {
+        return standby_agent::hold::run();
+    }
     // First, before any credential is read: nothing of the same user may
     // read this process's environment or memory.
     let undumpable = standby_agent::process::make_undumpable();

@@ -213,7 +213,9 @@ pub enum Effect {
     /// A turn ended and its sandbox is kept: let its agent exit on its own
     /// for up to `linger` (stop it then), make sure no process is left,
     /// and set the provider auto-stop (best effort).
-    Park { sandbox_id: String, linger: Duration, auto_stop: u32 },
+    /// `mode` says whether the sandbox stays running for the next turn
+    /// (Tier 2: what the turn left is cleared) or is stopped (Tier 1).
+    Park { sandbox_id: String, linger: Duration, auto_stop: u32, mode: ParkMode },
     /// Stop the sandbox's processes and keep its filesystem (Tier 1).
     Stop { sandbox_id: String },
     /// Make a kept sandbox run again, as [`ResumeStart::for_found`] says

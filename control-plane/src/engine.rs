@@ -23,7 +23,7 @@ use crate::dispatch::{
     Admission, Call, CancelError, ConnId, Dispatch, Effect, Found, IdempotencyKey, KeyReused, LogError,
     MetricsSnapshot, Provision, Refusal, ResumeFailure, ResumeStart, SandboxPage, SandboxView, Step, Submitted,
 };
-use crate::model::{Millis, RunRecord, RunRequest, RunState, SandboxRecord, ThreadRecord};
+use crate::model::{Millis, ParkMode, RunRecord, RunRequest, RunState, SandboxRecord, ThreadRecord};
 use crate::policy::raised_auto_stop;
 use crate::provider::{AgentLaunch, Details, Launched, SandboxProvider};
 use crate::store::{Store, StoreError};
@@ -619,7 +619,7 @@ impl<P: SandboxProvider> Engine<P> {
                     }
                 });
             }
-            Effect::Park { sandbox_id, linger, auto_stop } => {
+            Effect::Park { sandbox_id, linger, auto_stop, mode } => {
                 let provider = Arc::clone(&self.provider);
                 let grace = self.config.stop_grace;
                 let id = sandbox_id.clone();
@@ -627,10 +627,14 @@ impl<P: SandboxProvider> Engine<P> {
                     if !provider.wait_exit(&sandbox_id, linger).await {
                         tracing::info!(sandbox_id, "a finished turn's agent did not exit by itself: stopped");
                     }
-                    // Stops whatever is left (with no agent running, only
+                    // Ends whatever is left (with no agent running, only
                     // processes that escaped it): a parked sandbox keeps
-                    // its files, not its processes.
-                    provider.stop(&sandbox_id, grace).await;
+                    // its files, not its processes; one kept running for
+                    // the next turn stays running where the provider can.
+                    match mode {
+                        ParkMode::Running => provider.clear(&sandbox_id, grace).await,
+                        ParkMode::Stopped => provider.stop(&sandbox_id, grace).await,
+                    }
                     set_auto_stop(provider.as_ref(), &sandbox_id, auto_stop).await;
                 });
             }

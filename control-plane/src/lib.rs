@@ -13,6 +13,7 @@
 //! - [`provider`]: where sandboxes come from; the `local` provider.
 //! - [`containment`]: how the local provider keeps every process of a sandbox killable.
 //! - [`policy`]: the pool's numeric rules (auto-stop floor, TTL schedule).
+//! - [`docker_provider`]: the `docker` provider, a container per sandbox (Engine API).
 //! - [`spool`]: the `spool` provider, standby credentials as files (load generation).
 //! - [`bounds`]: what one request may carry and one answer hold (pure).
 //! - [`metrics`]: the Prometheus text of `/metrics`.
@@ -23,6 +24,7 @@ pub mod bounds;
 pub mod containment;
 pub mod credential;
 pub mod dispatch;
+pub mod docker_provider;
 pub mod engine;
 pub mod listener;
 pub mod metrics;

@@ -18,6 +18,7 @@ use clap::{Parser, Subcommand};
 use demo::DemoOptions;
 use standby_control_plane::containment::ContainmentChoice;
 use standby_control_plane::dispatch::{PoolPolicy, RunBounds};
+use standby_control_plane::docker_provider::{DockerOptions, DockerProvider, Limits};
 use standby_control_plane::listener::{self, ListenerLimits};
 use standby_control_plane::policy::AutoStop;
 use standby_control_plane::provider::{LocalOptions, LocalProvider, SandboxProvider};
@@ -111,10 +112,14 @@ struct Serve {
     #[arg(long, env = "STANDBY_SERVER_AGENT_LOG", default_value = "info", value_name = "FILTER")]
     agent_log: String,
     /// Where sandboxes come from: `local` launches an agent per sandbox;
-    /// `spool` launches nothing and writes each standby credential to
-    /// `<spool dir>/<sandbox id>.token` for a load generator.
+    /// `docker` makes a container per sandbox from --image on the Docker
+    /// Engine of this machine (listen where containers reach: see
+    /// --docker-network); `spool` launches nothing and writes each standby
+    /// credential to `<spool dir>/<sandbox id>.token` for a load generator.
     #[arg(long, env = "STANDBY_SERVER_PROVIDER", default_value = "local", value_name = "PROVIDER")]
     provider: ProviderKind,
+    #[command(flatten)]
+    docker: DockerArgs,
     /// The directory of the `spool` provider; `<data dir>/spool` when unset.
     #[arg(long, env = "STANDBY_SERVER_SPOOL_DIR", value_name = "DIR")]
     spool_dir: Option<PathBuf>,
@@ -134,6 +139,29 @@ struct Serve {
     /// start where the host does not allow it.
     #[arg(long, env = "STANDBY_SERVER_SANDBOX_CONTAINMENT", default_value = "auto", value_name = "KIND")]
     sandbox_containment: ContainmentChoice,
+}
+
+/// The `docker` provider (`docs/deploy.md`, "Docker provider").
+#[derive(Debug, clap::Args)]
+struct DockerArgs {
+    /// The image every sandbox container is created from (built by
+    /// scripts/image).
+    #[arg(long, env = "STANDBY_SERVER_IMAGE", default_value = "standby-sandbox:latest", value_name = "IMAGE")]
+    image: String,
+    /// The user-defined bridge network of the sandbox containers, created
+    /// when missing. Containers reach the server at the network's gateway
+    /// address: the server must listen there or on 0.0.0.0 (--listen).
+    #[arg(long, env = "STANDBY_SERVER_DOCKER_NETWORK", default_value = "standby", value_name = "NAME")]
+    docker_network: String,
+    /// CPUs of each sandbox container (fractions allowed); none when unset.
+    #[arg(long, env = "STANDBY_SERVER_SANDBOX_CPUS", value_name = "CPUS")]
+    sandbox_cpus: Option<f64>,
+    /// Memory of each sandbox container (`2GiB`), swap none beyond it; none when unset.
+    #[arg(long, env = "STANDBY_SERVER_SANDBOX_MEMORY", value_parser = parse_bytes, value_name = "BYTES")]
+    sandbox_memory: Option<u64>,
+    /// Processes and threads of each sandbox container; none when unset.
+    #[arg(long, env = "STANDBY_SERVER_SANDBOX_PIDS", value_name = "N")]
+    sandbox_pids: Option<u64>,
 }
 
 /// What one run may cost (`docs/operations.md`, "Per-run bounds").
@@ -258,6 +286,7 @@ impl PoolPolicyArgs {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 enum ProviderKind {
     Local,
+    Docker,
     Spool,
 }
 
@@ -399,8 +428,17 @@ async fn serve(args: Serve) -> anyhow::Result<()> {
             }
             Some(agent)
         }
-        ProviderKind::Spool => None,
+        ProviderKind::Spool | ProviderKind::Docker => None,
     };
+    if args.provider == ProviderKind::Docker && args.listen.ip().is_loopback() {
+        anyhow::bail!(
+            "--provider docker: containers cannot reach the loopback address {}; listen on the gateway address of \
+             --docker-network `{}` or on 0.0.0.0 (--listen 0.0.0.0:{})",
+            args.listen,
+            args.docker.docker_network,
+            args.listen.port()
+        );
+    }
     private_dir(&args.data_dir)?;
     let key_path = args.secret_key_file.unwrap_or_else(|| args.data_dir.join("secret.key"));
     let (key, generated) = SealKey::load_or_generate(&key_path)?;
@@ -440,6 +478,24 @@ async fn serve(args: Serve) -> anyhow::Result<()> {
     };
     config.listener = args.limits.limits()?;
     let local_options = args.pool_policy.local_options(args.stop_grace, args.sandbox_containment);
+    if args.provider == ProviderKind::Docker {
+        let options = DockerOptions {
+            image: args.docker.image,
+            network: args.docker.docker_network,
+            instance: instance_id(&args.data_dir)?,
+            limits: Limits {
+                cpus: args.docker.sandbox_cpus,
+                memory: args.docker.sandbox_memory,
+                pids: args.docker.sandbox_pids,
+            },
+            log_dir: args.data_dir.join("sandbox-logs"),
+            minute: args.pool_policy.provider_minute,
+            auto_delete: args.pool_policy.auto_delete,
+            stop_grace: args.stop_grace,
+        };
+        let provider = DockerProvider::connect(options).await.context("--provider docker")?;
+        return run_server(config, store, Arc::new(provider)).await;
+    }
     match agent {
         Some(agent) => {
             let sandboxes = std::path::absolute(args.data_dir.join("sandboxes"))
@@ -454,6 +510,21 @@ async fn serve(args: Serve) -> anyhow::Result<()> {
             run_server(config, store, Arc::new(SpoolProvider::new(dir))).await
         }
     }
+}
+
+/// This server's instance id, kept in `<data dir>/instance-id` (made on
+/// first start): the label of its containers, so that a restart on the same
+/// data finds them and another server's are never touched.
+fn instance_id(data_dir: &Path) -> anyhow::Result<String> {
+    let path = data_dir.join("instance-id");
+    if let Ok(text) = std::fs::read_to_string(&path)
+        && !text.trim().is_empty()
+    {
+        return Ok(text.trim().to_owned());
+    }
+    let id = format!("{:016x}", rand::random::<u64>());
+    std::fs::write(&path, &id).with_context(|| format!("cannot write the instance id to {}", path.display()))?;
+    Ok(id)
 }
 
 /// Serves until SIGTERM, SIGINT or a failure, then shuts down.

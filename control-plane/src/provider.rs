@@ -94,6 +94,13 @@ pub enum ProviderError {
     Missing { sandbox: String, path: PathBuf },
     #[error("sandbox {sandbox}: `tar {args}` failed: {message}")]
     Tar { sandbox: String, args: String, message: String },
+    #[error("sandbox {sandbox}: the Docker Engine could not {action}: {source}")]
+    Engine {
+        sandbox: String,
+        action: &'static str,
+        #[source]
+        source: bollard::errors::Error,
+    },
 }
 
 /// What the agent of a sandbox is started with: the contract's variables.
@@ -141,6 +148,14 @@ pub trait SandboxProvider: Send + Sync + 'static {
     /// Stops the sandbox's processes (SIGTERM, then after `grace` SIGKILL);
     /// its filesystem is kept.
     fn stop(&self, sandbox_id: &str, grace: Duration) -> impl Future<Output = ()> + Send;
+    /// A finished turn's sandbox is kept running for the thread's next turn
+    /// (Tier 2) and its agent has exited: end whatever the turn left
+    /// running. A provider that can keep a sandbox running without its
+    /// agent (a container with its own PID 1) keeps it running; the
+    /// default stops it, which for a process-group sandbox is the same.
+    fn clear(&self, sandbox_id: &str, grace: Duration) -> impl Future<Output = ()> + Send {
+        self.stop(sandbox_id, grace)
+    }
     /// Waits up to `timeout` for the agent to exit on its own; whether it did.
     fn wait_exit(&self, sandbox_id: &str, timeout: Duration) -> impl Future<Output = bool> + Send;
     /// Removes a stopped sandbox for good.
@@ -160,6 +175,18 @@ pub trait SandboxProvider: Send + Sync + 'static {
     fn auto_stop(&self, sandbox_id: &str) -> impl Future<Output = Result<Option<u32>, ProviderError>> + Send {
         let _ = sandbox_id;
         async { Ok(None) }
+    }
+    /// After a restart, the sandboxes the store knows: a provider whose
+    /// sandboxes outlive the server adopts those and removes the others it
+    /// made (orphans of a crash between a create and its commit).
+    fn adopt(&self, known: HashSet<String>) -> impl Future<Output = ()> + Send {
+        let _ = known;
+        async {}
+    }
+    /// The address agents reach the server at when it is not the listen
+    /// address (a container network's gateway); `None`: the listen address.
+    fn agent_host(&self) -> Option<std::net::IpAddr> {
+        None
     }
     /// The sandbox is busy: its idle clock starts over.
     fn touch(&self, sandbox_id: &str) {

@@ -156,7 +156,13 @@ pub async fn start<P: SandboxProvider>(
         crate::listener::bind(config.listen).map_err(|source| ServerError::Bind { addr: config.listen, source })?;
     let addr = listener.local_addr().map_err(|source| ServerError::Bind { addr: config.listen, source })?;
     let url = config.public_url.clone().map(|url| url.trim_end_matches('/').to_owned()).unwrap_or_else(|| {
-        let host = if addr.ip().is_unspecified() { "127.0.0.1".to_owned() } else { addr.ip().to_string() };
+        // Agents in containers reach the server at the provider's address
+        // for it (their network's gateway), on the port bound here.
+        let host = match provider.agent_host() {
+            Some(host) => host.to_string(),
+            None if addr.ip().is_unspecified() => "127.0.0.1".to_owned(),
+            None => addr.ip().to_string(),
+        };
         let host = if addr.is_ipv6() && !addr.ip().is_unspecified() { format!("[{host}]") } else { host };
         format!("http://{host}:{}", addr.port())
     });
@@ -164,6 +170,13 @@ pub async fn start<P: SandboxProvider>(
     let snapshot = tokio::task::spawn_blocking(move || loader.load())
         .await
         .map_err(|join| ServerError::Failed(format!("loading the store panicked: {join}")))??;
+    let known = snapshot
+        .sandboxes
+        .iter()
+        .filter(|record| record.state != crate::model::SandboxState::Retired)
+        .map(|record| record.id.clone())
+        .collect();
+    provider.adopt(known).await;
     let dispatch_config = DispatchConfig {
         heartbeat_interval: config.heartbeat_interval,
         pool_size: config.pool_size,

@@ -72,6 +72,7 @@ pub struct ServerBuilder {
     log: PathBuf,
     mark: String,
     agent_bin: PathBuf,
+    listen: Option<SocketAddr>,
     args: Vec<String>,
     env: Vec<(String, String)>,
 }
@@ -91,6 +92,7 @@ impl ServerBuilder {
             log: log.to_owned(),
             mark: mark.to_owned(),
             agent_bin: standby_bin(),
+            listen: None,
             args: Vec::new(),
             env: Vec::new(),
         }
@@ -114,6 +116,13 @@ impl ServerBuilder {
         self
     }
 
+    /// Listens on `addr` (every start, so a restart keeps the port)
+    /// instead of a free port of 127.0.0.1; the test calls it on loopback.
+    pub fn listen(mut self, addr: SocketAddr) -> Self {
+        self.listen = Some(addr);
+        self
+    }
+
     pub fn arg(mut self, arg: &str) -> Self {
         self.args.push(arg.to_owned());
         self
@@ -133,7 +142,8 @@ impl ServerBuilder {
     /// Starts the server on a free port of 127.0.0.1 and waits for its
     /// "listening" line.
     pub async fn start(&self) -> ServerProcess {
-        let addr = free_addr();
+        let bind = self.listen.unwrap_or_else(free_addr);
+        let addr = if bind.ip().is_unspecified() { SocketAddr::from(([127, 0, 0, 1], bind.port())) } else { bind };
         let mut command = tokio::process::Command::new(server_bin());
         for (name, _) in std::env::vars_os() {
             if let Some(name) = name.to_str()
@@ -155,7 +165,7 @@ impl ServerBuilder {
         std::fs::set_permissions(&key_file, std::fs::Permissions::from_mode(0o600)).expect("chmod the API key file");
         command
             .arg("serve")
-            .args(["--listen", &addr.to_string(), "--api-key-file"])
+            .args(["--listen", &bind.to_string(), "--api-key-file"])
             .arg(&key_file)
             .arg("--agent-bin")
             .arg(&self.agent_bin)

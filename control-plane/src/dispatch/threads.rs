@@ -171,7 +171,7 @@ impl Dispatch {
             live.resume_after_exit = mode == ParkMode::Running;
             live.run_token = None;
         }
-        step.effects.push(Effect::Park { sandbox_id: sandbox_id.to_owned(), linger, auto_stop });
+        step.effects.push(Effect::Park { sandbox_id: sandbox_id.to_owned(), linger, auto_stop, mode });
     }
 
     /// A parked sandbox's agent exited: the turn's agent (relaunch a fresh

@@ -1,0 +1,377 @@
+//! The `docker` provider (`standby-server serve --provider docker`): a
+//! sandbox is a container of the Docker Engine on this machine, driven
+//! through the Engine API over its unix socket (`bollard`), never the CLI.
+//!
+//! - **create**: a container from `--image` (`container.rs` says what it
+//!   is), started with `standby hold` as its PID 1;
+//! - **launch**: an exec of the agent, with a fresh standby credential on
+//!   its standard input (`exec.rs`); the first launch, each Tier 2
+//!   follow-up and each Tier 1 resume is one;
+//! - **Tier 2** (a parked running sandbox): between turns the container
+//!   keeps running; what the turn left is killed by its PID 1 ([`clear`]),
+//!   and the next agent is a new exec, no restart;
+//! - **stop** (Tier 1): `docker stop`, the filesystem kept; **start**
+//!   starts the stopped container again; a removed one is missing, and a
+//!   resume of it falls back to cold with the reason, as for `local`;
+//! - **timers**: Docker has none, so the sweeper (`sweeper.rs`, decisions
+//!   in `timers.rs`) stops idle containers and removes long-stopped ones.
+//!
+//! A sandbox is [`Found::Running`] while an agent exec runs in its
+//! container; a running container without one (Tier 2, between agents) is
+//! [`Found::Stopped`] to the dispatcher: it can take a fresh agent, and a
+//! start leaves it running.
+//!
+//! [`clear`]: SandboxProvider::clear
+
+mod container;
+mod exec;
+mod sweeper;
+mod timers;
+
+use std::collections::{HashMap, HashSet};
+use std::net::IpAddr;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use bollard::Docker;
+use bollard::models::{Ipam, NetworkCreateRequest};
+use bollard::query_parameters::{KillContainerOptions, TopOptions};
+pub use container::{INSTANCE_LABEL, Limits, SANDBOX_LABEL, SANDBOX_USER};
+pub use exec::AGENT_PATH;
+use tokio::sync::watch;
+
+use crate::dispatch::Found;
+use crate::provider::{AgentLaunch, Details, Launched, ProviderError, SandboxProvider};
+
+/// How the Docker provider makes and times its sandboxes.
+#[derive(Debug, Clone)]
+pub struct DockerOptions {
+    /// The image every sandbox is created from (`--image`).
+    pub image: String,
+    /// The user-defined bridge network of the sandboxes
+    /// (`--docker-network`), created when missing.
+    pub network: String,
+    /// This server's instance id: its containers carry it as a label.
+    pub instance: String,
+    pub limits: Limits,
+    /// Where each sandbox's agent output is appended (`<id>.log`).
+    pub log_dir: PathBuf,
+    /// How long a provider minute is (auto-stop, delete).
+    pub minute: Duration,
+    /// Stopped for this many minutes: removed (`0`: never).
+    pub auto_delete: u32,
+    /// Between SIGTERM and SIGKILL when the auto-stop stops a sandbox.
+    pub stop_grace: Duration,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum DockerError {
+    #[error("cannot reach the Docker Engine at its unix socket: {0}")]
+    Connect(#[source] bollard::errors::Error),
+    #[error("the sandbox image `{image}` is not in the engine (build it with scripts/image): {source}")]
+    Image {
+        image: String,
+        #[source]
+        source: bollard::errors::Error,
+    },
+    #[error("cannot {action} the network `{network}`: {source}")]
+    Network {
+        network: String,
+        action: &'static str,
+        #[source]
+        source: bollard::errors::Error,
+    },
+    #[error("the network `{network}` has no IPv4 gateway to reach the server at")]
+    NoGateway { network: String },
+}
+
+/// An agent exec this server started.
+#[derive(Debug, Clone)]
+struct Agent {
+    exec_id: String,
+    done: watch::Receiver<bool>,
+}
+
+/// Sandboxes as Docker containers.
+#[derive(Debug, Clone)]
+pub struct DockerProvider {
+    inner: Arc<DockerInner>,
+}
+
+#[derive(Debug)]
+struct DockerInner {
+    docker: Docker,
+    options: DockerOptions,
+    gateway: IpAddr,
+    agents: Mutex<HashMap<String, Agent>>,
+    /// Last activity of each running container, for the idle auto-stop.
+    activity: Mutex<HashMap<String, Instant>>,
+    /// Auto-stop minutes of each sandbox (memory: after a restart the
+    /// dispatcher sets it again at the next park or resume).
+    auto_stop: Mutex<HashMap<String, u32>>,
+    /// Sandboxes the auto-stop is stopping.
+    stopping: Mutex<HashSet<String>>,
+    sweeper: std::sync::Once,
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl DockerProvider {
+    /// Connects to the engine, checks the image, and creates the network
+    /// when missing.
+    pub async fn connect(options: DockerOptions) -> Result<Self, DockerError> {
+        let docker = Docker::connect_with_unix_defaults().map_err(DockerError::Connect)?;
+        docker.ping().await.map_err(DockerError::Connect)?;
+        docker
+            .inspect_image(&options.image)
+            .await
+            .map_err(|source| DockerError::Image { image: options.image.clone(), source })?;
+        let gateway = ensure_network(&docker, &options.network).await?;
+        std::fs::create_dir_all(&options.log_dir).ok();
+        tracing::info!(network = options.network, %gateway, image = options.image, "docker provider ready");
+        Ok(Self {
+            inner: Arc::new(DockerInner {
+                docker,
+                options,
+                gateway,
+                agents: Mutex::new(HashMap::new()),
+                activity: Mutex::new(HashMap::new()),
+                auto_stop: Mutex::new(HashMap::new()),
+                stopping: Mutex::new(HashSet::new()),
+                sweeper: std::sync::Once::new(),
+            }),
+        })
+    }
+
+    /// The address containers reach the server at: the network's gateway.
+    pub fn gateway(&self) -> IpAddr {
+        self.inner.gateway
+    }
+
+    fn agent(&self, sandbox_id: &str) -> Option<Agent> {
+        lock(&self.inner.agents).get(sandbox_id).cloned()
+    }
+
+    fn log_path(&self, sandbox_id: &str) -> PathBuf {
+        self.inner.options.log_dir.join(format!("{sandbox_id}.log"))
+    }
+
+    fn ensure_sweeper(&self) {
+        let weak = Arc::downgrade(&self.inner);
+        self.inner.sweeper.call_once(move || {
+            tokio::spawn(sweeper::run(weak));
+        });
+    }
+
+    /// Whether the container runs, and the execs it has; `None` when it
+    /// does not exist.
+    async fn inspect(&self, sandbox_id: &str) -> Result<Option<(bool, Vec<String>)>, ProviderError> {
+        match self.inner.docker.inspect_container(&container::name(sandbox_id), None).await {
+            Ok(inspected) => {
+                let running = inspected.state.and_then(|state| state.running).unwrap_or(false);
+                Ok(Some((running, inspected.exec_ids.unwrap_or_default())))
+            }
+            Err(error) if container::not_found(&error) => Ok(None),
+            Err(error) => Err(container::engine_error(sandbox_id, "inspect its container")(error)),
+        }
+    }
+
+    /// Waits until only the container's PID 1 is left, up to `timeout`.
+    async fn only_pid_one(&self, sandbox_id: &str, timeout: Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let top = self.inner.docker.top_processes(&container::name(sandbox_id), None::<TopOptions>).await;
+            match top {
+                Ok(top) if top.processes.as_ref().is_none_or(|processes| processes.len() <= 1) => return true,
+                Err(_) => return true,
+                Ok(_) if tokio::time::Instant::now() >= deadline => return false,
+                Ok(_) => tokio::time::sleep(Duration::from_millis(25)).await,
+            }
+        }
+    }
+}
+
+/// The network's IPv4 gateway, the network created first when missing.
+async fn ensure_network(docker: &Docker, network: &str) -> Result<IpAddr, DockerError> {
+    let error = |action| move |source| DockerError::Network { network: network.to_owned(), action, source };
+    let inspected = match docker.inspect_network(network, None).await {
+        Ok(inspected) => inspected,
+        Err(failure) if container::not_found(&failure) => {
+            let request = NetworkCreateRequest {
+                name: network.to_owned(),
+                driver: Some("bridge".to_owned()),
+                ipam: Some(Ipam::default()),
+                labels: Some(HashMap::from([("standby.network".to_owned(), "sandboxes".to_owned())])),
+                ..Default::default()
+            };
+            match docker.create_network(request).await {
+                Ok(_) => tracing::info!(network, "created the sandboxes' network"),
+                // Another server made it meanwhile.
+                Err(bollard::errors::Error::DockerResponseServerError { status_code: 409, .. }) => {}
+                Err(failure) => return Err(error("create")(failure)),
+            }
+            docker.inspect_network(network, None).await.map_err(error("inspect"))?
+        }
+        Err(failure) => return Err(error("inspect")(failure)),
+    };
+    inspected
+        .ipam
+        .and_then(|ipam| ipam.config)
+        .unwrap_or_default()
+        .iter()
+        .filter_map(|config| config.gateway.as_deref()?.parse::<IpAddr>().ok())
+        .find(IpAddr::is_ipv4)
+        .ok_or_else(|| DockerError::NoGateway { network: network.to_owned() })
+}
+
+impl SandboxProvider for DockerProvider {
+    async fn create(&self, sandbox_id: &str) -> Result<(), ProviderError> {
+        self.ensure_sweeper();
+        let options = &self.inner.options;
+        let body = container::spec(&options.image, &options.network, sandbox_id, &options.instance, options.limits);
+        container::create(&self.inner.docker, sandbox_id, body).await?;
+        container::start(&self.inner.docker, sandbox_id).await
+    }
+
+    async fn start(&self, sandbox_id: &str) -> Result<(), ProviderError> {
+        self.ensure_sweeper();
+        if self.inspect(sandbox_id).await?.is_none() {
+            return Err(ProviderError::Missing {
+                sandbox: sandbox_id.to_owned(),
+                path: PathBuf::from(format!("container {}", container::name(sandbox_id))),
+            });
+        }
+        container::start(&self.inner.docker, sandbox_id).await
+    }
+
+    async fn launch(&self, sandbox_id: &str, launch: AgentLaunch) -> Result<Launched, ProviderError> {
+        let started = exec::start_agent(&self.inner.docker, sandbox_id, &launch, self.log_path(sandbox_id)).await?;
+        lock(&self.inner.agents)
+            .insert(sandbox_id.to_owned(), Agent { exec_id: started.exec_id.clone(), done: started.done.clone() });
+        lock(&self.inner.activity).insert(sandbox_id.to_owned(), Instant::now());
+        tracing::info!(sandbox_id, exec_id = started.exec_id, "agent started by an exec");
+        Ok(Launched { pid: None, exited: started.exited })
+    }
+
+    async fn stop(&self, sandbox_id: &str, grace: Duration) {
+        if let Err(error) = container::stop(&self.inner.docker, sandbox_id, grace).await {
+            tracing::warn!(%error, "stopping a sandbox's container failed");
+        }
+        if let Some(agent) = self.agent(sandbox_id) {
+            wait_done(agent.done, Duration::from_secs(10)).await;
+        }
+        lock(&self.inner.activity).remove(sandbox_id);
+    }
+
+    async fn clear(&self, sandbox_id: &str, grace: Duration) {
+        let signal = KillContainerOptions { signal: "SIGUSR1".to_owned() };
+        let cleared = match self.inner.docker.kill_container(&container::name(sandbox_id), Some(signal)).await {
+            Ok(()) => self.only_pid_one(sandbox_id, grace.max(Duration::from_secs(1))).await,
+            Err(error) => {
+                tracing::warn!(sandbox_id, %error, "asking a kept container's PID 1 to clear it failed");
+                false
+            }
+        };
+        if !cleared {
+            tracing::warn!(sandbox_id, "a kept container could not be cleared: stopped instead");
+            self.stop(sandbox_id, grace).await;
+        }
+    }
+
+    async fn wait_exit(&self, sandbox_id: &str, timeout: Duration) -> bool {
+        if let Some(agent) = self.agent(sandbox_id) {
+            return wait_done(agent.done, timeout).await;
+        }
+        // An agent this server did not start (adopted after a restart).
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            if !matches!(self.state(sandbox_id).await, Ok(Found::Running)) {
+                return true;
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    }
+
+    async fn delete(&self, sandbox_id: &str) -> Result<(), ProviderError> {
+        container::remove(&self.inner.docker, sandbox_id).await?;
+        lock(&self.inner.activity).remove(sandbox_id);
+        lock(&self.inner.auto_stop).remove(sandbox_id);
+        lock(&self.inner.agents).remove(sandbox_id);
+        let _ = tokio::fs::remove_file(self.log_path(sandbox_id)).await;
+        Ok(())
+    }
+
+    async fn state(&self, sandbox_id: &str) -> Result<Found, ProviderError> {
+        self.ensure_sweeper();
+        let Some((running, exec_ids)) = self.inspect(sandbox_id).await? else { return Ok(Found::Missing) };
+        if !running {
+            return Ok(Found::Stopped);
+        }
+        if let Some(agent) = self.agent(sandbox_id)
+            && exec_ids.contains(&agent.exec_id)
+        {
+            return Ok(if *agent.done.borrow() { Found::Stopped } else { Found::Running });
+        }
+        Ok(if exec::agent_running(&self.inner.docker, sandbox_id, &exec_ids).await {
+            Found::Running
+        } else {
+            Found::Stopped
+        })
+    }
+
+    async fn stop_all(&self, grace: Duration) {
+        let ids = sweeper::own_containers(&self.inner).await.into_iter().filter(|c| c.running).map(|c| c.sandbox_id);
+        let ids: Vec<String> = ids.collect();
+        futures::future::join_all(ids.iter().map(|id| self.stop(id, grace))).await;
+    }
+
+    async fn adopt(&self, known: HashSet<String>) {
+        self.ensure_sweeper();
+        for found in sweeper::own_containers(&self.inner).await {
+            if known.contains(&found.sandbox_id) {
+                tracing::info!(sandbox_id = found.sandbox_id, running = found.running, "adopted a container");
+            } else {
+                tracing::warn!(sandbox_id = found.sandbox_id, "removing an orphaned container of this server");
+                if let Err(error) = container::remove(&self.inner.docker, &found.sandbox_id).await {
+                    tracing::warn!(%error, "removing an orphaned container failed");
+                }
+            }
+        }
+    }
+
+    fn details(&self, _sandbox_id: &str) -> Details {
+        Details::default()
+    }
+
+    async fn set_auto_stop(&self, sandbox_id: &str, minutes: u32) -> Result<(), ProviderError> {
+        self.ensure_sweeper();
+        lock(&self.inner.auto_stop).insert(sandbox_id.to_owned(), minutes);
+        Ok(())
+    }
+
+    async fn auto_stop(&self, sandbox_id: &str) -> Result<Option<u32>, ProviderError> {
+        Ok(lock(&self.inner.auto_stop).get(sandbox_id).copied())
+    }
+
+    fn touch(&self, sandbox_id: &str) {
+        lock(&self.inner.activity).insert(sandbox_id.to_owned(), Instant::now());
+    }
+
+    fn containment(&self) -> &'static str {
+        "container"
+    }
+
+    fn agent_host(&self) -> Option<IpAddr> {
+        Some(self.inner.gateway)
+    }
+}
+
+async fn wait_done(mut done: watch::Receiver<bool>, timeout: Duration) -> bool {
+    tokio::time::timeout(timeout, done.wait_for(|done| *done)).await.is_ok_and(|result| result.is_ok())
+}

@@ -1,0 +1,105 @@
+//! The Docker provider's end-to-end tests' side of the engine: whether one
+//! answers, the sandbox image (built by `scripts/build-image` with the
+//! `standby` under test), and a guard that removes a test's containers and
+//! network however the test ends. The tests look at containers through the
+//! `docker` CLI, as an operator would; the server itself never uses it.
+//!
+//! Under `CI=true` a missing engine or an image that cannot be built fails
+//! the test; elsewhere the test is skipped, loudly.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use crate::harness::standby_bin;
+
+/// The image the tests build and run.
+pub const IMAGE: &str = "standby-sandbox:e2e";
+
+fn in_ci() -> bool {
+    std::env::var("CI").is_ok_and(|value| value == "true")
+}
+
+fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("the workspace root").to_owned()
+}
+
+/// `docker ARGS`: its stdout when it succeeded.
+pub fn docker(args: &[&str]) -> Option<String> {
+    let output = Command::new("docker").args(args).output().ok()?;
+    output.status.success().then(|| String::from_utf8_lossy(&output.stdout).trim().to_owned())
+}
+
+/// Whether the engine answers and the image (re)built with the `standby`
+/// under test; `false` (with a loud line) when the test is to be skipped.
+/// Panics under `CI=true` instead of skipping.
+pub fn available(test: &str) -> bool {
+    let skip = |why: String| {
+        assert!(!in_ci(), "{test}: {why} (CI=true: the Docker tests must run)");
+        eprintln!("*** {test}: SKIPPED: {why} ***");
+        false
+    };
+    if docker(&["version", "--format", "{{.Server.Version}}"]).is_none() {
+        return skip("no Docker Engine answers (`docker version`)".into());
+    }
+    // One build at a time (tests run in parallel); docker's cache makes a
+    // build of an unchanged binary quick.
+    let root = repo_root();
+    std::fs::create_dir_all(root.join("target/image")).ok();
+    let output = Command::new("flock")
+        .arg(root.join("target/image/.lock"))
+        .arg(root.join("scripts/build-image"))
+        .arg(IMAGE)
+        .env("IMAGE_AGENT_BIN", standby_bin())
+        .output();
+    match output {
+        Ok(output) if output.status.success() => true,
+        Ok(output) => skip(format!(
+            "scripts/build-image failed: {}{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        )),
+        Err(error) => skip(format!("cannot run scripts/build-image: {error}")),
+    }
+}
+
+/// Removes the containers of a server instance and a network when dropped,
+/// whether the test passed or panicked.
+#[derive(Debug)]
+pub struct Cleanup {
+    pub data: PathBuf,
+    pub network: String,
+}
+
+impl Cleanup {
+    /// The instance id the server wrote in its data directory.
+    pub fn instance(&self) -> String {
+        std::fs::read_to_string(self.data.join("instance-id")).unwrap_or_default().trim().to_owned()
+    }
+
+    /// Ids of the containers labelled with the server's instance.
+    pub fn containers(&self) -> Vec<String> {
+        let filter = format!("label=standby.instance={}", self.instance());
+        docker(&["ps", "-aq", "--filter", &filter]).unwrap_or_default().lines().map(str::to_owned).collect()
+    }
+}
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        if !self.instance().is_empty() {
+            for id in self.containers() {
+                let _ = docker(&["rm", "-f", &id]);
+            }
+        }
+        // Containers a test made itself (labelled with its network's name).
+        let filter = format!("label=standby.e2e={}", self.network);
+        for id in docker(&["ps", "-aq", "--filter", &filter]).unwrap_or_default().lines() {
+            let _ = docker(&["rm", "-f", id]);
+        }
+        let _ = docker(&["network", "rm", &self.network]);
+    }
+}
+
+/// `docker inspect --format FORMAT standby-<sandbox id>`.
+pub fn inspect(sandbox_id: &str, format: &str) -> Option<String> {
+    docker(&["inspect", "--format", format, &format!("standby-{sandbox_id}")])
+}

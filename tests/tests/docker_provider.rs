@@ -1,0 +1,345 @@
+//! The Docker provider end to end: the real `standby-server --provider
+//! docker`, the sandbox image built from `Dockerfile.sandbox` with the
+//! `standby` under test, real containers on a network of the test's own.
+//! Warm and cold runs, Tier 2 and Tier 1 follow-ups on containers, a
+//! deleted container, a server restart that adopts its containers and
+//! removes its orphans, and the auto-stop floor on a real container.
+//!
+//! Each test has its own data directory (so its own instance label) and
+//! network, removed by a guard however the test ends. Under `CI=true` they
+//! fail when no engine answers; elsewhere they are skipped, loudly.
+
+use std::hash::{BuildHasher, RandomState};
+use std::ops::Deref;
+use std::time::Duration;
+
+use nix::sys::signal::Signal;
+use serde_json::{Value, json};
+use standby_e2e::docker::{self, Cleanup, IMAGE, inspect};
+use standby_e2e::harness::write_json;
+use standby_e2e::server_process::{ServerBuilder, ServerProcess, free_addr};
+
+const WAIT: Duration = Duration::from_secs(60);
+
+/// No repository (containers see no host path): one setup step that
+/// counts its runs, so a resumed sandbox shows it was not prepared again.
+fn spec() -> Value {
+    json!({
+        "workspace": {
+            "repos": [],
+            "setup": [{"name": "build", "command": ["sh", "-c", "echo run >> .setup-runs"], "timeout_s": 60}]
+        },
+        "shell": ["/bin/sh"]
+    })
+}
+
+/// A server on the Docker provider, with what removes its containers.
+struct Server {
+    process: Option<ServerProcess>,
+    builder: ServerBuilder,
+    cleanup: Cleanup,
+    _dir: tempfile::TempDir,
+}
+
+impl Deref for Server {
+    type Target = ServerProcess;
+
+    fn deref(&self) -> &ServerProcess {
+        self.process.as_ref().expect("the server runs")
+    }
+}
+
+impl Server {
+    /// `None` when the test is skipped (no engine, outside CI).
+    async fn start(test: &str, args: &[&str]) -> Option<Self> {
+        if !docker::available(test) {
+            return None;
+        }
+        let dir = tempfile::Builder::new().prefix("standby-docker-e2e-").tempdir().expect("a temp dir");
+        let spec_path = dir.path().join("spec.json");
+        write_json(&spec_path, &spec());
+        let tag = format!("{:012x}", RandomState::new().hash_one((std::process::id(), dir.path())) >> 16);
+        let network = format!("standby-e2e-{tag}");
+        let data = dir.path().join("data");
+        let cleanup = Cleanup { data: data.clone(), network: network.clone() };
+        // Containers reach the server at the network's gateway: it listens
+        // on every address, on a port kept across a restart.
+        let listen = std::net::SocketAddr::from(([0, 0, 0, 0], free_addr().port()));
+        let mut builder = ServerBuilder::new(&data, &dir.path().join("server.log"), &tag).listen(listen).args(&[
+            "--provider",
+            "docker",
+            "--image",
+            IMAGE,
+            "--docker-network",
+            &network,
+            "--log",
+            "debug,bollard=info",
+            "--agent-log",
+            "debug",
+            "--spec",
+            &spec_path.display().to_string(),
+        ]);
+        for (flag, value) in [("--linger", "5s"), ("--stop-grace", "3s"), ("--heartbeat-interval", "300ms")] {
+            if !args.contains(&flag) {
+                builder = builder.args(&[flag, value]);
+            }
+        }
+        let builder = builder.args(args);
+        let process = builder.start().await;
+        Some(Self { process: Some(process), builder, cleanup, _dir: dir })
+    }
+
+    /// The agents' output (the provider keeps it per sandbox), for failures.
+    fn agent_logs(&self) -> String {
+        let mut text = self.logs();
+        for entry in std::fs::read_dir(self.cleanup.data.join("sandbox-logs")).into_iter().flatten().flatten() {
+            let log = std::fs::read_to_string(entry.path()).unwrap_or_default();
+            let tail: Vec<&str> = log.lines().rev().take(20).collect();
+            text.push_str(&format!("\n--- {} ---\n", entry.path().display()));
+            text.push_str(&tail.into_iter().rev().collect::<Vec<_>>().join("\n"));
+        }
+        text
+    }
+
+    async fn until<T>(&self, what: &str, check: impl AsyncFnMut() -> Option<T>) -> T {
+        self.process.as_ref().expect("the server runs").until(what, WAIT, check).await
+    }
+
+    /// Runs one run to its end; the run, which exited 0.
+    async fn run_to_end(&self, body: Value) -> Value {
+        let id = self.submit(&body).await;
+        let run = self.finished(&id, WAIT).await;
+        assert_eq!(
+            (run["state"].as_str(), run["exit_code"].as_i64()),
+            (Some("exited"), Some(0)),
+            "{run}\n{}",
+            self.agent_logs()
+        );
+        run
+    }
+
+    async fn turn(&self, thread: &str, script: &str) -> Value {
+        self.run_to_end(json!({"command": ["sh", "-c", script], "thread_id": thread})).await
+    }
+
+    async fn text_log(&self, run: &Value) -> String {
+        String::from_utf8_lossy(&self.log(run["id"].as_str().expect("an id")).await).into_owned()
+    }
+
+    /// Waits until the sandbox is parked `mode` and settled.
+    async fn parked(&self, id: &str, mode: &str) -> Value {
+        self.until(&format!("{id} parked {mode}"), async || {
+            let sandbox = self.sandbox(id).await;
+            let settled = match mode {
+                "running" => sandbox["last_state"] == "ready" && sandbox["candidate"] == false,
+                _ => sandbox["running"] == false,
+            };
+            (sandbox["state"] == "parked" && sandbox["park"]["mode"] == mode && settled).then_some(sandbox)
+        })
+        .await
+    }
+
+    async fn ready_standby(&self) -> String {
+        self.until("a ready standby", async || {
+            self.sandboxes()
+                .await
+                .into_iter()
+                .find(|s| s["candidate"] == true)
+                .and_then(|s| s["id"].as_str().map(str::to_owned))
+        })
+        .await
+    }
+
+    async fn stop(mut self) {
+        if let Some(process) = self.process.take() {
+            let status = process.stop(Signal::SIGTERM).await;
+            assert!(status.success(), "standby-server exited {status}");
+        }
+    }
+}
+
+fn sandbox_of(run: &Value) -> String {
+    let attempts = run["attempts"].as_array().expect("attempts");
+    attempts.last().and_then(|a| a["sandbox_id"].as_str()).expect("a sandbox").to_owned()
+}
+
+#[tokio::test]
+async fn a_warm_run_takes_a_prepared_container_which_is_unprivileged_and_holds_no_credential() {
+    let Some(server) = Server::start("warm", &["--pool-size", "1"]).await else { return };
+    let standby = server.ready_standby().await;
+    // The container as the engine has it.
+    assert_eq!(inspect(&standby, "{{.Config.User}}").as_deref(), Some("10001:10001"));
+    assert_eq!(inspect(&standby, "{{.HostConfig.Privileged}}").as_deref(), Some("false"));
+    assert_eq!(inspect(&standby, "{{json .HostConfig.CapDrop}}").as_deref(), Some("[\"ALL\"]"));
+    assert_eq!(inspect(&standby, "{{json .HostConfig.CapAdd}}").as_deref(), Some("null"));
+    assert_eq!(inspect(&standby, "{{len .Mounts}}").as_deref(), Some("0"), "no host path mounted");
+    let env = inspect(&standby, "{{json .Config.Env}}").unwrap_or_default();
+    assert!(!env.contains("STANDBY_"), "no configuration or credential in the container's: {env}");
+    assert_eq!(
+        inspect(&standby, "{{index .Config.Labels \"standby.instance\"}}").as_deref(),
+        Some(server.cleanup.instance().as_str())
+    );
+    assert_eq!(inspect(&standby, "{{json .Config.Cmd}}").as_deref(), Some("[\"hold\"]"));
+
+    let run = server
+        .run_to_end(json!({"command": ["sh", "-c", "id -u; cat .setup-runs; echo token=${STANDBY_TOKEN:-none}"]}))
+        .await;
+    assert_eq!(run["path"], "warm", "{run}");
+    assert_eq!(sandbox_of(&run), standby);
+    let log = server.text_log(&run).await;
+    assert!(log.contains("10001") && log.contains("run") && log.contains("token=none"), "{log}");
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn a_cold_run_gets_a_fresh_container() {
+    let Some(server) =
+        Server::start("cold", &["--pool-size", "0", "--warm-idle", "0s", "--park-stopped", "false"]).await
+    else {
+        return;
+    };
+    let run = server.run_to_end(json!({"command": ["sh", "-c", "echo cold-ran; cat .setup-runs"]})).await;
+    assert_eq!(run["path"], "cold", "{run}");
+    let log = server.text_log(&run).await;
+    assert!(log.contains("cold-ran"), "{log}");
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn tier_2_a_follow_up_is_a_new_exec_in_the_running_container_without_a_restart() {
+    let args = ["--pool-size", "0", "--warm-idle", "60s"];
+    let Some(server) = Server::start("tier-2", &args).await else { return };
+    let first = server
+        .turn("chat-2", "echo note-from-turn-1 > note.txt; setsid sh -c 'exec sleep 1000' </dev/null >/dev/null 2>&1 &")
+        .await;
+    let sandbox_id = sandbox_of(&first);
+    server.parked(&sandbox_id, "running").await;
+    let started = inspect(&sandbox_id, "{{.State.StartedAt}}").expect("the container");
+    assert_eq!(inspect(&sandbox_id, "{{.State.Running}}").as_deref(), Some("true"));
+
+    let count =
+        "for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline 2>/dev/null; echo; done | grep -c '^sleep 1000' || true";
+    let second =
+        server.turn("chat-2", &format!("cat note.txt; echo sleepers=$({count}); cat .setup-runs | wc -l")).await;
+    assert_eq!(second["path"], "parked_running", "{second}");
+    assert_eq!(sandbox_of(&second), sandbox_id);
+    let log = server.text_log(&second).await;
+    assert!(log.contains("note-from-turn-1"), "the last turn's file: {log}");
+    assert!(log.contains("sleepers=0"), "what the last turn left running was cleared: {log}");
+    assert_eq!(
+        inspect(&sandbox_id, "{{.State.StartedAt}}").as_deref(),
+        Some(started.as_str()),
+        "no container restart between the turns"
+    );
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn tier_1_a_follow_up_starts_the_stopped_container() {
+    let Some(server) = Server::start("tier-1", &["--pool-size", "0", "--warm-idle", "0s"]).await else { return };
+    let first = server.turn("chat-1", "echo note-from-turn-1 > note.txt").await;
+    let sandbox_id = sandbox_of(&first);
+    server.parked(&sandbox_id, "stopped").await;
+    server
+        .until("the container stopped", async || {
+            (inspect(&sandbox_id, "{{.State.Running}}").as_deref() == Some("false")).then_some(())
+        })
+        .await;
+    let stopped_at = inspect(&sandbox_id, "{{.State.StartedAt}}").expect("the container");
+
+    let second = server.turn("chat-1", "cat note.txt; echo setup-runs=$(wc -l < .setup-runs)").await;
+    // Without the start, the agent's exec fails in a stopped container and
+    // the turn falls back to a cold sandbox.
+    assert_eq!(second["path"], "parked_stopped", "{second}\n{}", server.agent_logs());
+    assert_eq!(sandbox_of(&second), sandbox_id);
+    assert!(second["resume"]["fallback"].is_null(), "{second}");
+    let log = server.text_log(&second).await;
+    assert!(log.contains("note-from-turn-1") && log.contains("setup-runs=1"), "{log}");
+    assert_ne!(inspect(&sandbox_id, "{{.State.StartedAt}}"), Some(stopped_at), "the container was started again");
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn a_resume_of_a_removed_container_falls_back_to_cold_with_the_reason() {
+    let Some(server) = Server::start("removed", &["--pool-size", "0", "--warm-idle", "0s"]).await else { return };
+    let first = server.turn("chat-3", "echo note > note.txt").await;
+    let sandbox_id = sandbox_of(&first);
+    server.parked(&sandbox_id, "stopped").await;
+    docker::docker(&["rm", "-f", &format!("standby-{sandbox_id}")]).expect("docker rm");
+
+    let second = server.turn("chat-3", "test ! -e note.txt && echo fresh").await;
+    assert_eq!(second["path"], "cold", "{second}");
+    assert_ne!(sandbox_of(&second), sandbox_id);
+    let fallback = second["resume"]["fallback"].as_str().unwrap_or_default();
+    assert!(fallback.contains("no longer exists"), "the reason is recorded: {second}");
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn a_restarted_server_adopts_its_live_containers_and_removes_its_orphans() {
+    let Some(mut server) = Server::start("restart", &["--pool-size", "1"]).await else { return };
+    let standby = server.ready_standby().await;
+    // An orphan: labelled with this server's instance, unknown to its store.
+    let instance = server.cleanup.instance();
+    let orphan_id = format!("sbx_orphan{}", &instance[..8]);
+    let orphan = docker::docker(&[
+        "run",
+        "-d",
+        "--name",
+        &format!("standby-{orphan_id}"),
+        "--label",
+        &format!("standby.instance={instance}"),
+        "--label",
+        &format!("standby.sandbox={orphan_id}"),
+        IMAGE,
+        "hold",
+    ])
+    .expect("an orphan container");
+    // Another server's container is never touched.
+    let test_label = format!("standby.e2e={}", server.cleanup.network);
+    let foreign = docker::docker(&[
+        "run",
+        "-d",
+        "--label",
+        "standby.instance=someone-else",
+        "--label",
+        &test_label,
+        IMAGE,
+        "hold",
+    ])
+    .expect("a foreign container");
+
+    server.process.as_ref().expect("the server runs").crash().await;
+    server.process = Some(server.builder.start().await);
+    server.until("the orphan removed", async || docker::docker(&["inspect", &orphan]).is_none().then_some(())).await;
+    assert!(docker::docker(&["inspect", &foreign]).is_some(), "another server's container is left alone");
+    // The standby's container and agent were adopted: it reconnects to the
+    // new server and takes a run, warm.
+    let again = server.ready_standby().await;
+    assert_eq!(again, standby, "the same standby, adopted\n{}", server.agent_logs());
+    let run = server.run_to_end(json!({"command": ["sh", "-c", "echo adopted"]})).await;
+    assert_eq!((run["path"].as_str(), sandbox_of(&run)), (Some("warm"), standby), "{run}");
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn the_auto_stop_floor_keeps_a_warm_container_running_through_its_window() {
+    // One provider minute of 1 s: an auto-stop of two minutes alone would
+    // stop the kept container inside its 4 s window; the floor
+    // (ceil(4 s / 1 s) + 5 = 9 minutes) holds it off until the window ends
+    // and the dispatcher parks it stopped itself.
+    let args = ["--pool-size", "0", "--warm-idle", "4s", "--auto-stop", "2", "--provider-minute", "1s"];
+    let Some(server) = Server::start("auto-stop", &args).await else { return };
+    let first = server.turn("chat-4", "true").await;
+    let sandbox_id = sandbox_of(&first);
+    let parked = server.parked(&sandbox_id, "running").await;
+    assert_eq!(parked["auto_stop_minutes"], 9, "{parked}");
+    server.parked(&sandbox_id, "stopped").await;
+    let log = std::fs::read_to_string(server.log_path()).expect("the server log");
+    let ended = log.lines().position(|l| l.contains("warm idle window ended") && l.contains(&sandbox_id));
+    let auto_stopped = log.lines().position(|l| l.contains("idle auto-stop") && l.contains(&sandbox_id));
+    assert!(ended.is_some(), "the window ended first\n{}", server.agent_logs());
+    assert!(auto_stopped.is_none_or(|at| Some(at) > ended), "the provider stopped it inside its window");
+    assert_eq!(inspect(&sandbox_id, "{{.State.Running}}").as_deref(), Some("false"));
+    server.stop().await;
+}
