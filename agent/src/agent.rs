@@ -244,7 +244,15 @@ impl Driver {
                     }
                 }
             }
-            let _ = status_tx.send(self.machine.heartbeat());
+            // Only a change wakes the control task (which sends it at once).
+            let status = self.machine.heartbeat();
+            status_tx.send_if_modified(|current| {
+                let changed = *current != status;
+                if changed {
+                    *current = status;
+                }
+                changed
+            });
         }
         let (report, exit) = finish.unwrap_or((None, ExitCode::Internal));
         if let Some(prep) = prep {

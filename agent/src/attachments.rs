@@ -134,7 +134,10 @@ async fn stream_to(
             return Ok(Err(io(e)));
         }
     }
-    if let Err(e) = file.sync_all().await {
+    // Flushed to the file (tokio's file buffers a write), not synced: a run
+    // file is worth nothing after a crash, and an fsync would sit on the
+    // run's critical path.
+    if let Err(e) = file.flush().await {
         return Ok(Err(io(e)));
     }
     tracing::debug!(url = describe_url(target.as_str()), size = %human_bytes(written), "attachment fetched");

@@ -4,7 +4,8 @@
 //! The task knows nothing of the lifecycle: it reports what happened as
 //! [`ControlEvent`]s and takes two inputs, the credential to connect with
 //! (a change closes the current connection and reconnects at once) and the
-//! state each heartbeat reports.
+//! state each heartbeat reports (a change is sent at once, so the server
+//! can claim a standby the moment it is ready instead of at the next tick).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -220,8 +221,10 @@ async fn session(
     shutdown: &mut watch::Receiver<bool>,
 ) -> SessionEnd {
     let (mut writer, mut reader) = socket.split();
-    let heartbeat = |status: &watch::Receiver<Status>| {
-        let (state, execution_id) = status.borrow().clone();
+    // Marks the state seen: a change is sent once, by whichever heartbeat
+    // comes first.
+    let heartbeat = |status: &mut watch::Receiver<Status>| {
+        let (state, execution_id) = status.borrow_and_update().clone();
         Message::text(AgentMessage::Heartbeat { state, execution_id }.encode())
     };
     if let Err(e) = writer.send(heartbeat(status)).await {
@@ -245,6 +248,14 @@ async fn session(
             _ = ticker.tick() => {
                 if let Err(e) = writer.send(heartbeat(status)).await {
                     return SessionEnd::Dropped(format!("sending a heartbeat: {e}"));
+                }
+            }
+            // The agent's state changed (it became ready, say): tell the
+            // server now rather than at the next tick. An ended sender
+            // (the agent shutting down) disables the branch.
+            Ok(()) = status.changed() => {
+                if let Err(e) = writer.send(heartbeat(status)).await {
+                    return SessionEnd::Dropped(format!("sending a heartbeat on a change of state: {e}"));
                 }
             }
             frame = reader.next() => match frame {

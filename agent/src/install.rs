@@ -35,7 +35,7 @@ use crate::api::{Api, call_backoff, retry};
 use crate::config::InstallPlan;
 use crate::lifecycle::InstallFailure;
 use crate::mcp::McpSupervisor;
-use crate::paths::{resolve_inside, write_atomic};
+use crate::paths::{resolve_inside, write_run_file};
 use crate::shell::IdleShell;
 
 /// What preparation leaves for the install: the idle shell, the MCP
@@ -110,10 +110,14 @@ pub async fn install(input: &InstallInput, prepared: &mut Prepared) -> Result<In
     let steps = Steps(Mutex::new(Vec::new()));
     let state_dir = StateDir::of(&input.root);
     // `.standby/` holds credentials; a repo checked out at the workspace
-    // root must never pick them up with `git add -A`.
-    write_atomic(&state_dir.gitignore(), b"*\n", 0o644).await.map_err(|e| {
-        InstallFailure::new(Stage::Check, Cause::Sandbox, format!("writing {}: {e}", state_dir.path().display()))
-    })?;
+    // root must never pick them up with `git add -A`. Written only when it
+    // is not already so (preparation left it, or an earlier turn).
+    let gitignore = state_dir.gitignore();
+    if tokio::fs::read(&gitignore).await.ok().as_deref() != Some(b"*\n".as_slice()) {
+        write_run_file(&gitignore, b"*\n", 0o644).await.map_err(|e| {
+            InstallFailure::new(Stage::Check, Cause::Sandbox, format!("writing {}: {e}", state_dir.path().display()))
+        })?;
+    }
     // A previous turn's agent may have been killed before its cleanup. Only
     // the files, to keep git off the critical path: a helper entry left
     // behind points at this run's store or at nothing.
@@ -266,7 +270,7 @@ async fn metadata(input: &InstallInput) -> Result<(), InstallFailure> {
             .map_err(InstallFailure::call_failed(Stage::Metadata))?;
     let file = StateDir::of(&input.root).metadata_file();
     let bytes = serde_json::to_vec_pretty(&value).unwrap_or_default();
-    write_atomic(&file, &bytes, 0o600)
+    write_run_file(&file, &bytes, 0o600)
         .await
         .map_err(|e| InstallFailure::new(Stage::Metadata, Cause::Sandbox, format!("writing {}: {e}", file.display())))
 }
@@ -286,7 +290,7 @@ async fn git_credentials(input: &InstallInput) -> Result<(BTreeMap<String, Strin
     }
     let file = StateDir::of(&input.root).git_credentials();
     let lines: String = response.credentials.iter().map(store_line).collect();
-    write_atomic(&file, lines.as_bytes(), 0o600).await.map_err(|e| {
+    write_run_file(&file, lines.as_bytes(), 0o600).await.map_err(|e| {
         InstallFailure::new(Stage::GitCredentials, Cause::Sandbox, format!("writing {}: {e}", file.display()))
     })?;
     let index = std::env::var("GIT_CONFIG_COUNT").ok().and_then(|n| n.parse::<usize>().ok()).unwrap_or(0);

@@ -292,7 +292,7 @@ impl McpSupervisor {
         std::fs::create_dir_all(dir).map_err(config_error)?;
         let name = path.file_name().unwrap_or_default().to_string_lossy();
         let temp = dir.join(format!(".{name}.{}.tmp", std::process::id()));
-        let written = write_synced(&temp, &bytes).and_then(|()| std::fs::rename(&temp, &path));
+        let written = write_file(&temp, &bytes).and_then(|()| std::fs::rename(&temp, &path));
         if let Err(error) = written {
             // Best effort: the write already failed.
             let _ = std::fs::remove_file(&temp);
@@ -306,10 +306,11 @@ fn is_stdio(server: &McpServer) -> bool {
     server.transport == Some(McpTransport::Stdio)
 }
 
-fn write_synced(path: &Path, bytes: &[u8]) -> io::Result<()> {
+/// Not synced: `mcp.json` is a run's file, rewritten by each install and
+/// worth nothing after a crash; an fsync would sit on the critical path.
+fn write_file(path: &Path, bytes: &[u8]) -> io::Result<()> {
     let mut file = File::create(path)?;
-    file.write_all(bytes)?;
-    file.sync_all()
+    file.write_all(bytes)
 }
 
 /// Refuses names that are unsafe in a file name, duplicates, empty

@@ -126,6 +126,25 @@ static TEMP_COUNTER: AtomicU64 = AtomicU64::new(0);
 /// while it is written, gets `mode` and an fsync before the rename, and the
 /// directory is fsynced after it so the rename itself survives a crash.
 pub async fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> io::Result<()> {
+    replace_file(path, bytes, mode, Durability::Synced).await
+}
+
+/// [`write_atomic`] without the fsyncs, for a run's files (metadata, the
+/// git credential store): they are worth nothing after a crash, which ends
+/// the agent and with it the run, and each fsync would sit on the run's
+/// critical path. Readers still never see a torn file.
+pub async fn write_run_file(path: &Path, bytes: &[u8], mode: u32) -> io::Result<()> {
+    replace_file(path, bytes, mode, Durability::Volatile).await
+}
+
+/// Whether a replaced file must survive a crash of the machine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Durability {
+    Synced,
+    Volatile,
+}
+
+async fn replace_file(path: &Path, bytes: &[u8], mode: u32, durability: Durability) -> io::Result<()> {
     let (dir, name) = match (path.parent(), path.file_name()) {
         (Some(dir), Some(name)) => (dir, name),
         _ => {
@@ -139,22 +158,35 @@ pub async fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> io::Result<()
         std::process::id(),
         TEMP_COUNTER.fetch_add(1, Ordering::Relaxed)
     ));
-    let result = write_then_rename(&temp, path, bytes, mode).await;
+    let result = write_then_rename(&temp, path, bytes, mode, durability).await;
     if result.is_err() {
         // Best effort: the write already failed, and a leftover temp file
         // is harmless (its name never collides with a later one).
         let _ = tokio::fs::remove_file(&temp).await;
     }
     result?;
-    tokio::fs::File::open(dir).await?.sync_all().await
+    match durability {
+        Durability::Synced => tokio::fs::File::open(dir).await?.sync_all().await,
+        Durability::Volatile => Ok(()),
+    }
 }
 
-async fn write_then_rename(temp: &Path, path: &Path, bytes: &[u8], mode: u32) -> io::Result<()> {
+async fn write_then_rename(
+    temp: &Path,
+    path: &Path,
+    bytes: &[u8],
+    mode: u32,
+    durability: Durability,
+) -> io::Result<()> {
     let mut file = tokio::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(temp).await?;
     file.write_all(bytes).await?;
     // Set explicitly: the mode given at creation is reduced by the umask.
     file.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(mode)).await?;
-    file.sync_all().await?;
+    match durability {
+        Durability::Synced => file.sync_all().await?,
+        // Waits for tokio's buffered write, so the rename moves the whole file.
+        Durability::Volatile => file.flush().await?,
+    }
     drop(file);
     tokio::fs::rename(temp, path).await
 }

@@ -216,8 +216,20 @@ fn own_children() -> Vec<ProcessInfo> {
 }
 
 fn children_pids() -> Option<HashSet<i32>> {
+    children_in("/proc/self")
+}
+
+/// The children of the process whose `/proc` directory is `dir`, from each
+/// of its threads; empty once it is gone, `None` where the kernel has no
+/// `children` file.
+fn children_in(dir: &str) -> Option<HashSet<i32>> {
     let mut pids = HashSet::new();
-    for task in std::fs::read_dir("/proc/self/task").ok()?.flatten() {
+    let Ok(tasks) = std::fs::read_dir(format!("{dir}/task")) else {
+        // The agent's own directory is always there: a kernel without it
+        // is one to read all of `/proc` on.
+        return (dir != "/proc/self").then_some(pids);
+    };
+    for task in tasks.flatten() {
         match std::fs::read_to_string(task.path().join("children")) {
             Ok(text) => pids.extend(text.split_whitespace().filter_map(|pid| pid.parse::<i32>().ok())),
             // No such file in a thread that still exists: the kernel has none.
@@ -250,11 +262,39 @@ pub(crate) fn signal_group(pgid: i32, signal: Signal) {
 }
 
 /// The process groups of the session led by `leader`, its own included.
+///
+/// Where the agent adopts orphans (PID 1 or a subreaper), every process of
+/// a session it started descends from it, so only its descendants are read
+/// (a handful, against every process of the machine: this runs on the run's
+/// critical path when the idle shell is replaced); elsewhere all of `/proc`.
 pub(crate) fn session_groups(leader: i32) -> HashSet<i32> {
+    let candidates = adopts_orphans().then(descendants).flatten().unwrap_or_else(processes);
     let mut groups: HashSet<i32> =
-        processes().into_iter().filter(|process| process.session == leader).map(|process| process.pgrp).collect();
+        candidates.into_iter().filter(|process| process.session == leader).map(|process| process.pgrp).collect();
     groups.insert(leader);
     groups
+}
+
+/// Whether an orphaned descendant of the agent becomes its child.
+fn adopts_orphans() -> bool {
+    own_pid() == 1 || nix::sys::prctl::get_child_subreaper().unwrap_or(false)
+}
+
+/// Every descendant of the agent, through each process's
+/// `/proc/<pid>/task/*/children`; `None` where the kernel has no such file.
+fn descendants() -> Option<Vec<ProcessInfo>> {
+    let mut found = Vec::new();
+    let mut frontier = vec![own_pid()];
+    while let Some(parent) = frontier.pop() {
+        let dir = if parent == own_pid() { "/proc/self".to_owned() } else { format!("/proc/{parent}") };
+        for pid in children_in(&dir)? {
+            if let Some(info) = process_info(pid).filter(|info| info.ppid == parent) {
+                frontier.push(pid);
+                found.push(info);
+            }
+        }
+    }
+    Some(found)
 }
 
 fn own_pid() -> i32 {

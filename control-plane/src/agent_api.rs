@@ -13,8 +13,8 @@ use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use base64::Engine as _;
 use standby_protocol::{
-    AgentMessage, Attachment, AttachmentsResponse, CloudCredentialsResponse, Event, EventKind, GitCredentialsResponse,
-    LogChunk, LogReceived, Secret, SecretsResponse, Spec,
+    AgentMessage, AttachmentsResponse, CloudCredentialsResponse, Event, EventKind, GitCredentialsResponse, LogChunk,
+    LogReceived, Secret, SecretsResponse, Spec,
 };
 use tokio::sync::mpsc;
 
@@ -283,16 +283,7 @@ pub(crate) async fn attachments(
     Path(id): Path<String>,
 ) -> Result<Json<AttachmentsResponse>, ApiError> {
     let (run_id, _) = admit_run(&state, &headers, &id, Call::Fetch).await?;
-    let attachments = request(&state, &run_id)
-        .await?
-        .attachments
-        .into_iter()
-        .map(|stored| Attachment {
-            url: standby_protocol::paths::attachment(&run_id, &stored.name),
-            name: stored.name,
-            sha256: stored.sha256,
-        })
-        .collect();
+    let attachments = request(&state, &run_id).await?.attachments.iter().map(|stored| stored.listed(&run_id)).collect();
     Ok(Json(AttachmentsResponse { attachments }))
 }
 

@@ -401,6 +401,19 @@ pub struct StoredAttachment {
     pub sha256: String,
 }
 
+impl StoredAttachment {
+    /// How run `run_id`'s agent is told of it, by the attachments call and
+    /// inline in the assignment alike: its name, hash and the server's URL
+    /// of its content.
+    pub fn listed(&self, run_id: &str) -> standby_protocol::Attachment {
+        standby_protocol::Attachment {
+            name: self.name.clone(),
+            url: standby_protocol::paths::attachment(run_id, &self.name),
+            sha256: self.sha256.clone(),
+        }
+    }
+}
+
 /// Everything submitted with a run, secrets included: stored once at
 /// submit, read when the agent fetches its parts.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -18,7 +18,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use serde_json::json;
-use standby_e2e::harness::{assert_exit, vars, write_json};
+use standby_e2e::harness::{assert_exit, read_pid_file, vars, write_json};
 use standby_e2e::server::{Endpoint, ExecutionSetup, Failure};
 use standby_e2e::{AgentBuilder, AgentProcess, TestServer};
 use standby_protocol::{AgentState, ExitCode, Spec, Stage};
@@ -193,20 +193,41 @@ async fn exactly_one_of_the_token_and_the_token_file_is_accepted() {
 
 /// The owner of a process's `/proc` files: root for a process that is not
 /// dumpable, the process's own user otherwise.
-fn proc_owner(pid: i32) -> u32 {
-    std::fs::metadata(format!("/proc/{pid}/environ")).expect("the process is alive").uid()
+/// The owner of `pid`'s `/proc` files (root's for a process that is not
+/// dumpable); `None` once it is gone.
+fn proc_owner(pid: i32) -> Option<u32> {
+    std::fs::metadata(format!("/proc/{pid}/environ")).ok().map(|metadata| metadata.uid())
 }
 
 #[tokio::test]
 async fn a_run_of_the_same_user_cannot_read_the_agents_environment_or_memory() {
     let server = TestServer::start().await;
     let dir = scratch();
+    // The MCP server and the idle shell write their pids once they run
+    // their own program: a child is the agent's copy, not dumpable, from
+    // its fork until the kernel's exec makes it dumpable, and the agent may
+    // report ready before that last step of its exec (the pid file is
+    // written after it). Sampled before, a child would be caught in that
+    // window; sampled after, every child the agent started is an ordinary
+    // process or the product has a bug.
+    let pids = dir.path().join("pids");
+    std::fs::create_dir(&pids).expect("create the pid directory");
+    std::fs::set_permissions(&pids, std::fs::Permissions::from_mode(0o777)).expect("chmod the pid directory");
+    let (mcp_pid, shell_pid) = (pids.join("mcp.pid"), pids.join("shell.pid"));
     let token = server.add_standby();
-    let spec = json!({"workspace": {}, "mcp_servers": [{"name": "idle", "command": ["sleep", "300"]}]});
+    let spec = json!({
+        "workspace": {},
+        "mcp_servers": [{"name": "idle", "command": ["sh", "-c", format!("echo $$ > '{}'; exec sleep 300", mcp_pid.display())]}],
+        "shell": ["sh", "-c", format!("echo $$ > '{}'; exec /bin/sh", shell_pid.display())],
+    });
     let builder = AgentBuilder::new(&server.url(), &token).user(NOBODY, NOBODY);
     let mut agent = ready_agent(&server, builder, dir.path(), &spec).await;
+    let started = [read_pid_file(&mcp_pid, WAIT).await, read_pid_file(&shell_pid, WAIT).await];
     let agent_owner = proc_owner(agent.pid());
-    let children: Vec<(i32, u32)> = agent.descendants().into_iter().map(|pid| (pid, proc_owner(pid))).collect();
+    // Every live descendant (a short-lived one may be gone by the time its
+    // owner is read: skipped).
+    let children: Vec<(i32, u32)> =
+        agent.descendants().into_iter().filter_map(|pid| proc_owner(pid).map(|owner| (pid, owner))).collect();
     // The run's parent is the agent. Reading its environment, its memory
     // map or its memory must fail; the run's own child can read the run's
     // environment (the run is dumpable).
@@ -225,8 +246,13 @@ echo end-of-run"#;
         assert!(log.contains(&format!("agent-{file}-denied")), "the run could read the agent's {file}:\n{log}");
     }
     assert!(log.contains("run-environ-lines-1"), "the run is not an ordinary process:\n{log}");
-    assert_eq!(agent_owner, 0, "the agent's /proc files are root's: it is not dumpable");
-    assert!(children.len() >= 2, "the idle shell and the MCP server ran: {children:?}");
+    assert_eq!(agent_owner, Some(0), "the agent's /proc files are root's: it is not dumpable");
+    for pid in started {
+        assert!(
+            children.iter().any(|(child, _)| *child == pid),
+            "{pid} (the idle shell or the MCP server) ran: {children:?}"
+        );
+    }
     for (pid, owner) in children {
         assert_eq!(owner, NOBODY, "child {pid} of the agent is an ordinary, dumpable process");
     }

@@ -460,15 +460,27 @@ async fn a_strict_mcp_server_that_fails_to_restart_fails_requeueable() {
 #[tokio::test]
 async fn a_busy_idle_shell_is_refused_requeueable() {
     let dir = scratch();
-    // An interactive shell with job control puts its job in the foreground.
-    let shell = json!(["/bin/bash", "--norc", "--noprofile", "-i", "-c", "sleep 1000; true"]);
+    // An interactive shell with job control puts its job in the foreground;
+    // the job writes its pid once it runs there (bash hands it the terminal
+    // before its exec). The agent reports ready as soon as the shell is
+    // started, so the test awaits the job before assigning.
+    let job_pid = dir.path().join("job.pid");
+    let job = format!("sh -c 'echo $$ > \"{}\"; exec sleep 1000'; true", job_pid.display());
+    let shell = json!(["/bin/bash", "--norc", "--noprofile", "-i", "-c", job]);
+    let in_foreground = || {
+        let deadline = std::time::Instant::now() + EXIT;
+        while std::fs::read_to_string(&job_pid).map_or(true, |text| text.trim().is_empty()) {
+            assert!(std::time::Instant::now() < deadline, "the shell's job never started");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
     assert_install_fails(
         &dir,
         FailingInstall {
             spec: json!({"workspace": {}, "shell": shell}),
             configure: &|agent| agent,
             execution: &setup,
-            arrange: &|_| {},
+            arrange: &|_| in_foreground(),
             stages: &[Stage::Terminal],
             requeueable: true,
             names: Some("foreground job"),

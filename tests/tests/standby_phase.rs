@@ -11,7 +11,9 @@ use nix::sys::signal::Signal;
 use serde_json::{Value, json};
 use standby_e2e::harness::event_kinds;
 use standby_e2e::harness::{assert_exit, read_pid_file, wait_processes_gone, write_json};
-use standby_e2e::server::{CredentialKind, Endpoint, ExecutionSetup, Failure, Frame, STANDBY_PREFIX, ScriptedUpgrade};
+use standby_e2e::server::{
+    CredentialKind, Endpoint, ExecutionSetup, Failure, Frame, HeartbeatRecord, STANDBY_PREFIX, ScriptedUpgrade,
+};
 use standby_e2e::{AgentBuilder, AgentProcess, GitRepo, TestServer};
 use standby_protocol::layout::StateDir;
 use standby_protocol::{AgentState, EventKind, ExitCode, Spec, Stage};
@@ -55,8 +57,8 @@ fn agent(server: &TestServer, token: &str, dir: &Path) -> AgentBuilder {
     AgentBuilder::new(&server.url(), token).spec_file(&write_spec(dir, &Spec::default()))
 }
 
-async fn wait_ready(server: &TestServer) {
-    server.wait_for_heartbeat(|heartbeat| heartbeat.state == AgentState::Ready).await;
+async fn wait_ready(server: &TestServer) -> HeartbeatRecord {
+    server.wait_for_heartbeat(|heartbeat| heartbeat.state == AgentState::Ready).await
 }
 
 fn line_count(path: &Path) -> usize {
@@ -262,6 +264,33 @@ async fn heartbeats_follow_the_interval_from_preparing_to_ready() {
         "states go from preparing to ready once: {states:?}"
     );
     assert_eq!(server.connections().len(), 1);
+    server.retire(&token, None).expect("retire");
+    let code = agent.wait_exit(EXIT).await;
+    assert_exit(&agent, code, ExitCode::Success, "retired");
+    server.assert_no_violations();
+}
+
+/// Readiness is sent when it happens, not at the next tick: with an
+/// interval of an hour, the only heartbeats on the connection are the one
+/// sent on connection (preparing, the gate still closed) and the one sent
+/// when the state changes, so a ready heartbeat arrives only if the change
+/// is sent at once.
+#[tokio::test]
+async fn a_change_of_state_is_sent_at_once() {
+    let server = TestServer::start().await;
+    let dir = scratch();
+    let token = server.add_standby();
+    let gate = dir.path().join("gate");
+    let spec = write_spec(dir.path(), &json!({"workspace": {"setup": [gated_step(&gate)]}}));
+    let mut agent = AgentBuilder::new(&server.url(), &token).spec_file(&spec).heartbeat_interval("1h").spawn();
+
+    let first = agent.watch(server.wait_for_heartbeat(|_| true)).await;
+    assert_eq!(first.state, AgentState::Preparing, "the gate holds preparation until the first heartbeat is seen");
+    std::fs::write(&gate, "").expect("open the gate");
+    let ready = agent.watch(wait_ready(&server)).await;
+    assert_eq!(ready.connection, first.connection, "on the same connection, not a reconnect");
+    let states: Vec<AgentState> = server.heartbeats().iter().map(|heartbeat| heartbeat.state).collect();
+    assert_eq!(states, [AgentState::Preparing, AgentState::Ready], "one heartbeat per state");
     server.retire(&token, None).expect("retire");
     let code = agent.wait_exit(EXIT).await;
     assert_exit(&agent, code, ExitCode::Success, "retired");

@@ -68,3 +68,25 @@ fn cancel_rules_for_queued_finished_and_unknown_runs() {
         Err(CancelError::Finished { state: RunState::Exited, .. })
     ));
 }
+
+#[test]
+fn the_assignment_lists_the_attachments_inline() {
+    let mut world = World::new(1);
+    world.ready_pool();
+    let mut with_files = request();
+    with_files.attachments.push(crate::model::StoredAttachment {
+        name: "spec.md".into(),
+        content_base64: "YWJj".into(),
+        sha256: "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad".into(),
+    });
+    let (step, run_id) = world.machine.submit(world.now, run("a"), with_files);
+    let step = world.keep(step);
+    let inline = assignments(&step).remove(0).1.run.attachments.expect("listed inline (amendment 5)");
+    assert_eq!(inline.len(), 1);
+    assert_eq!(inline[0].name, "spec.md");
+    assert_eq!(inline[0].url, standby_protocol::paths::attachment(&run_id, "spec.md"));
+    assert_eq!(inline[0].sha256, "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+    // No attachments: an empty list, so the agent makes no call at all.
+    let (none, _) = world.submit(run("b"));
+    assert_eq!(world.run(&none).run.attachments, Some(Vec::new()));
+}
