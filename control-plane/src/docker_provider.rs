@@ -160,9 +160,9 @@ impl DockerProvider {
     }
 
     fn ensure_sweeper(&self) {
-        let weak = Arc::downgrade(&self.inner);
+        let (weak, minute) = (Arc::downgrade(&self.inner), self.inner.options.minute);
         self.inner.sweeper.call_once(move || {
-            tokio::spawn(sweeper::run(weak));
+            tokio::spawn(crate::provider::sweep_while_alive(weak, minute, sweeper::sweep_once));
         });
     }
 

@@ -382,9 +382,9 @@ impl LocalProvider {
     /// Starts the timer task on first use: it needs the runtime, which
     /// [`LocalProvider::new`] may be called without.
     fn ensure_sweeper(&self) {
-        let weak = Arc::downgrade(&self.inner);
+        let (weak, minute) = (Arc::downgrade(&self.inner), self.inner.options.minute);
         self.inner.sweeper.call_once(move || {
-            tokio::spawn(sweeper(weak));
+            tokio::spawn(sweep_while_alive(weak, minute, |inner| async { LocalProvider { inner }.sweep_once().await }));
         });
     }
 
@@ -489,17 +489,21 @@ impl LocalProvider {
     }
 }
 
-/// The provider's timers, while the provider lives.
-async fn sweeper(inner: Weak<LocalInner>) {
-    let period = inner.upgrade().map_or(Duration::from_secs(1), |inner| {
-        (inner.options.minute / 4).clamp(Duration::from_millis(25), Duration::from_secs(15))
-    });
+/// A provider's timers (auto-stop, archive, delete), swept four times per
+/// provider minute while the provider lives: the task ends once `inner`,
+/// the provider's state, is dropped. Every provider without timers of its
+/// own (local, Docker) runs its sweep through this one loop.
+pub(crate) async fn sweep_while_alive<T, F>(inner: Weak<T>, minute: Duration, sweep: impl Fn(Arc<T>) -> F)
+where
+    F: Future<Output = ()>,
+{
+    let period = (minute / 4).clamp(Duration::from_millis(25), Duration::from_secs(15));
     let mut ticker = tokio::time::interval(period);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         ticker.tick().await;
         let Some(inner) = inner.upgrade() else { return };
-        LocalProvider { inner }.sweep_once().await;
+        sweep(inner).await;
     }
 }
 

@@ -5,8 +5,8 @@
 //! containers carrying this instance's label are ever touched.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Weak};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Instant;
 
 use bollard::query_parameters::ListContainersOptions;
 
@@ -46,21 +46,7 @@ pub(super) async fn own_containers(inner: &DockerInner) -> Vec<Own> {
     }
 }
 
-/// The timers, while the provider lives.
-pub(super) async fn run(inner: Weak<DockerInner>) {
-    let period = inner.upgrade().map_or(Duration::from_secs(1), |inner| {
-        (inner.options.minute / 4).clamp(Duration::from_millis(25), Duration::from_secs(15))
-    });
-    let mut ticker = tokio::time::interval(period);
-    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        ticker.tick().await;
-        let Some(inner) = inner.upgrade() else { return };
-        sweep_once(inner).await;
-    }
-}
-
-async fn sweep_once(inner: Arc<DockerInner>) {
+pub(super) async fn sweep_once(inner: Arc<DockerInner>) {
     let options = inner.options.clone();
     let provider = DockerProvider { inner: Arc::clone(&inner) };
     let now = Instant::now();
