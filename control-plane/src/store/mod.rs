@@ -116,6 +116,11 @@ pub trait Store: Send + Sync + 'static {
     /// by the agent) that end after stream offset `from`, in order, each
     /// with its stream offset. Bytes between pieces are gaps.
     fn log_pieces(&self, run_id: &str, from: u64, limit: usize) -> Result<Vec<(u64, Vec<u8>)>, StoreError>;
+    /// A keyed digest of `bytes` under this store's seal key
+    /// ([`Sealer::digest`]): what is kept of a request to recognise its
+    /// retries, stable across restarts on the same key, and no help to
+    /// whoever reads the database in guessing the secrets it carried.
+    fn digest(&self, bytes: &[u8]) -> String;
 }
 
 /// Which runs a page of [`Store::runs`] holds.
