@@ -79,6 +79,10 @@ impl Store for Recording {
     fn log_pieces(&self, run_id: &str, from: u64, limit: usize) -> Result<Vec<(u64, Vec<u8>)>, StoreError> {
         self.inner.log_pieces(run_id, from, limit)
     }
+
+    fn digest(&self, bytes: &[u8]) -> String {
+        self.inner.digest(bytes)
+    }
 }
 
 struct Setup {
