@@ -149,7 +149,8 @@ async fn claim_loop(
             let (store, me, url, epoch, ttl) = (Arc::clone(&store), me.clone(), url.clone(), lease.epoch(), config.ttl);
             tokio::task::spawn_blocking(move || store.claim(&me, &url, epoch, ttl))
         };
-        let answer = match tokio::time::timeout(period, claim).await {
+        // A leader's deadline is watched below whatever a claim takes.
+        let answer = match tokio::time::timeout(config.ttl / 2, claim).await {
             Ok(Ok(Ok(row))) => Some(row),
             Ok(Ok(Err(error))) => {
                 tracing::warn!(%error, "claiming the lease failed");
@@ -157,7 +158,7 @@ async fn claim_loop(
             }
             Ok(Err(join)) => std::panic::resume_unwind(join.into_panic()),
             Err(_) => {
-                tracing::warn!(bound = ?period, "claiming the lease took too long");
+                tracing::warn!(bound = ?config.ttl / 2, "claiming the lease took too long");
                 None
             }
         };

@@ -554,7 +554,8 @@ async fn serve(args: Serve) -> anyhow::Result<()> {
         None => {
             let dir = args.spool_dir.unwrap_or_else(|| args.data_dir.join("spool"));
             let dir = std::path::absolute(&dir).with_context(|| format!("cannot resolve {}", dir.display()))?;
-            run_server(config, store, Arc::new(SpoolProvider::new(dir))).await
+            let provider = if store.lease.is_some() { SpoolProvider::shared(dir) } else { SpoolProvider::new(dir) };
+            run_server(config, store, Arc::new(provider)).await
         }
     }
 }
