@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
-use demo::DemoOptions;
+use demo::{DemoOptions, Sandboxes};
 use standby_control_plane::cluster::{ClusterConfig, DEPOSED_EXIT_CODE};
 use standby_control_plane::containment::ContainmentChoice;
 use standby_control_plane::dispatch::{PoolPolicy, RunBounds};
@@ -353,6 +353,26 @@ struct DemoArgs {
     /// Rounds of follow-up turns with `--threads`.
     #[arg(long, default_value_t = 5, value_name = "N", requires = "threads")]
     rounds: usize,
+    /// Where the sandboxes are made: `local` (directories and processes on
+    /// this machine) or `docker` (containers of the Docker Engine: the image
+    /// is built when missing, and the demo shows warm, cold, Tier 2 and
+    /// Tier 1 on containers; needs root the first time, for debootstrap).
+    #[arg(long, default_value = "local", value_name = "KIND")]
+    provider: DemoProvider,
+    /// `--provider docker`: the sandbox image, built by scripts/build-image
+    /// when the engine does not have it.
+    #[arg(long, default_value = "standby-sandbox:latest", value_name = "IMAGE")]
+    image: String,
+    /// `--provider docker`: the containers' network, created when missing
+    /// (and then removed at the end).
+    #[arg(long, default_value = "standby-demo", value_name = "NAME")]
+    docker_network: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum DemoProvider {
+    Local,
+    Docker,
 }
 
 /// A byte count: a whole number, optionally followed by `KiB`, `MiB` or `GiB`.
@@ -613,11 +633,19 @@ async fn run_server<P: SandboxProvider>(config: ServerConfig, store: Opened, pro
 struct Deposed(String);
 
 async fn run_demo(args: DemoArgs) -> anyhow::Result<()> {
+    let sandboxes = match args.provider {
+        DemoProvider::Local => Sandboxes::Local,
+        DemoProvider::Docker if args.threads => {
+            anyhow::bail!("--threads is for the local provider: `demo --provider docker` shows every path")
+        }
+        DemoProvider::Docker => Sandboxes::Docker { image: args.image, network: args.docker_network },
+    };
     let options = DemoOptions {
         agent_bin: agent_bin(args.agent_bin)?,
         pool_size: 2,
         timeout: args.timeout,
         setup_cost: args.setup_cost,
+        sandboxes,
     };
     let mut stdout = std::io::stdout();
     if args.threads {
