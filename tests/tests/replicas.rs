@@ -22,7 +22,7 @@ use nix::unistd::Pid;
 use serde_json::{Value, json};
 use standby_e2e::harness::{AgentBuilder, AgentProcess};
 use standby_e2e::postgres::TestSchema;
-use standby_e2e::server_process::{API_KEY, ServerBuilder, ServerProcess, tail};
+use standby_e2e::server_process::{API_KEY, ServerBuilder, ServerProcess, free_addr, tail};
 use tokio::net::{TcpListener, TcpStream};
 
 const WAIT: Duration = Duration::from_secs(90);
@@ -148,6 +148,8 @@ impl Cluster {
                     &mark,
                 )
                 .args(&["--provider", "spool", "--spool-dir", &spool.display().to_string(), "--store", &url])
+                // A restarted replica keeps its port: the balancer's list holds.
+                .listen(free_addr())
                 .args(&["--lease-ttl", LEASE_TTL, "--replica-id", &format!("r{index}")])
                 // Every replica opens what any of them sealed.
                 .args(&["--secret-key-file", &dir.path().join("secret.key").display().to_string()])
@@ -248,13 +250,21 @@ impl Cluster {
         .await
     }
 
-    /// Waits for every run to finish (read through any live replica);
-    /// their final records.
+    /// Waits for every run to finish (read through any live replica, a
+    /// `503` of an election under way read again); their final records.
     async fn finished(&self, ids: &[String]) -> Vec<Value> {
         let mut done = Vec::new();
         for id in ids {
             let (_, any) = self.live().next().expect("a live replica");
-            done.push(any.finished(id, WAIT).await);
+            let path = format!("/v1/runs/{id}");
+            let run = any
+                .until("the run to finish", WAIT, async || {
+                    let (status, run) = any.try_call(reqwest::Method::GET, &path, Some(API_KEY), None).await?;
+                    let over = matches!(run["state"].as_str(), Some("exited" | "failed" | "cancelled"));
+                    (status == 200 && over).then_some(run)
+                })
+                .await;
+            done.push(run);
         }
         done
     }
@@ -380,4 +390,44 @@ async fn a_paused_leader_woken_after_a_takeover_commits_and_sends_nothing_and_ex
     markers.insert("after".to_owned(), id);
     let runs = cluster.finished(&markers.values().cloned().collect::<Vec<_>>()).await;
     cluster.assert_once(&markers, &runs).await;
+}
+
+/// The failover benchmark (`scripts/bench-replicas`, not a test: ignored
+/// by default): ten times, SIGKILL the leader with a standby ready, submit
+/// at once through a survivor, and measure from the kill to the new
+/// leader's dispatch of that run (its `assignment_sent`, by the server's
+/// clock on this machine); the killed replica is restarted each round.
+#[tokio::test]
+#[ignore = "a benchmark: scripts/bench-replicas"]
+async fn bench_failover_from_a_leader_kill_to_the_next_dispatch() {
+    let Some(mut cluster) = Cluster::start("bench_failover", 2).await else { return };
+    let rounds: usize = std::env::var("BENCH_ROUNDS").ok().and_then(|n| n.parse().ok()).unwrap_or(10);
+    let mut times = Vec::new();
+    for round in 0..rounds {
+        let (leader, _) = cluster.leader(None).await;
+        let (_, any) = cluster.live().next().expect("a live replica");
+        any.until("a ready standby", WAIT, async || {
+            let sandboxes = cluster.replica(leader).get("/v1/sandboxes").await;
+            let ready = sandboxes["sandboxes"].as_array()?.iter().any(|sandbox| sandbox["candidate"] == true);
+            ready.then_some(())
+        })
+        .await;
+        let killed_at = std::time::SystemTime::now();
+        cluster.replica(leader).crash().await;
+        cluster.replicas[leader] = None;
+        let marker = format!("failover-{round}");
+        let id = cluster.submit((leader + 1) % 3, &marker, &cluster.run_body(&marker)).await;
+        let run = cluster.finished(std::slice::from_ref(&id)).await.remove(0);
+        let sent = run["timestamps"]["assignment_sent"].as_str().expect("dispatched");
+        let sent = humantime::parse_rfc3339(sent).expect("an RFC 3339 time");
+        times.push(sent.duration_since(killed_at).unwrap_or_default());
+        cluster.replicas[leader] = Some(cluster.builders[leader].start().await);
+    }
+    times.sort();
+    let median = times[times.len() / 2];
+    let max = times[times.len() - 1];
+    println!(
+        "failover (leader SIGKILL → first dispatch by the new leader), lease TTL {LEASE_TTL}, {rounds} rounds: \
+         p50 {median:?}, max {max:?}; all: {times:?}"
+    );
 }
