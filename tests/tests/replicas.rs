@@ -392,6 +392,30 @@ async fn a_paused_leader_woken_after_a_takeover_commits_and_sends_nothing_and_ex
     cluster.assert_once(&markers, &runs).await;
 }
 
+/// The epoch fence on its own: the lease moves to another holder (as a
+/// takeover by a replica whose clock ran ahead would) while the leader runs
+/// and its own lease has not lapsed by its clock. Its next write, a submit,
+/// fails on the epoch: no `201`, nothing committed, and it exits deposed.
+#[tokio::test]
+async fn a_leader_whose_epoch_moved_on_commits_nothing_and_exits_deposed() {
+    let Some(mut cluster) = Cluster::start("epoch_moved", 1).await else { return };
+    let (leader, _) = cluster.leader(None).await;
+    cluster.schema.execute(
+        "UPDATE cluster_lease SET epoch = epoch + 1, holder = 'intruder', holder_url = 'http://127.0.0.1:9', \
+         expires_at = now() + interval '1 hour'",
+    );
+    let (status, answer) = cluster
+        .replica(leader)
+        .call(reqwest::Method::POST, "/v1/runs", Some(API_KEY), Some(&cluster.run_body("fenced")))
+        .await;
+    assert_ne!(status, 201, "a leader at an old epoch accepted a run: {answer}");
+    let deposed = cluster.replicas[leader].take().expect("the leader");
+    let exit = deposed.exited(WAIT).await;
+    assert_eq!(exit.code(), Some(DEPOSED), "the fenced leader exits deposed: {exit}");
+    let committed = cluster.schema.query_text("SELECT id FROM runs WHERE doc LIKE '%fenced%'");
+    assert!(committed.is_empty(), "the fenced leader committed {committed:?}");
+}
+
 /// The failover benchmark (`scripts/bench-replicas`, not a test: ignored
 /// by default): ten times, SIGKILL the leader with a standby ready, submit
 /// at once through a survivor, and measure from the kill to the new
