@@ -128,6 +128,11 @@ pub trait Store: Send + Sync + 'static {
     /// by the agent) that end after stream offset `from`, in order, each
     /// with its stream offset. Bytes between pieces are gaps.
     fn log_pieces(&self, run_id: &str, from: u64, limit: usize) -> Result<Vec<(u64, Vec<u8>)>, StoreError>;
+    /// A keyed digest of `bytes` under this store's seal key
+    /// ([`Sealer::digest`]): what is kept of a request to recognise its
+    /// retries, stable across restarts on the same key, and no help to
+    /// whoever reads the database in guessing the secrets it carried.
+    fn digest(&self, bytes: &[u8]) -> String;
     /// Whether this store writes under a leader's lease: then a step with
     /// effects but no writes is still [`Store::apply`]'d (an empty
     /// transaction that checks the lease), so a deposed leader tells

@@ -602,6 +602,10 @@ impl Store for PostgresStore {
             Ok(pieces.into_iter().filter(|(start, data)| start + data.len() as u64 > from).collect())
         })
     }
+
+    fn digest(&self, bytes: &[u8]) -> String {
+        self.sealer.digest(bytes)
+    }
 }
 
 /// An id `text` cannot hold (a NUL): no record has it, and PostgreSQL
