@@ -450,7 +450,7 @@ async fn bench_failover_from_a_leader_kill_to_the_next_dispatch() {
     times.sort();
     let median = times[times.len() / 2];
     let max = times[times.len() - 1];
-    println!(
+    eprintln!(
         "failover (leader SIGKILL → first dispatch by the new leader), lease TTL {LEASE_TTL}, {rounds} rounds: \
          p50 {median:?}, max {max:?}; all: {times:?}"
     );
