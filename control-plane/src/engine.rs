@@ -361,28 +361,36 @@ async fn blocking<T: Send + 'static>(
     }
 }
 
+/// The engine's queue of commands, made before the engine itself: a
+/// replica serves (and its handlers queue) before it leads and starts one.
+#[derive(Debug)]
+pub struct Mailbox {
+    rx: mpsc::Receiver<Command>,
+    handle: EngineHandle,
+}
+
+impl EngineHandle {
+    /// A handle and the mailbox its commands go to.
+    pub fn mailbox() -> (Self, Mailbox) {
+        let (tx, rx) = mpsc::channel(1024);
+        let handle = Self { tx, next_conn: Arc::new(AtomicU64::new(1)) };
+        (handle.clone(), Mailbox { rx, handle })
+    }
+}
+
 impl<P: SandboxProvider> Engine<P> {
-    /// An engine for `machine`; `initial` is the step [`Dispatch::restore`]
-    /// returned, applied before anything else.
+    /// An engine for `machine` taking `mailbox`'s commands; `initial` (of
+    /// [`Self::run`]) is the step [`Dispatch::restore`] returned, applied
+    /// before anything else.
     pub fn new(
+        mailbox: Mailbox,
         machine: Dispatch,
         store: Arc<dyn Store>,
         provider: Arc<P>,
         config: EngineConfig,
-    ) -> (Self, EngineHandle) {
-        let (tx, rx) = mpsc::channel(1024);
-        let handle = EngineHandle { tx, next_conn: Arc::new(AtomicU64::new(1)) };
-        let engine = Self {
-            machine,
-            store,
-            provider,
-            config,
-            conns: HashMap::new(),
-            ops: HashMap::new(),
-            rx,
-            handle: handle.clone(),
-        };
-        (engine, handle)
+    ) -> Self {
+        let Mailbox { rx, handle } = mailbox;
+        Self { machine, store, provider, config, conns: HashMap::new(), ops: HashMap::new(), rx, handle }
     }
 
     /// Runs until stopped or until the store fails; `fatal` is set on a
@@ -543,7 +551,10 @@ impl<P: SandboxProvider> Engine<P> {
     /// replies only once it succeeded, in order.
     async fn commit(&mut self, batch: Batch<After>) -> Result<(), StoreError> {
         let (writes, after) = batch.into_parts();
-        if !writes.is_empty() {
+        // A fenced store checks the lease even for a batch without writes,
+        // before any effect is carried out.
+        let effects = after.iter().any(|action| matches!(action, After::Effect(_)));
+        if !writes.is_empty() || (effects && self.store.fenced()) {
             blocking(&self.store, move |store| store.apply(&writes)).await?;
         }
         for action in after {
@@ -574,11 +585,18 @@ impl<P: SandboxProvider> Engine<P> {
     /// task runs on a worker thread (never the blocking pool): the local
     /// provider's parent-death signal is tied to the thread that spawns the
     /// agent.
+    /// An operation whose turn comes after the lease this store writes
+    /// under lapsed is dropped: a deposed leader calls no provider.
     fn queue(&mut self, sandbox_id: &str, op: impl Future<Output = ()> + Send + 'static) {
+        let store = Arc::clone(&self.store);
         let sender = self.ops.entry(sandbox_id.to_owned()).or_insert_with(|| {
             let (sender, mut queue) = mpsc::unbounded_channel::<Op>();
             tokio::spawn(async move {
                 while let Some(op) = queue.recv().await {
+                    if store.lapsed() {
+                        tracing::warn!("the lease lapsed: a queued provider operation is not carried out");
+                        continue;
+                    }
                     op.await;
                 }
             });

@@ -18,6 +18,7 @@ use sha2::{Digest, Sha256};
 use standby_protocol::{GitCredential, Run, Secret, Workspace};
 use utoipa::ToSchema;
 
+pub(crate) mod cluster;
 pub(crate) mod openapi;
 pub(crate) mod problem;
 pub(crate) mod reads;
@@ -455,12 +456,14 @@ pub(crate) async fn thread(
 )]
 pub(crate) async fn metrics(State(state): State<AppState>, headers: HeaderMap) -> Result<Response, Problem> {
     authorize(&state, &headers)?;
-    let snapshot = state.engine.metrics().await?;
-    Ok((
-        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-        crate::metrics::render(&snapshot) + &crate::metrics::render_server(&state.listener, state.containment),
-    )
-        .into_response())
+    let server = crate::metrics::render_server(&state.listener, state.containment);
+    let text = match &state.cluster {
+        // A follower runs no engine: its own gauges only.
+        Some(cluster) if !cluster.leading() => server + &cluster.render_metrics(),
+        Some(cluster) => crate::metrics::render(&state.engine.metrics().await?) + &server + &cluster.render_metrics(),
+        None => crate::metrics::render(&state.engine.metrics().await?) + &server,
+    };
+    Ok(([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response())
 }
 
 #[cfg(test)]

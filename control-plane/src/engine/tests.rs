@@ -128,7 +128,8 @@ fn setup(held: bool, fail: bool) -> Setup {
         tick: Duration::from_secs(3600),
         resume_timeout: Duration::from_secs(10),
     };
-    let (engine, handle) = Engine::new(machine, Arc::clone(&store) as Arc<dyn Store>, provider, engine_config);
+    let (handle, mailbox) = EngineHandle::mailbox();
+    let engine = Engine::new(mailbox, machine, Arc::clone(&store) as Arc<dyn Store>, provider, engine_config);
     Setup { store, engine, handle, entered, release, _dir: dir }
 }
 
