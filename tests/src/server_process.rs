@@ -133,6 +133,16 @@ impl ServerBuilder {
         self
     }
 
+    /// The same server with `flag`'s value replaced by `value` (a restart
+    /// with another setting).
+    pub fn with_arg(mut self, flag: &str, value: &str) -> Self {
+        match self.args.iter().position(|arg| arg == flag) {
+            Some(at) if at + 1 < self.args.len() => self.args[at + 1] = value.to_owned(),
+            _ => self.args.extend([flag.to_owned(), value.to_owned()]),
+        }
+        self
+    }
+
     /// An environment variable of the server (and so of its agents).
     pub fn env(mut self, name: &str, value: &str) -> Self {
         self.env.push((name.to_owned(), value.to_owned()));

@@ -343,3 +343,39 @@ async fn the_auto_stop_floor_keeps_a_warm_container_running_through_its_window()
     assert_eq!(inspect(&sandbox_id, "{{.State.Running}}").as_deref(), Some("false"));
     server.stop().await;
 }
+
+#[tokio::test]
+async fn an_adopted_container_gets_its_recorded_auto_stop_back_after_a_restart() {
+    // A provider minute of 60 s: the kept container's auto-stop is the
+    // floor ceil(60 s / 60 s) + 5 = 6 minutes, out of reach of the test.
+    let args = ["--pool-size", "0", "--warm-idle", "60s", "--auto-stop", "1", "--provider-minute", "60s"];
+    let Some(mut server) = Server::start("auto-stop-restart", &args).await else { return };
+    let first = server.turn("chat-5", "true").await;
+    let sandbox_id = sandbox_of(&first);
+    let parked = server.parked(&sandbox_id, "running").await;
+    assert_eq!(parked["auto_stop_minutes"], 6, "{parked}");
+
+    // While the server is down, the kept container's waiting agent dies:
+    // the restarted server finds the container running without an agent
+    // and keeps it parked running until its window ends, 60 s on. It is
+    // restarted with a minute of 1 s, so the recorded six minutes are 6 s:
+    // only the provider's timer, given its minutes back from the store,
+    // stops it before the window ends.
+    server.process.as_ref().expect("the server runs").crash().await;
+    let kill_agent = "for p in /proc/[0-9]*; do [ \"$(tr '\\0' ' ' < $p/cmdline)\" = '/usr/local/bin/standby ' ] && kill -9 ${p#/proc/}; done; true";
+    // As the container's user: root there has no capability to signal it.
+    docker::docker(&["exec", &format!("standby-{sandbox_id}"), "sh", "-c", kill_agent]).expect("kill the agent");
+    server.builder = server.builder.clone().with_arg("--provider-minute", "1s");
+    server.process = Some(server.builder.start().await);
+    server
+        .until("the adopted container auto-stopped", async || {
+            (inspect(&sandbox_id, "{{.State.Running}}").as_deref() == Some("false")).then_some(())
+        })
+        .await;
+    let log = std::fs::read_to_string(server.log_path()).expect("the server log");
+    let line = |needle: &str| log.lines().any(|l| l.contains(needle) && l.contains(&sandbox_id));
+    assert!(line("auto-stop restored from the store"), "{}", server.agent_logs());
+    assert!(line("idle auto-stop"), "the provider's timer stopped it\n{}", server.agent_logs());
+    assert!(!line("warm idle window ended"), "not the dispatcher's window");
+    server.stop().await;
+}
