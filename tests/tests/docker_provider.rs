@@ -379,3 +379,55 @@ async fn an_adopted_container_gets_its_recorded_auto_stop_back_after_a_restart()
     assert!(!line("warm idle window ended"), "not the dispatcher's window");
     server.stop().await;
 }
+
+#[tokio::test]
+async fn an_archived_sandbox_is_made_again_from_its_image_and_its_image_removed_by_age() {
+    // Minutes of 1 s: archived 2 s after its stop, removed 20 s after.
+    let args = [
+        "--pool-size",
+        "0",
+        "--warm-idle",
+        "0s",
+        "--auto-archive",
+        "2",
+        "--auto-delete",
+        "20",
+        "--provider-minute",
+        "1s",
+    ];
+    let Some(server) = Server::start("archive", &args).await else { return };
+    let first = server.turn("chat-6", "echo note-from-turn-1 > note.txt").await;
+    let sandbox_id = sandbox_of(&first);
+    let image = format!("standby-archive:{sandbox_id}");
+    let archived = async || {
+        let image_there =
+            docker::docker(&["image", "inspect", "--format", "{{index .Config.Labels \"standby.sandbox\"}}", &image]);
+        let container_gone = inspect(&sandbox_id, "{{.Id}}").is_none();
+        (container_gone && image_there.as_deref() == Some(sandbox_id.as_str())).then_some(())
+    };
+    server.until("the stopped container archived to its image", archived).await;
+
+    // A Tier 1 resume makes the container again from the image.
+    let second = server.turn("chat-6", "cat note.txt; echo setup-runs=$(wc -l < .setup-runs)").await;
+    assert_eq!(second["path"], "parked_stopped", "{second}\n{}", server.agent_logs());
+    assert_eq!(sandbox_of(&second), sandbox_id);
+    let log = server.text_log(&second).await;
+    assert!(log.contains("note-from-turn-1") && log.contains("setup-runs=1"), "the archived files: {log}");
+    let server_log = std::fs::read_to_string(server.log_path()).expect("the server log");
+    assert!(server_log.contains("made again from its image"), "{}", server.agent_logs());
+
+    // Stopped again, archived again, then removed by age: the next turn
+    // finds nothing and falls back to cold with the reason.
+    server.parked(&sandbox_id, "stopped").await;
+    server.until("the sandbox archived again", archived).await;
+    server
+        .until("the archive image removed by age", async || {
+            docker::docker(&["image", "inspect", &image]).is_none().then_some(())
+        })
+        .await;
+    let third = server.turn("chat-6", "test ! -e note.txt && echo fresh").await;
+    assert_eq!(third["path"], "cold", "{third}");
+    let fallback = third["resume"]["fallback"].as_str().unwrap_or_default();
+    assert!(fallback.contains("no longer exists"), "the reason is recorded: {third}");
+    server.stop().await;
+}
