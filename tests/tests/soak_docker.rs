@@ -38,7 +38,7 @@ use soak_shared::{
 };
 
 /// Runs submitted, over how long, and how many faults of each kind: sized
-/// for CI (about a minute and a half on two shared cores).
+/// for CI (about a minute on two shared cores).
 const RUNS: usize = 36;
 const SUBMIT_OVER: Duration = Duration::from_secs(30);
 const RESTARTS: usize = 2;
@@ -79,19 +79,21 @@ async fn marker_server(listener: tokio::net::TcpListener, markers: Arc<Mutex<Str
 }
 
 /// The run's command: its marker line to `marker` (`host:port`) first,
-/// then `LINES` numbered lines with a pause in the middle.
+/// then `LINES` numbered lines with a pause of a second in the middle (so
+/// that faults find runs in flight).
 fn run_command(host: &str, port: u16) -> Vec<String> {
     let script = format!(
         "exec 3<>/dev/tcp/{host}/{port} || exit 3; echo \"$SOAK_RUN $STANDBY_EXECUTION_ID $HOSTNAME\" >&3 || exit 3; \
          read -r -t 10 ack <&3 || exit 3; exec 3>&-; i=1; while [ $i -le {LINES} ]; do \
-         echo \"soak $SOAK_RUN line $i\"; if [ $i -eq {half} ]; then sleep 0.2; fi; i=$((i+1)); done",
+         echo \"soak $SOAK_RUN line $i\"; if [ $i -eq {half} ]; then sleep 1; fi; i=$((i+1)); done",
         half = LINES / 2
     );
     vec!["bash".into(), "-c".into(), script]
 }
 
 /// Injects one fault after another (kill, pause, disconnect in turn) into
-/// a random container of the server's: a standby or a sandbox with a run.
+/// a random container of the server's: one with a run when there is one
+/// (three times in four), else a standby.
 async fn injector(server: Current, network: String, journal: Arc<Mutex<Journal>>, mut rng: Rng, stop: Arc<AtomicBool>) {
     let mut injected = 0;
     while injected < FAULT_BUDGET && !stop.load(Ordering::Relaxed) {
@@ -101,13 +103,14 @@ async fn injector(server: Current, network: String, journal: Arc<Mutex<Journal>>
         else {
             continue;
         };
-        let targets: Vec<String> = sandboxes["sandboxes"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter(|sandbox| sandbox["state"] == "assigned" || sandbox["state"] == "standby")
-            .filter_map(|sandbox| sandbox["id"].as_str().map(|id| format!("standby-{id}")))
-            .collect();
+        let of = |state: &str| -> Vec<String> {
+            let sandboxes = sandboxes["sandboxes"].as_array().into_iter().flatten();
+            let chosen = sandboxes.filter(|sandbox| sandbox["state"] == state);
+            chosen.filter_map(|sandbox| sandbox["id"].as_str().map(|id| format!("standby-{id}"))).collect()
+        };
+        let (assigned, standbys) = (of("assigned"), of("standby"));
+        let targets =
+            if !assigned.is_empty() && (standbys.is_empty() || rng.below(4) != 0) { assigned } else { standbys };
         if targets.is_empty() {
             continue;
         }
