@@ -17,7 +17,7 @@ use nix::sys::signal::Signal;
 use serde_json::{Value, json};
 use standby_e2e::docker::{self, Cleanup, IMAGE, inspect};
 use standby_e2e::harness::write_json;
-use standby_e2e::server_process::{ServerBuilder, ServerProcess, free_addr};
+use standby_e2e::server_process::{ServerBuilder, ServerProcess, free_fixed_port};
 
 const WAIT: Duration = Duration::from_secs(60);
 
@@ -64,7 +64,7 @@ impl Server {
         let cleanup = Cleanup { data: data.clone(), network: network.clone() };
         // Containers reach the server at the network's gateway: it listens
         // on every address, on a port kept across a restart.
-        let listen = std::net::SocketAddr::from(([0, 0, 0, 0], free_addr().port()));
+        let listen = std::net::SocketAddr::from(([0, 0, 0, 0], free_fixed_port()));
         let mut builder = ServerBuilder::new(&data, &dir.path().join("server.log"), &tag).listen(listen).args(&[
             "--provider",
             "docker",

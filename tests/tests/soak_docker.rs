@@ -24,12 +24,13 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use nix::sys::signal::Signal;
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
 use serde_json::json;
 use standby_e2e::docker::{self, Cleanup, IMAGE};
 use standby_e2e::harness::write_json;
 use standby_e2e::proxy::{Rng, seed_from_env};
-use standby_e2e::server_process::{API_KEY, ServerBuilder, free_addr, tail};
+use standby_e2e::server_process::{API_KEY, ServerBuilder, free_fixed_port, wait_bindable};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
 mod soak_shared;
@@ -143,6 +144,34 @@ async fn injector(server: Current, network: String, journal: Arc<Mutex<Journal>>
     }
 }
 
+/// Kills the server of the moment when dropped, before [`Cleanup`] removes
+/// its containers (on a failure, tasks still hold the server, which would
+/// make new ones after the cleanup).
+struct KillOnDrop(Current);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        if let Some(server) = lock(&self.0).take() {
+            let _ = kill(Pid::from_raw(server.pid()), Signal::SIGKILL);
+        }
+    }
+}
+
+/// The server log's lines naming a run of a violation or its sandboxes.
+fn lines_about(log: &std::path::Path, verdict: &soak_shared::Verdict) -> String {
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    let mut ids: Vec<String> = Vec::new();
+    for problem in &verdict.problems {
+        for id in problem.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')).filter(|w| w.starts_with("exe_")) {
+            ids.push(id.to_owned());
+            let attempts = verdict.runs.get(id).and_then(|run| run["attempts"].as_array().cloned()).unwrap_or_default();
+            ids.extend(attempts.iter().filter_map(|a| a["sandbox_id"].as_str().map(str::to_owned)));
+        }
+    }
+    let about = text.lines().filter(|line| ids.iter().any(|id| line.contains(id.as_str())));
+    about.collect::<Vec<_>>().join("\n")
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn soak_on_docker_with_killed_paused_and_disconnected_containers_and_restarts_loses_nothing() {
     if !docker::available("soak-docker") {
@@ -155,7 +184,7 @@ async fn soak_on_docker_with_killed_paused_and_disconnected_containers_and_resta
     let spec = dir.path().join("spec.json");
     write_json(&spec, &json!({"workspace": {}, "shell": ["/bin/sh"]}));
     let data = dir.path().join("data");
-    let network = format!("standby-soak-{:012x}", seed >> 16);
+    let network = format!("standby-soak-{:08x}-{}", seed >> 32, std::process::id());
     let cleanup = Cleanup { data: data.clone(), network: network.clone() };
 
     // The test's own network; the markers come in at its gateway.
@@ -168,15 +197,25 @@ async fn soak_on_docker_with_killed_paused_and_disconnected_containers_and_resta
     let markers = Arc::new(Mutex::new(String::new()));
     let marker_task = tokio::spawn(marker_server(listener, Arc::clone(&markers)));
 
-    let listen = std::net::SocketAddr::from(([0, 0, 0, 0], free_addr().port()));
+    let listen = std::net::SocketAddr::from(([0, 0, 0, 0], free_fixed_port()));
     let heartbeat = format!("{}ms", HEARTBEAT.as_millis());
     let builder = ServerBuilder::new(&data, &dir.path().join("server.log"), &format!("soak-docker-{seed:016x}"))
         .listen(listen)
         .args(&["--provider", "docker", "--image", IMAGE, "--docker-network", &network])
         .args(&["--spec", &spec.display().to_string(), "--pool-size", "4", "--running-cap", "8"])
         .args(&["--heartbeat-interval", &heartbeat, "--max-attempts", "6", "--launch-timeout", "30s"])
-        .args(&["--linger", "2s", "--stop-grace", "2s", "--log", "info,bollard=warn", "--agent-log", "info"]);
+        .args(&[
+            "--linger",
+            "2s",
+            "--stop-grace",
+            "2s",
+            "--log",
+            "debug,bollard=warn,hyper=info,tower_http=info",
+            "--agent-log",
+            "info",
+        ]);
     let server: Current = Arc::new(Mutex::new(Some(Arc::new(builder.start().await))));
+    let _kill = KillOnDrop(Arc::clone(&server));
 
     let journal = Arc::new(Mutex::new(Journal::default()));
     let stop = Arc::new(AtomicBool::new(false));
@@ -198,6 +237,7 @@ async fn soak_on_docker_with_killed_paused_and_disconnected_containers_and_resta
             let old = lock(&server).take().expect("a server");
             old.crash().await;
             drop(old);
+            assert!(wait_bindable(listen, Duration::from_secs(30)).await, "port {listen} still taken after the crash");
             *lock(&server) = Some(Arc::new(builder.start().await));
             lock(&journal).restarts += 1;
         }
@@ -247,9 +287,9 @@ async fn soak_on_docker_with_killed_paused_and_disconnected_containers_and_resta
     eprintln!("soak-docker: marker lines: {}; invariant violations: {}", verdict.marker_lines, verdict.problems.len());
     assert!(
         verdict.problems.is_empty(),
-        "{} invariant violations (seed {seed}):\n{}\n--- server log ---\n{}",
+        "{} invariant violations (seed {seed}):\n{}\n--- the server's lines about them ---\n{}",
         verdict.problems.len(),
         verdict.problems.join("\n"),
-        tail(&dir.path().join("server.log"), 60)
+        lines_about(&dir.path().join("server.log"), &verdict)
     );
 }

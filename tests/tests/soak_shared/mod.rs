@@ -119,18 +119,30 @@ pub fn observe(journal: &Mutex<Journal>, runs: &Value) {
 }
 
 /// Waits (up to `settle`) until every submitted run reached a terminal
-/// state; the runs then.
+/// state; the runs then. On a timeout, names the runs still open.
 pub async fn settle(server: &ServerProcess, journal: &Mutex<Journal>, settle: Duration) -> Vec<Value> {
     let submitted = lock(journal).submitted.len();
-    let settled = server
-        .until("every run to reach a terminal state", settle, async || {
-            let runs = server.runs().await;
-            let done = runs.iter().filter(|run| TERMINAL.iter().any(|t| run["state"] == *t)).count();
-            (done >= submitted).then_some(runs)
-        })
-        .await;
-    observe(journal, &json!({ "runs": settled }));
-    settled
+    let deadline = tokio::time::Instant::now() + settle;
+    loop {
+        let runs = server.runs().await;
+        let open: Vec<String> = runs
+            .iter()
+            .filter(|run| !TERMINAL.iter().any(|t| run["state"] == *t))
+            .map(|run| format!("{} {} attempts {}", run["id"], run["state"], run["attempts"]))
+            .collect();
+        if open.is_empty() && runs.len() >= submitted {
+            observe(journal, &json!({ "runs": runs }));
+            return runs;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "runs still open {} s after the last submission:\n{}\n{}",
+            settle.as_secs(),
+            open.join("\n"),
+            server.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 /// The runs at the end and what is wrong with them.
