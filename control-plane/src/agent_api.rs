@@ -222,8 +222,15 @@ async fn connection(state: AppState, mut socket: WebSocket, conn: ConnId, admiss
                 Some(Ok(_)) => {}
             },
             command = outbound.recv() => match command {
+                // The engine ended: the server stops, or a replica's lease
+                // was lost. 1012 (service restart): reconnect, to the next
+                // leader if need be.
                 None => {
-                    let _ = socket.send(Message::Close(None)).await;
+                    let frame = axum::extract::ws::CloseFrame {
+                        code: axum::extract::ws::close_code::RESTART,
+                        reason: "the server is restarting".into(),
+                    };
+                    let _ = socket.send(Message::Close(Some(frame))).await;
                     break;
                 }
                 Some(Outbound::Close) => {

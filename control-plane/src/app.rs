@@ -28,6 +28,8 @@ pub(crate) struct AppState {
     pub listener: Arc<ListenerStats>,
     /// How the provider contains a sandbox's processes (`/metrics`).
     pub containment: &'static str,
+    /// The replicated deployment, when the store is shared.
+    pub cluster: Option<crate::cluster::Cluster>,
 }
 
 /// An error answer. The agent-facing contract shows it as

@@ -13,7 +13,10 @@
 //! (Tier 2), the sandbox stopped and started again (Tier 1), and no kept
 //! sandbox at all (cold) — and the median submit-to-start time of each.
 
+mod docker;
+
 use std::io::{IsTerminal, Write};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -49,6 +52,19 @@ pub enum DemoError {
     Timeout { what: String, seconds: u64, logs: String },
     #[error("the demo did not go as expected: {0}")]
     Unexpected(String),
+    #[error(transparent)]
+    Docker(#[from] standby_control_plane::docker_provider::DockerError),
+    #[error("the Docker Engine failed to {action}: {source}")]
+    Engine {
+        action: String,
+        #[source]
+        source: bollard::errors::Error,
+    },
+    #[error(
+        "the sandbox image `{image}` is not in the Docker Engine and cannot be built here: {why}; \
+         build it with `scripts/build-image {image}` from the repository"
+    )]
+    NoImage { image: String, why: String },
 }
 
 /// How the demo runs.
@@ -62,6 +78,17 @@ pub struct DemoOptions {
     /// Added to the sample's setup step (a `sleep`), standing in for a
     /// dependency install: what a cold sandbox pays and a kept one skips.
     pub setup_cost: Duration,
+    pub sandboxes: Sandboxes,
+}
+
+/// Where the demo's sandboxes are made.
+#[derive(Debug, Clone)]
+pub enum Sandboxes {
+    /// Directories and process groups on this machine (the default).
+    Local,
+    /// Containers of the Docker Engine: from `image`, on `network` (made
+    /// when missing, removed at the end when the demo made it).
+    Docker { image: String, network: String },
 }
 
 /// One row of the demo's table.
@@ -181,9 +208,11 @@ struct Sample {
     venv: bool,
 }
 
-/// The sample repository and the spec that prepares it.
-fn sample(dir: &Path, setup_cost: Duration) -> Result<(Spec, Sample), DemoError> {
-    let python = on_path("python3");
+/// The sample repository and the spec that prepares it. In a container
+/// (`in_container`) there is no python3 (the sandbox image has git and a
+/// shell), so no MCP server and the stand-in build.
+fn sample(dir: &Path, setup_cost: Duration, in_container: bool) -> Result<(Spec, Sample), DemoError> {
+    let python = !in_container && on_path("python3");
     let venv = python && python_venv();
     let base = if venv { SETUP_VENV } else { SETUP_PLAIN };
     let setup =
@@ -306,11 +335,13 @@ impl Client {
     }
 }
 
-/// The tail of every agent log, for a failure message.
+/// The tail of every agent log, for a failure message: `<id>/agent.log`
+/// of the local provider, `<id>.log` of the Docker provider.
 fn agent_logs(root: &Path) -> String {
     let mut logs = String::new();
     for entry in std::fs::read_dir(root).into_iter().flatten().flatten() {
-        let path = entry.path().join("agent.log");
+        let path = entry.path();
+        let path = if path.is_dir() { path.join("agent.log") } else { path };
         if let Ok(text) = std::fs::read_to_string(&path) {
             let lines: Vec<&str> = text.lines().collect();
             logs.push_str(&format!(
@@ -323,46 +354,82 @@ fn agent_logs(root: &Path) -> String {
     logs
 }
 
-/// Runs the demo, writing the table to `out`; the rows.
+/// Runs the demo, writing the table to `out`; the rows (with `--provider
+/// docker`, the warm and cold rows; its follow-ups are printed after them).
 pub async fn run(options: &DemoOptions, out: &mut impl Write) -> Result<Vec<DemoRow>, DemoError> {
+    if let Sandboxes::Docker { image, network } = &options.sandboxes {
+        return docker::run(options, image, network, out).await;
+    }
+    let scene = Scene::new(options)?;
+    let provider = Arc::new(LocalProvider::new(scene.logs.clone(), options.agent_bin.clone()));
+    let serve = Serve { pool_size: options.pool_size, heartbeat: Duration::from_millis(500), listen: None };
     with_server(
-        options,
-        Duration::from_millis(500),
+        &scene,
+        provider,
+        serve,
         |_| {},
-        async |server, key, sandboxes, sample| drive(options, server, key, sandboxes, sample, out).await,
+        async |server, key| drive(options, server, key, &scene.logs, scene.sample, out).await,
     )
     .await
 }
 
-/// Starts the server on a sample repository in a temporary directory, runs
-/// `body`, stops the server and removes everything.
-async fn with_server<T>(
-    options: &DemoOptions,
-    heartbeat: Duration,
-    configure: impl FnOnce(&mut ServerConfig),
-    body: impl AsyncFnOnce(&RunningServer<LocalProvider>, &Secret, &Path, Sample) -> Result<T, DemoError>,
-) -> Result<T, DemoError> {
-    if !options.agent_bin.is_file() {
-        return Err(DemoError::NoAgent(options.agent_bin.clone()));
+/// The demo's temporary directory, its sample repository and the spec
+/// that prepares it; removed when dropped.
+struct Scene {
+    dir: tempfile::TempDir,
+    spec: Spec,
+    sample: Sample,
+    /// Where the provider keeps its sandboxes' agent logs.
+    logs: PathBuf,
+}
+
+impl Scene {
+    fn new(options: &DemoOptions) -> Result<Self, DemoError> {
+        if !options.agent_bin.is_file() {
+            return Err(DemoError::NoAgent(options.agent_bin.clone()));
+        }
+        let dir =
+            tempfile::Builder::new().prefix("standby-demo-").tempdir().map_err(io("create", &std::env::temp_dir()))?;
+        let in_container = matches!(options.sandboxes, Sandboxes::Docker { .. });
+        let (spec, sample) = sample(dir.path(), options.setup_cost, in_container)?;
+        let logs = dir.path().join("sandboxes");
+        Ok(Self { dir, spec, sample, logs })
     }
-    let dir =
-        tempfile::Builder::new().prefix("standby-demo-").tempdir().map_err(io("create", &std::env::temp_dir()))?;
-    let (spec, sample) = sample(dir.path(), options.setup_cost)?;
-    let sandboxes = dir.path().join("sandboxes");
-    let provider = Arc::new(LocalProvider::new(sandboxes.clone(), options.agent_bin.clone()));
-    let store = Arc::new(SqliteStore::open(&dir.path().join("standby.db"), &SealKey::random())?);
+}
+
+/// How the demo's server is started.
+#[derive(Debug, Clone, Copy)]
+struct Serve {
+    pool_size: usize,
+    heartbeat: Duration,
+    /// Where it listens; 127.0.0.1 on a free port when unset.
+    listen: Option<SocketAddr>,
+}
+
+/// Starts the server on the scene's spec with `provider`, runs `body`, and
+/// stops the server.
+async fn with_server<P: SandboxProvider, T>(
+    scene: &Scene,
+    provider: Arc<P>,
+    serve: Serve,
+    configure: impl FnOnce(&mut ServerConfig),
+    body: impl AsyncFnOnce(&RunningServer<P>, &Secret) -> Result<T, DemoError>,
+) -> Result<T, DemoError> {
+    let store = Arc::new(SqliteStore::open(&scene.dir.path().join("standby.db"), &SealKey::random())?);
     let key = Secret::new(format!("demo-{:032x}", rand::random::<u128>()));
-    let mut config = ServerConfig::new(key.clone(), spec);
-    config.pool_size = options.pool_size;
-    config.heartbeat_interval = heartbeat;
+    let mut config = ServerConfig::new(key.clone(), scene.spec.clone());
+    if let Some(listen) = serve.listen {
+        config.listen = listen;
+    }
+    config.pool_size = serve.pool_size;
+    config.heartbeat_interval = serve.heartbeat;
     config.linger = Duration::from_secs(5);
     config.stop_grace = Duration::from_secs(5);
     config.launch_timeout = Duration::from_secs(60);
     configure(&mut config);
     let server = start(config, store, provider).await?;
-    let result = body(&server, &key, &sandboxes, sample).await;
+    let result = body(&server, &key).await;
     server.shutdown().await?;
-    drop(dir);
     result
 }
 
@@ -379,37 +446,57 @@ pub struct FollowUp {
 /// Tier 1 follow-ups wait for the end of it).
 const DEMO_WARM_IDLE: Duration = Duration::from_secs(2);
 
+/// Every follow-up path, in the order the threads demo takes them.
+const FOLLOW_UP_PATHS: [&str; 3] = ["parked_running", "parked_stopped", "cold"];
+
+/// The threads demo's pool policy: threads' sandboxes kept running for
+/// [`DEMO_WARM_IDLE`], then stopped and kept.
+fn park_threads(config: &mut ServerConfig) {
+    config.pool_policy.warm_idle = DEMO_WARM_IDLE;
+    config.pool_policy.park_stopped = true;
+}
+
 /// `demo --threads`: follow-up turns on each path, `rounds` times, and the
-/// median submit-to-start time of each path.
+/// median submit-to-start time of each.
 pub async fn run_threads(
     options: &DemoOptions,
     rounds: usize,
     out: &mut impl Write,
 ) -> Result<Vec<FollowUp>, DemoError> {
-    let threads = DemoOptions { pool_size: 0, ..options.clone() };
-    let configure = |config: &mut ServerConfig| {
-        config.pool_policy.warm_idle = DEMO_WARM_IDLE;
-        config.pool_policy.park_stopped = true;
-    };
-    with_server(&threads, Duration::from_millis(250), configure, async |server, key, sandboxes, _| {
-        drive_threads(options, rounds, server, key, sandboxes, out).await
+    let scene = Scene::new(options)?;
+    let provider = Arc::new(LocalProvider::new(scene.logs.clone(), options.agent_bin.clone()));
+    let serve = Serve { pool_size: 0, heartbeat: Duration::from_millis(250), listen: None };
+    with_server(&scene, provider, serve, park_threads, async |server, key| {
+        let threads = Threads { title: "standby demo --threads", rounds, paths: &FOLLOW_UP_PATHS };
+        drive_threads(options, threads, server, key, &scene.logs, out).await
     })
     .await
 }
 
+/// Which follow-ups the threads demo takes.
+#[derive(Debug, Clone, Copy)]
+struct Threads<'a> {
+    /// What the first line calls this part of the demo.
+    title: &'a str,
+    rounds: usize,
+    paths: &'a [&'a str],
+}
+
 async fn drive_threads<P: SandboxProvider>(
     options: &DemoOptions,
-    rounds: usize,
+    threads: Threads<'_>,
     server: &RunningServer<P>,
     key: &Secret,
     sandboxes: &Path,
     out: &mut impl Write,
 ) -> Result<Vec<FollowUp>, DemoError> {
+    let Threads { title, rounds, paths } = threads;
     let client = Client::new(server.url(), key)?;
     let wrote = |e: std::io::Error| DemoError::Io { action: "write", path: "stdout".into(), source: e };
     writeln!(
         out,
-        "standby demo --threads: server at {}, no standbys, warm idle window {}, heartbeat 250ms, {rounds} rounds",
+        "{}: server at {}, warm idle window {}, heartbeat 250ms, {rounds} rounds",
+        title,
         server.url(),
         humantime::format_duration(DEMO_WARM_IDLE)
     )
@@ -417,7 +504,7 @@ async fn drive_threads<P: SandboxProvider>(
     let mut progress = Progress::new();
     let mut rows = Vec::new();
     for round in 1..=rounds {
-        for path in ["parked_running", "parked_stopped", "cold"] {
+        for &path in paths {
             progress.show(&format!("round {round}/{rounds}: a follow-up turn on the {path} path"));
             let thread = format!("demo-{path}-{round}");
             let first = turn(&client, &thread, options.timeout, sandboxes).await?;
@@ -436,6 +523,12 @@ async fn drive_threads<P: SandboxProvider>(
                 _ => format!("{thread}-fresh"),
             };
             let second = turn(&client, &follow_thread, options.timeout, sandboxes).await?;
+            if path != "cold" {
+                // The turn's sandbox is kept again with a fresh agent: let it
+                // settle, so that the end of the demo never stops a sandbox
+                // while its next agent is being started.
+                wait_parked(&client, &sandbox_id, "running", options.timeout, sandboxes).await?;
+            }
             let taken = second["path"].as_str().unwrap_or("-").to_owned();
             if taken != path {
                 progress.done();
@@ -534,6 +627,9 @@ fn print_follow_ups(out: &mut impl Write, rows: &[FollowUp]) -> std::io::Result<
         ("cold", "nothing kept: a sandbox created for the turn"),
     ] {
         let times: Vec<u64> = rows.iter().filter(|r| r.path == path).map(|r| r.submit_to_start_ms).collect();
+        if times.is_empty() {
+            continue;
+        }
         writeln!(out, "median {path:<15} {:>8}  ({} turns; {meaning})", seconds(median(times.clone())), times.len())?;
     }
     Ok(())
@@ -658,7 +754,7 @@ async fn drive<P: SandboxProvider>(
             output,
         });
     }
-    print_table(out, &rows).map_err(wrote)?;
+    print_table(out, &rows, sample).map_err(wrote)?;
     for run in &finished {
         if run["state"] != "exited" || run["exit_code"] != 0 {
             return Err(DemoError::Unexpected(format!(
@@ -679,7 +775,7 @@ fn seconds(ms: Option<u64>) -> String {
     ms.map_or_else(|| "-".to_owned(), |ms| format!("{:.2}s", ms as f64 / 1000.0))
 }
 
-fn print_table(out: &mut impl Write, rows: &[DemoRow]) -> std::io::Result<()> {
+fn print_table(out: &mut impl Write, rows: &[DemoRow], sample: Sample) -> std::io::Result<()> {
     writeln!(out)?;
     writeln!(
         out,
@@ -701,7 +797,8 @@ fn print_table(out: &mut impl Write, rows: &[DemoRow]) -> std::io::Result<()> {
         )?;
     }
     writeln!(out)?;
-    writeln!(out, "warm: the run was bound to a standby that had already cloned, set up and started its MCP server;")?;
+    let mcp = if sample.mcp { " and started its MCP server" } else { "" };
+    writeln!(out, "warm: the run was bound to a standby that had already cloned and set up{mcp};")?;
     writeln!(
         out,
         "cold: no standby was free, so a sandbox was created for the run and prepared after it was submitted."

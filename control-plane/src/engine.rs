@@ -347,28 +347,36 @@ async fn blocking<T: Send + 'static>(
     }
 }
 
+/// The engine's queue of commands, made before the engine itself: a
+/// replica serves (and its handlers queue) before it leads and starts one.
+#[derive(Debug)]
+pub struct Mailbox {
+    rx: mpsc::Receiver<Command>,
+    handle: EngineHandle,
+}
+
+impl EngineHandle {
+    /// A handle and the mailbox its commands go to.
+    pub fn mailbox() -> (Self, Mailbox) {
+        let (tx, rx) = mpsc::channel(1024);
+        let handle = Self { tx, next_conn: Arc::new(AtomicU64::new(1)) };
+        (handle.clone(), Mailbox { rx, handle })
+    }
+}
+
 impl<P: SandboxProvider> Engine<P> {
-    /// An engine for `machine`; `initial` is the step [`Dispatch::restore`]
-    /// returned, applied before anything else.
+    /// An engine for `machine` taking `mailbox`'s commands; `initial` (of
+    /// [`Self::run`]) is the step [`Dispatch::restore`] returned, applied
+    /// before anything else.
     pub fn new(
+        mailbox: Mailbox,
         machine: Dispatch,
         store: Arc<dyn Store>,
         provider: Arc<P>,
         config: EngineConfig,
-    ) -> (Self, EngineHandle) {
-        let (tx, rx) = mpsc::channel(1024);
-        let handle = EngineHandle { tx, next_conn: Arc::new(AtomicU64::new(1)) };
-        let engine = Self {
-            machine,
-            store,
-            provider,
-            config,
-            conns: HashMap::new(),
-            ops: HashMap::new(),
-            rx,
-            handle: handle.clone(),
-        };
-        (engine, handle)
+    ) -> Self {
+        let Mailbox { rx, handle } = mailbox;
+        Self { machine, store, provider, config, conns: HashMap::new(), ops: HashMap::new(), rx, handle }
     }
 
     /// Runs until stopped or until the store fails; `fatal` is set on a
@@ -526,7 +534,8 @@ impl<P: SandboxProvider> Engine<P> {
     /// only once it succeeded.
     async fn apply(&mut self, step: Step) -> Result<(), StoreError> {
         let Step { writes, effects } = step;
-        if !writes.is_empty() {
+        // A fenced store checks the lease even for a step without writes.
+        if !writes.is_empty() || (!effects.is_empty() && self.store.fenced()) {
             blocking(&self.store, move |store| store.apply(&writes)).await?;
         }
         for effect in effects {
@@ -548,11 +557,18 @@ impl<P: SandboxProvider> Engine<P> {
     /// task runs on a worker thread (never the blocking pool): the local
     /// provider's parent-death signal is tied to the thread that spawns the
     /// agent.
+    /// An operation whose turn comes after the lease this store writes
+    /// under lapsed is dropped: a deposed leader calls no provider.
     fn queue(&mut self, sandbox_id: &str, op: impl Future<Output = ()> + Send + 'static) {
+        let store = Arc::clone(&self.store);
         let sender = self.ops.entry(sandbox_id.to_owned()).or_insert_with(|| {
             let (sender, mut queue) = mpsc::unbounded_channel::<Op>();
             tokio::spawn(async move {
                 while let Some(op) = queue.recv().await {
+                    if store.lapsed() {
+                        tracing::warn!("the lease lapsed: a queued provider operation is not carried out");
+                        continue;
+                    }
                     op.await;
                 }
             });

@@ -21,6 +21,7 @@
 pub mod agent_api;
 mod app;
 pub mod bounds;
+pub mod cluster;
 pub mod containment;
 pub mod credential;
 pub mod dispatch;

@@ -15,7 +15,8 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
-use demo::DemoOptions;
+use demo::{DemoOptions, Sandboxes};
+use standby_control_plane::cluster::{ClusterConfig, DEPOSED_EXIT_CODE};
 use standby_control_plane::containment::ContainmentChoice;
 use standby_control_plane::dispatch::{PoolPolicy, RunBounds};
 use standby_control_plane::docker_provider::{DockerOptions, DockerProvider, Limits};
@@ -25,7 +26,7 @@ use standby_control_plane::provider::{LocalOptions, LocalProvider, SandboxProvid
 use standby_control_plane::seal::SealKey;
 use standby_control_plane::server::{self, ServerConfig};
 use standby_control_plane::spool::SpoolProvider;
-use standby_control_plane::store::{Store, StoreLocation};
+use standby_control_plane::store::{Opened, StoreLocation};
 use standby_protocol::{Secret, Spec};
 use tokio::signal::unix::{SignalKind, signal};
 
@@ -45,11 +46,16 @@ struct Cli {
 enum Command {
     /// Run the server: HTTP API and control socket on one listener, the
     /// store, and a pool of local standbys.
+    #[command(after_help = SERVE_EXIT_CODES)]
     Serve(Box<Serve>),
     /// Show the whole system on this machine: a sample repository, two
     /// standbys, three runs (warm and cold), a table of what each took.
     Demo(DemoArgs),
 }
+
+/// How `serve` ends, for a supervisor (`docs/operations.md`).
+const SERVE_EXIT_CODES: &str = "Exit codes:\n  0  stopped by SIGTERM or SIGINT\n  1  failed (flags, store, listener)\n  \
+3  deposed: this replica led and lost the lease (another leads now); restart it, it comes back as a follower";
 
 #[derive(Debug, clap::Args)]
 struct Serve {
@@ -133,6 +139,8 @@ struct Serve {
     bounds: BoundsArgs,
     #[command(flatten)]
     limits: ListenerArgs,
+    #[command(flatten)]
+    replica: ReplicaArgs,
     /// How the local provider keeps every process of a sandbox killable:
     /// `auto` probes for a cgroup, then a PID namespace (as root), then
     /// falls back to the process group with a warning; naming one fails the
@@ -181,6 +189,41 @@ struct BoundsArgs {
     /// made; after it, the key is forgotten (and may make a new run).
     #[arg(long, env = "STANDBY_SERVER_IDEMPOTENCY_WINDOW", default_value = "24h", value_parser = parse_duration, value_name = "DURATION")]
     idempotency_window: Duration,
+}
+
+/// A replica of a replicated deployment: every `serve` on one PostgreSQL
+/// store (`docs/operations.md`, "Replicated deployment").
+#[derive(Debug, clap::Args)]
+struct ReplicaArgs {
+    /// How long the leader's lease runs without a renew (renewed every
+    /// third of it): how long a dead leader's work waits for a new one.
+    #[arg(long, env = "STANDBY_SERVER_LEASE_TTL", default_value = "10s", value_parser = parse_duration, value_name = "DURATION")]
+    lease_ttl: Duration,
+    /// This replica's id; `<hostname>-<pid>` when unset.
+    #[arg(long, env = "STANDBY_SERVER_REPLICA_ID", value_name = "ID")]
+    replica_id: Option<String>,
+    /// The URL other replicas forward calls to when this one leads
+    /// (plain http://); the server's own URL when unset.
+    #[arg(long, env = "STANDBY_SERVER_ADVERTISE_URL", value_name = "URL")]
+    advertise_url: Option<String>,
+}
+
+impl ReplicaArgs {
+    fn cluster(self) -> anyhow::Result<ClusterConfig> {
+        if self.lease_ttl < Duration::from_millis(300) {
+            anyhow::bail!("--lease-ttl must be at least 300ms (it is renewed every third of it)");
+        }
+        let replica_id = match self.replica_id {
+            Some(id) if !id.trim().is_empty() => id.trim().to_owned(),
+            Some(_) => anyhow::bail!("--replica-id is empty"),
+            None => {
+                let host = std::fs::read_to_string("/proc/sys/kernel/hostname").ok();
+                let host = host.as_deref().map(str::trim).filter(|host| !host.is_empty()).unwrap_or("replica");
+                format!("{host}-{}", std::process::id())
+            }
+        };
+        Ok(ClusterConfig { replica_id, advertise_url: self.advertise_url, ttl: self.lease_ttl })
+    }
 }
 
 /// Bounds of the listener (`docs/operations.md`, "Listener limits").
@@ -310,6 +353,26 @@ struct DemoArgs {
     /// Rounds of follow-up turns with `--threads`.
     #[arg(long, default_value_t = 5, value_name = "N", requires = "threads")]
     rounds: usize,
+    /// Where the sandboxes are made: `local` (directories and processes on
+    /// this machine) or `docker` (containers of the Docker Engine: the image
+    /// is built when missing, and the demo shows warm, cold, Tier 2 and
+    /// Tier 1 on containers; needs root the first time, for debootstrap).
+    #[arg(long, default_value = "local", value_name = "KIND")]
+    provider: DemoProvider,
+    /// `--provider docker`: the sandbox image, built by scripts/build-image
+    /// when the engine does not have it.
+    #[arg(long, default_value = "standby-sandbox:latest", value_name = "IMAGE")]
+    image: String,
+    /// `--provider docker`: the containers' network, created when missing
+    /// (and then removed at the end).
+    #[arg(long, default_value = "standby-demo", value_name = "NAME")]
+    docker_network: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum DemoProvider {
+    Local,
+    Docker,
 }
 
 /// A byte count: a whole number, optionally followed by `KiB`, `MiB` or `GiB`.
@@ -447,9 +510,13 @@ async fn serve(args: Serve) -> anyhow::Result<()> {
     }
     let location = StoreLocation::from_arg(args.store, &args.data_dir);
     tracing::info!(store = location.describe(), "opening the store");
-    let store =
-        tokio::task::spawn_blocking(move || location.open(&key)).await.context("opening the store panicked")??;
+    let store = tokio::task::spawn_blocking(move || location.open_replicated(&key))
+        .await
+        .context("opening the store panicked")??;
     let mut config = ServerConfig::new(api_key, spec);
+    if store.lease.is_some() {
+        config.cluster = Some(args.replica.cluster()?);
+    }
     config.listen = args.listen;
     config.public_url = args.public_url;
     config.pool_size = args.pool_size;
@@ -508,7 +575,8 @@ async fn serve(args: Serve) -> anyhow::Result<()> {
         None => {
             let dir = args.spool_dir.unwrap_or_else(|| args.data_dir.join("spool"));
             let dir = std::path::absolute(&dir).with_context(|| format!("cannot resolve {}", dir.display()))?;
-            run_server(config, store, Arc::new(SpoolProvider::new(dir))).await
+            let provider = if store.lease.is_some() { SpoolProvider::shared(dir) } else { SpoolProvider::new(dir) };
+            run_server(config, store, Arc::new(provider)).await
         }
     }
 }
@@ -528,13 +596,11 @@ fn instance_id(data_dir: &Path) -> anyhow::Result<String> {
     Ok(id)
 }
 
-/// Serves until SIGTERM, SIGINT or a failure, then shuts down.
-async fn run_server<P: SandboxProvider>(
-    config: ServerConfig,
-    store: Arc<dyn Store>,
-    provider: Arc<P>,
-) -> anyhow::Result<()> {
-    let mut running = server::start(config, store, provider).await?;
+/// Serves until SIGTERM, SIGINT or a failure, then shuts down; a deposed
+/// replica exits at once instead ([`Deposed`]): it may no longer tell or
+/// stop anything, and its supervisor restarts it as a follower.
+async fn run_server<P: SandboxProvider>(config: ServerConfig, store: Opened, provider: Arc<P>) -> anyhow::Result<()> {
+    let mut running = server::start_replica(config, store.store, store.lease, provider).await?;
     // One line on stdout once the listener is up: scripts (and the tests)
     // learn the URL from it when they asked for port 0.
     let mut stdout = std::io::stdout();
@@ -542,11 +608,18 @@ async fn run_server<P: SandboxProvider>(
     stdout.flush().context("cannot write to stdout")?;
     let mut terminate = signal(SignalKind::terminate()).context("cannot install the SIGTERM handler")?;
     let mut interrupt = signal(SignalKind::interrupt()).context("cannot install the SIGINT handler")?;
+    let deposed = running.deposed();
     let failure = tokio::select! {
         _ = terminate.recv() => None,
         _ = interrupt.recv() => None,
         message = running.failed() => Some(message),
+        () = deposed => return Err(Deposed("another replica took the lease".into()).into()),
     };
+    if let Some(message) = &failure
+        && running.was_deposed()
+    {
+        return Err(Deposed(message.clone()).into());
+    }
     let stopped = running.shutdown().await;
     if let Some(message) = failure {
         anyhow::bail!("the server failed: {message}");
@@ -555,12 +628,25 @@ async fn run_server<P: SandboxProvider>(
     Ok(())
 }
 
+/// A replica that led and may no longer: exit code 3.
+#[derive(Debug, thiserror::Error)]
+#[error("deposed: this replica leads no longer: {0}")]
+struct Deposed(String);
+
 async fn run_demo(args: DemoArgs) -> anyhow::Result<()> {
+    let sandboxes = match args.provider {
+        DemoProvider::Local => Sandboxes::Local,
+        DemoProvider::Docker if args.threads => {
+            anyhow::bail!("--threads is for the local provider: `demo --provider docker` shows every path")
+        }
+        DemoProvider::Docker => Sandboxes::Docker { image: args.image, network: args.docker_network },
+    };
     let options = DemoOptions {
         agent_bin: agent_bin(args.agent_bin)?,
         pool_size: 2,
         timeout: args.timeout,
         setup_cost: args.setup_cost,
+        sandboxes,
     };
     let mut stdout = std::io::stdout();
     if args.threads {
@@ -586,7 +672,7 @@ async fn main() -> ExitCode {
         Err(error) => {
             tracing::error!("{error:#}");
             eprintln!("standby-server: {error:#}");
-            ExitCode::FAILURE
+            if error.is::<Deposed>() { ExitCode::from(DEPOSED_EXIT_CODE) } else { ExitCode::FAILURE }
         }
     }
 }

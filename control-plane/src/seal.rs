@@ -17,7 +17,9 @@ use std::path::{Path, PathBuf};
 use base64::Engine as _;
 use chacha20poly1305::aead::{Aead, KeyInit, Payload};
 use chacha20poly1305::{XChaCha20Poly1305, XNonce};
+use hmac::{Hmac, Mac};
 use rand::RngCore as _;
+use sha2::Sha256;
 
 const KEY_LEN: usize = 32;
 const NONCE_LEN: usize = 24;
@@ -128,9 +130,13 @@ impl SealKey {
     }
 }
 
-/// Seals and opens records with one key. Debug prints `[REDACTED]`.
+/// Seals and opens records with one key, and digests what must be
+/// compared but not kept. Debug prints `[REDACTED]`.
 pub struct Sealer {
     cipher: XChaCha20Poly1305,
+    /// HMAC-SHA256 key of [`Sealer::digest`], derived from the seal key so
+    /// that one key serves two purposes without being used for both.
+    digest_key: [u8; 32],
 }
 
 impl fmt::Debug for Sealer {
@@ -141,7 +147,15 @@ impl fmt::Debug for Sealer {
 
 impl Sealer {
     pub fn new(key: &SealKey) -> Self {
-        Self { cipher: XChaCha20Poly1305::new(&key.0.into()) }
+        let digest_key = mac(&key.0, &[DIGEST_KEY_LABEL]);
+        Self { cipher: XChaCha20Poly1305::new(&key.0.into()), digest_key }
+    }
+
+    /// A keyed digest of `bytes` (hex HMAC-SHA256): equal for equal bytes
+    /// under one key, and, unlike a plain hash, no help to whoever reads
+    /// the database and guesses what the bytes held (a request's secrets).
+    pub fn digest(&self, bytes: &[u8]) -> String {
+        crate::credential::hex(&mac(&self.digest_key, &[bytes]))
     }
 
     /// Whether `stored` is a sealed record (as opposed to a plain one an
@@ -180,9 +194,33 @@ impl Sealer {
     }
 }
 
+/// What the digest key is derived under.
+const DIGEST_KEY_LABEL: &[u8] = b"standby digest key v1";
+
+fn mac(key: &[u8], parts: &[&[u8]]) -> [u8; 32] {
+    // HMAC takes a key of any length.
+    let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(key).unwrap_or_else(|_| unreachable!());
+    for part in parts {
+        mac.update(part);
+    }
+    mac.finalize().into_bytes().into()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_digest_is_keyed_stable_and_not_the_plain_hash() {
+        use sha2::Digest;
+        let key = SealKey::random();
+        let body = br#"{"secrets":{"TOKEN":"hunter2"}}"#;
+        assert_eq!(Sealer::new(&key).digest(body), Sealer::new(&key).digest(body), "stable under one key");
+        assert_ne!(Sealer::new(&key).digest(body), Sealer::new(&SealKey::random()).digest(body), "keyed");
+        assert_ne!(Sealer::new(&key).digest(body), Sealer::new(&key).digest(b"other"));
+        assert_ne!(Sealer::new(&key).digest(body), crate::credential::hex(&Sha256::digest(body)));
+        assert_eq!(Sealer::new(&key).digest(body).len(), 64);
+    }
 
     #[test]
     fn a_sealed_record_opens_only_as_itself() {

@@ -19,12 +19,13 @@ use tokio::task::JoinHandle;
 
 use crate::app::AppState;
 use crate::bounds::{EVENT_BODY_MAX, LOG_BODY_MAX};
+use crate::cluster::{Cluster, ClusterConfig, ClusterView, Role};
 use crate::credential::{RandomMint, TokenHash};
 use crate::dispatch::{Dispatch, DispatchConfig, PoolPolicy, RunBounds};
-use crate::engine::{Engine, EngineConfig, EngineHandle};
+use crate::engine::{Engine, EngineConfig, EngineHandle, Mailbox};
 use crate::listener::{ListenerLimits, ListenerStats};
 use crate::provider::SandboxProvider;
-use crate::store::{Store, StoreError};
+use crate::store::{LeaseStore, Store, StoreError};
 use crate::{agent_api, user_api};
 
 #[derive(Debug, thiserror::Error)]
@@ -69,6 +70,8 @@ pub struct ServerConfig {
     pub bounds: RunBounds,
     /// Header timeout, connection cap, upgrades in flight.
     pub listener: ListenerLimits,
+    /// This replica's id and lease, when the store is shared.
+    pub cluster: Option<ClusterConfig>,
 }
 
 impl ServerConfig {
@@ -90,6 +93,7 @@ impl ServerConfig {
             pool_policy: PoolPolicy::default(),
             bounds: RunBounds::default(),
             listener: ListenerLimits::for_open_files(crate::listener::open_files_limit()),
+            cluster: None,
         }
     }
 }
@@ -122,7 +126,8 @@ async fn restore_auto_stops<P: SandboxProvider>(provider: &P, records: &[crate::
 
 fn router(state: AppState) -> Router {
     Router::new()
-        .route("/healthz", get(|| async { "ok" }))
+        .route("/healthz", get(health))
+        .route("/v1/cluster", get(user_api::cluster::cluster))
         .route(standby_protocol::SOCKET_PATH, get(agent_api::socket))
         .route(standby_protocol::SPEC_PATH, get(agent_api::spec))
         .route(paths::SECRETS_ROUTE, get(agent_api::secrets))
@@ -143,6 +148,17 @@ fn router(state: AppState) -> Router {
         .route("/metrics", get(user_api::metrics))
         .route("/openapi.json", get(user_api::openapi::openapi_json))
         .with_state(state)
+}
+
+/// `GET /healthz`: `ok`, and for a replica its role and id.
+async fn health(State(state): State<AppState>) -> String {
+    match &state.cluster {
+        None => "ok".to_owned(),
+        Some(cluster) => {
+            let view = cluster.view.borrow();
+            format!("ok {} {}", view.role.as_str(), view.replica_id)
+        }
+    }
 }
 
 /// `--inject-latency`: holds each call under `/v1/executions/` (the run
@@ -170,12 +186,26 @@ pub struct RunningServer<P> {
     fatal: watch::Receiver<Option<String>>,
     serve: JoinHandle<std::io::Result<()>>,
     engine_task: JoinHandle<()>,
+    cluster: Option<Cluster>,
 }
 
 /// Binds, restores the state from the store, and serves.
 pub async fn start<P: SandboxProvider>(
     config: ServerConfig,
     store: Arc<dyn Store>,
+    provider: Arc<P>,
+) -> Result<RunningServer<P>, ServerError> {
+    start_replica(config, store, None, provider).await
+}
+
+/// Binds and serves; with a `lease` (and `config.cluster`) as a replica of
+/// a replicated deployment: it forwards to the leader until it takes the
+/// lease, then restores the state from the store and runs the engine, as a
+/// restart does. Without one, it leads from the start.
+pub async fn start_replica<P: SandboxProvider>(
+    config: ServerConfig,
+    store: Arc<dyn Store>,
+    lease: Option<Arc<dyn LeaseStore>>,
     provider: Arc<P>,
 ) -> Result<RunningServer<P>, ServerError> {
     let listener =
@@ -192,42 +222,26 @@ pub async fn start<P: SandboxProvider>(
         let host = if addr.is_ipv6() && !addr.ip().is_unspecified() { format!("[{host}]") } else { host };
         format!("http://{host}:{}", addr.port())
     });
-    let loader = Arc::clone(&store);
-    let snapshot = tokio::task::spawn_blocking(move || loader.load())
-        .await
-        .map_err(|join| ServerError::Failed(format!("loading the store panicked: {join}")))??;
-    let known = snapshot
-        .sandboxes
-        .iter()
-        .filter(|record| record.state != crate::model::SandboxState::Retired)
-        .map(|record| record.id.clone())
-        .collect();
-    provider.adopt(known).await;
-    restore_auto_stops(provider.as_ref(), &snapshot.sandboxes).await;
-    let dispatch_config = DispatchConfig {
-        heartbeat_interval: config.heartbeat_interval,
-        pool_size: config.pool_size,
-        max_attempts: config.max_attempts,
-        launch_timeout: config.launch_timeout,
-        linger: config.linger,
-        pool_workspace: config.spec.workspace.clone(),
-        pool_fingerprint: fingerprint(&config.spec.workspace),
-        pool_policy: config.pool_policy.clone(),
-        bounds: config.bounds,
-    };
-    let now = crate::model::Millis::now();
-    let (machine, initial) = Dispatch::restore(dispatch_config, Box::new(RandomMint), snapshot, now);
-    let engine_config = EngineConfig {
-        server_url: url.clone(),
-        heartbeat_interval: config.heartbeat_interval,
-        agent_log: config.agent_log.clone(),
-        stop_grace: config.stop_grace,
-        tick: (config.heartbeat_interval / 2).clamp(Duration::from_millis(50), Duration::from_secs(1)),
-        resume_timeout: config.pool_policy.resume_timeout,
-    };
-    let (engine, handle) = Engine::new(machine, Arc::clone(&store), Arc::clone(&provider), engine_config);
+    let (handle, mailbox) = EngineHandle::mailbox();
     let (fatal_tx, fatal) = watch::channel(None);
-    let engine_task = tokio::spawn(engine.run(initial, fatal_tx));
+    let (stop_serving, stopped) = watch::channel(false);
+    let cluster = match (lease, config.cluster.clone()) {
+        (Some(lease), Some(cluster_config)) => {
+            Some(crate::cluster::start(cluster_config, &url, lease, stopped.clone()))
+        }
+        _ => None,
+    };
+    let launch =
+        Launch { config: config.clone(), url: url.clone(), store: Arc::clone(&store), provider: Arc::clone(&provider) };
+    let engine_task = match &cluster {
+        None => {
+            let (engine, initial) = launch.engine(mailbox).await?;
+            tokio::spawn(engine.run(initial, fatal_tx))
+        }
+        Some(cluster) => {
+            tokio::spawn(lead_when_elected(launch, mailbox, cluster.view.clone(), fatal_tx, stopped.clone()))
+        }
+    };
     let state = AppState {
         engine: handle.clone(),
         store,
@@ -236,17 +250,21 @@ pub async fn start<P: SandboxProvider>(
         idle_timeout: config.heartbeat_interval * (crate::dispatch::HEARTBEAT_WINDOW + 1),
         listener: Arc::new(ListenerStats::new(config.listener)),
         containment: provider.containment(),
+        cluster: cluster.clone(),
     };
     let listener_stats = Arc::clone(&state.listener);
-    let (stop_serving, stopped) = watch::channel(false);
     let mut app = router(state);
     if !config.inject_latency.is_zero() {
         app = app.layer(axum::middleware::from_fn_with_state(config.inject_latency, delay_execution_calls));
+    }
+    if let Some(cluster) = &cluster {
+        app = app.layer(axum::middleware::from_fn_with_state(cluster.clone(), crate::cluster::forward::route));
     }
     let serve = tokio::spawn(crate::listener::serve(listener, app, listener_stats, stopped));
     tracing::info!(
         %addr,
         url,
+        replicated = cluster.is_some(),
         pool_size = config.pool_size,
         header_timeout = ?config.listener.header_timeout,
         max_connections = config.listener.max_connections,
@@ -263,7 +281,84 @@ pub async fn start<P: SandboxProvider>(
         fatal,
         serve,
         engine_task,
+        cluster,
     })
+}
+
+/// What starting the engine needs.
+struct Launch<P> {
+    config: ServerConfig,
+    url: String,
+    store: Arc<dyn Store>,
+    provider: Arc<P>,
+}
+
+impl<P: SandboxProvider> Launch<P> {
+    /// Loads the store, adopts the sandboxes it knows and restores the
+    /// machine: the engine and its first step.
+    async fn engine(self, mailbox: Mailbox) -> Result<(Engine<P>, crate::dispatch::Step), ServerError> {
+        let Self { config, url, store, provider } = self;
+        let loader = Arc::clone(&store);
+        let snapshot = tokio::task::spawn_blocking(move || loader.load())
+            .await
+            .map_err(|join| ServerError::Failed(format!("loading the store panicked: {join}")))??;
+        let known = snapshot
+            .sandboxes
+            .iter()
+            .filter(|record| record.state != crate::model::SandboxState::Retired)
+            .map(|record| record.id.clone())
+            .collect();
+        provider.adopt(known).await;
+        restore_auto_stops(provider.as_ref(), &snapshot.sandboxes).await;
+        let dispatch_config = DispatchConfig {
+            heartbeat_interval: config.heartbeat_interval,
+            pool_size: config.pool_size,
+            max_attempts: config.max_attempts,
+            launch_timeout: config.launch_timeout,
+            linger: config.linger,
+            pool_workspace: config.spec.workspace.clone(),
+            pool_fingerprint: fingerprint(&config.spec.workspace),
+            pool_policy: config.pool_policy.clone(),
+            bounds: config.bounds,
+        };
+        let now = crate::model::Millis::now();
+        let (machine, initial) = Dispatch::restore(dispatch_config, Box::new(RandomMint), snapshot, now);
+        let engine_config = EngineConfig {
+            server_url: url,
+            heartbeat_interval: config.heartbeat_interval,
+            agent_log: config.agent_log.clone(),
+            stop_grace: config.stop_grace,
+            tick: (config.heartbeat_interval / 2).clamp(Duration::from_millis(50), Duration::from_secs(1)),
+            resume_timeout: config.pool_policy.resume_timeout,
+        };
+        Ok((Engine::new(mailbox, machine, store, provider, engine_config), initial))
+    }
+}
+
+/// A replica's engine: started once it leads (the calls queued meanwhile
+/// are then handled), never if it shuts down first.
+async fn lead_when_elected<P: SandboxProvider>(
+    launch: Launch<P>,
+    mailbox: Mailbox,
+    mut view: watch::Receiver<ClusterView>,
+    fatal: watch::Sender<Option<String>>,
+    mut stopped: watch::Receiver<bool>,
+) {
+    tokio::select! {
+        elected = view.wait_for(|view| view.role == Role::Leader) => {
+            if elected.is_err() {
+                return;
+            }
+        }
+        _ = stopped.wait_for(|stop| *stop) => return,
+    }
+    tracing::info!("leading: loading the state from the store");
+    match launch.engine(mailbox).await {
+        Ok((engine, initial)) => engine.run(initial, fatal).await,
+        Err(error) => {
+            let _ = fatal.send(Some(error.to_string()));
+        }
+    }
 }
 
 impl<P: SandboxProvider> RunningServer<P> {
@@ -289,12 +384,46 @@ impl<P: SandboxProvider> RunningServer<P> {
         }
     }
 
+    /// Resolves when this replica is deposed: it led and may no longer
+    /// (never for a server that is not a replica).
+    pub fn deposed(&self) -> impl Future<Output = ()> + Send + 'static {
+        let view = self.cluster.as_ref().map(|cluster| cluster.view.clone());
+        async move {
+            if let Some(mut view) = view
+                && view.wait_for(|view| view.role == Role::Deposed).await.is_ok()
+            {
+                return;
+            }
+            std::future::pending().await
+        }
+    }
+
+    /// Whether this replica led and was deposed (by the lease, or by a
+    /// write the store refused under a newer epoch or a lapsed deadline).
+    pub fn was_deposed(&self) -> bool {
+        self.cluster
+            .as_ref()
+            .is_some_and(|cluster| cluster.view.borrow().role == Role::Deposed || cluster.lease.deposed())
+    }
+
+    /// Whether this server is a replica of a replicated deployment.
+    pub fn replicated(&self) -> bool {
+        self.cluster.is_some()
+    }
+
     /// Stops dispatching, stops every sandbox (a running run is asked to
     /// stop and may still report), then stops serving.
+    ///
+    /// A replica stops no sandbox: they are the cluster's, and the next
+    /// leader adopts them from the store.
     pub async fn shutdown(self) -> Result<(), ServerError> {
-        tracing::info!("shutting down: stopping sandboxes");
-        let _ = self.engine.drain().await;
-        self.provider.stop_all(self.stop_grace).await;
+        if self.cluster.is_none() {
+            tracing::info!("shutting down: stopping sandboxes");
+            let _ = self.engine.drain().await;
+            self.provider.stop_all(self.stop_grace).await;
+        } else {
+            tracing::info!("shutting down a replica: its sandboxes stay for the next leader");
+        }
         let _ = self.stop_serving.send(true);
         self.engine.stop().await;
         let _ = self.engine_task.await;

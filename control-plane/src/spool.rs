@@ -9,7 +9,7 @@
 //! deleted; the file is removed then, so the spool always lists exactly the
 //! credentials the server still expects to see connect.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::io::Write as _;
 use std::os::unix::fs::OpenOptionsExt as _;
 use std::path::{Path, PathBuf};
@@ -30,6 +30,9 @@ pub struct SpoolProvider {
 #[derive(Debug)]
 struct SpoolInner {
     dir: PathBuf,
+    /// Whether a start adopts the credentials already spooled (see
+    /// [`SpoolProvider::shared`]).
+    shared: bool,
     /// The exit notice of every launched sandbox, sent when it is stopped.
     launched: Mutex<HashMap<String, oneshot::Sender<Option<i32>>>>,
 }
@@ -37,7 +40,15 @@ struct SpoolInner {
 impl SpoolProvider {
     /// Credentials are written to `dir`, created if needed.
     pub fn new(dir: PathBuf) -> Self {
-        Self { inner: Arc::new(SpoolInner { dir, launched: Mutex::new(HashMap::new()) }) }
+        Self { inner: Arc::new(SpoolInner { dir, shared: false, launched: Mutex::new(HashMap::new()) }) }
+    }
+
+    /// A spool shared by the replicas of a replicated deployment: the
+    /// leader that takes over adopts every sandbox the store knows whose
+    /// credential is still spooled (an earlier leader launched it, and its
+    /// holder reconnects to the new one), instead of taking it as missing.
+    pub fn shared(dir: PathBuf) -> Self {
+        Self { inner: Arc::new(SpoolInner { dir, shared: true, launched: Mutex::new(HashMap::new()) }) }
     }
 
     fn token_file(&self, sandbox_id: &str) -> PathBuf {
@@ -118,9 +129,24 @@ impl SandboxProvider for SpoolProvider {
         self.remove_file(sandbox_id)
     }
 
+    async fn adopt(&self, known: HashSet<String>) {
+        if !self.inner.shared {
+            return;
+        }
+        let mut launched = self.launched();
+        for sandbox_id in known {
+            if self.token_file(&sandbox_id).is_file() {
+                // Its exit is never awaited: a spooled sandbox ends only
+                // when this server stops it.
+                launched.entry(sandbox_id).or_insert_with(|| oneshot::channel().0);
+            }
+        }
+    }
+
     async fn state(&self, sandbox_id: &str) -> Result<Found, ProviderError> {
         // After a restart the plaintext credential is gone with the old
-        // process: a sandbox this process did not launch cannot be reached.
+        // process (unless the spool is shared and was adopted): a sandbox
+        // this process did not launch cannot be reached.
         Ok(if self.launched().contains_key(sandbox_id) { Found::Running } else { Found::Missing })
     }
 
@@ -169,5 +195,33 @@ mod tests {
         assert!(!file.exists());
         assert_eq!(provider.state("sbx_a").await.expect("state"), Found::Missing);
         provider.delete("sbx_a").await.expect("deleting twice is fine");
+    }
+
+    /// A new leader on a shared spool adopts the known sandboxes whose
+    /// credential is still there; an unshared spool adopts nothing.
+    #[tokio::test]
+    async fn a_shared_spool_adopts_the_known_sandboxes_still_spooled() {
+        let dir = tempfile::tempdir().expect("a temp dir");
+        let spool = dir.path().join("spool");
+        let earlier = SpoolProvider::new(spool.clone());
+        for id in ["sbx_a", "sbx_b"] {
+            earlier.create(id).await.expect("create");
+            drop(earlier.launch(id, launch()).await.expect("launch"));
+        }
+        earlier.stop("sbx_b", Duration::ZERO).await;
+        let known: HashSet<String> = ["sbx_a", "sbx_b", "sbx_c"].into_iter().map(str::to_owned).collect();
+
+        let unshared = SpoolProvider::new(spool.clone());
+        unshared.adopt(known.clone()).await;
+        assert_eq!(unshared.state("sbx_a").await.expect("state"), Found::Missing);
+
+        let shared = SpoolProvider::shared(spool);
+        shared.adopt(known).await;
+        assert_eq!(shared.state("sbx_a").await.expect("state"), Found::Running);
+        for gone in ["sbx_b", "sbx_c"] {
+            assert_eq!(shared.state(gone).await.expect("state"), Found::Missing, "{gone}");
+        }
+        shared.stop("sbx_a", Duration::ZERO).await;
+        assert!(!dir.path().join("spool/sbx_a.token").exists());
     }
 }

@@ -18,6 +18,7 @@ use sha2::{Digest, Sha256};
 use standby_protocol::{GitCredential, Run, Secret, Workspace};
 use utoipa::ToSchema;
 
+pub(crate) mod cluster;
 pub(crate) mod openapi;
 pub(crate) mod problem;
 pub(crate) mod reads;
@@ -29,6 +30,7 @@ use crate::app::{ApiError, AppState, bad, bearer, from_store, parse_json};
 use crate::credential::hex;
 use crate::dispatch::{CancelError, IdempotencyKey, Submitted};
 use crate::model::{RunRecord, RunRequest, StoredAttachment, ThreadRecord};
+use crate::store::Store;
 
 /// `POST /v1/runs`: a run to start on a prepared sandbox.
 #[derive(Debug, Deserialize, ToSchema)]
@@ -257,8 +259,8 @@ pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
 pub const IDEMPOTENCY_KEY_MAX: usize = 255;
 
 /// The submission's `Idempotency-Key` (1 to 255 visible ASCII characters),
-/// if it has one, with the hash of the body it came with.
-fn idempotency_key(headers: &HeaderMap, body: &[u8]) -> Result<Option<IdempotencyKey>, ApiError> {
+/// if it has one, with the store's keyed digest of the body it came with.
+fn idempotency_key(store: &dyn Store, headers: &HeaderMap, body: &[u8]) -> Result<Option<IdempotencyKey>, ApiError> {
     let Some(value) = headers.get(IDEMPOTENCY_KEY) else { return Ok(None) };
     let refused = || {
         ApiError::new(
@@ -276,7 +278,7 @@ fn idempotency_key(headers: &HeaderMap, body: &[u8]) -> Result<Option<Idempotenc
     // and spacing do not make another body.
     let canonical =
         serde_json::from_slice::<serde_json::Value>(body).map(|value| value.to_string()).unwrap_or_default();
-    Ok(Some(IdempotencyKey { key: key.to_owned(), request_hash: hex(&Sha256::digest(canonical.as_bytes())) }))
+    Ok(Some(IdempotencyKey { key: key.to_owned(), request_hash: store.digest(canonical.as_bytes()) }))
 }
 
 /// A body the server would not read: too large, or not read whole.
@@ -322,7 +324,7 @@ pub(crate) async fn submit(
     authorize(&state, &headers)?;
     let body = body.map_err(|rejection| unread(&rejection))?;
     let submission: Submission = parse_json(&body)?;
-    let key = idempotency_key(&headers, &body)?;
+    let key = idempotency_key(state.store.as_ref(), &headers, &body)?;
     let (run, request, thread_id) = submission.accept()?;
     let (submitted, record) = state.engine.submit_keyed(run, request, thread_id, key).await?.map_err(|reused| {
         Problem::of_type(problem::KEY_REUSED, StatusCode::UNPROCESSABLE_ENTITY, reused.to_string())
@@ -454,12 +456,14 @@ pub(crate) async fn thread(
 )]
 pub(crate) async fn metrics(State(state): State<AppState>, headers: HeaderMap) -> Result<Response, Problem> {
     authorize(&state, &headers)?;
-    let snapshot = state.engine.metrics().await?;
-    Ok((
-        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-        crate::metrics::render(&snapshot) + &crate::metrics::render_server(&state.listener, state.containment),
-    )
-        .into_response())
+    let server = crate::metrics::render_server(&state.listener, state.containment);
+    let text = match &state.cluster {
+        // A follower runs no engine: its own gauges only.
+        Some(cluster) if !cluster.leading() => server + &cluster.render_metrics(),
+        Some(cluster) => crate::metrics::render(&state.engine.metrics().await?) + &server + &cluster.render_metrics(),
+        None => crate::metrics::render(&state.engine.metrics().await?) + &server,
+    };
+    Ok(([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response())
 }
 
 #[cfg(test)]

@@ -505,6 +505,26 @@ async fn a_silent_control_connection_is_closed() {
     harness.server.shutdown().await.expect("a clean shutdown");
 }
 
+/// A server that stops closes its control sockets with 1012 (service
+/// restart): the agent reconnects, and a replica relaying the socket knows
+/// to wait for the next leader rather than pass the close on.
+#[tokio::test]
+async fn a_stopping_server_closes_control_sockets_with_1012() {
+    let mut harness = memory(1).await;
+    let (_, _, mut socket) = ready_standby(&mut harness).await;
+    let shutdown = tokio::spawn(harness.server.shutdown());
+    let close = loop {
+        match tokio::time::timeout(WAIT, socket.next()).await.expect("a frame in time") {
+            Some(Ok(Message::Close(frame))) => break frame,
+            Some(Ok(_)) => {}
+            other => panic!("the socket ended without a close frame: {other:?}"),
+        }
+    };
+    let code = close.map(|frame| u16::from(frame.code));
+    assert_eq!(code, Some(1012), "the close code");
+    shutdown.await.expect("no panic").expect("a clean shutdown");
+}
+
 // ---- per-run bounds ------------------------------------------------------------------
 
 /// A server with `bounds`, no pool: runs go cold, and the test plays the

@@ -7,6 +7,7 @@
 //! Under `CI=true` a missing engine or an image that cannot be built fails
 //! the test; elsewhere the test is skipped, loudly.
 
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -108,4 +109,67 @@ impl Drop for Cleanup {
 /// `docker inspect --format FORMAT standby-<sandbox id>`.
 pub fn inspect(sandbox_id: &str, format: &str) -> Option<String> {
     docker(&["inspect", "--format", format, &format!("standby-{sandbox_id}")])
+}
+
+/// A test image that keeps what each agent start was given on its standard
+/// input (the standby credential) in `/tmp/spy/<nanoseconds>`, so that a
+/// test can present an earlier start's credential. Built on [`IMAGE`]; its
+/// `standby` is a wrapper that copies stdin to a file and runs the real
+/// agent on that file (`hold`, the container's PID 1, is passed through).
+/// Never for anything but a test: it writes credentials to disk.
+pub const SPY_IMAGE: &str = "standby-sandbox:e2e-spy";
+
+const SPY_WRAPPER: &str = r#"#!/bin/sh
+if [ "$1" = hold ]; then exec /usr/local/bin/standby.real "$@"; fi
+mkdir -p /tmp/spy
+copy=/tmp/spy/$(date +%s%N)
+cat > "$copy"
+exec /usr/local/bin/standby.real "$@" < "$copy"
+"#;
+
+const SPY_DOCKERFILE: &str = "FROM standby-sandbox:e2e
+USER 0
+RUN mv /usr/local/bin/standby /usr/local/bin/standby.real
+COPY standby-spy /usr/local/bin/standby
+USER 10001:10001
+";
+
+/// [`available`], then [`SPY_IMAGE`] built on the fresh [`IMAGE`].
+pub fn spy_available(test: &str) -> bool {
+    if !available(test) {
+        return false;
+    }
+    let context = tempfile::Builder::new().prefix("standby-spy-image-").tempdir().expect("a temp dir");
+    let wrapper = context.path().join("standby-spy");
+    std::fs::write(&wrapper, SPY_WRAPPER).expect("write the wrapper");
+    std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755)).expect("make the wrapper executable");
+    std::fs::write(context.path().join("Dockerfile"), SPY_DOCKERFILE).expect("write the Dockerfile");
+    let lock = repo_root().join("target/image/.lock");
+    let output = Command::new("flock")
+        .arg(lock)
+        .args(["docker", "build", "-q", "-t", SPY_IMAGE])
+        .arg(context.path())
+        .output()
+        .expect("run docker build");
+    assert!(
+        output.status.success(),
+        "{test}: cannot build {SPY_IMAGE}: {}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    true
+}
+
+/// What each agent start in the sandbox's container was given on its
+/// standard input, oldest first (see [`SPY_IMAGE`]).
+pub fn spied_credentials(sandbox_id: &str) -> Vec<String> {
+    let container = format!("standby-{sandbox_id}");
+    let script = "for f in $(ls /tmp/spy | sort -n); do cat /tmp/spy/$f; echo; done";
+    docker(&["exec", &container, "sh", "-c", script])
+        .unwrap_or_default()
+        .lines()
+        .map(str::trim)
+        .filter(|line| !line.is_empty())
+        .map(str::to_owned)
+        .collect()
 }

@@ -466,6 +466,15 @@ impl ServerProcess {
         }
     }
 
+    /// Waits (up to `timeout`) for the server to exit on its own; its exit
+    /// status.
+    pub async fn exited(mut self, timeout: Duration) -> std::process::ExitStatus {
+        tokio::time::timeout(timeout, self.child.wait())
+            .await
+            .unwrap_or_else(|_| panic!("the server did not exit within {timeout:?}\n{}", tail(&self.log, 40)))
+            .expect("wait for the server")
+    }
+
     /// Sends `signal` and waits for the server to exit; its exit status.
     pub async fn stop(mut self, signal: Signal) -> std::process::ExitStatus {
         let _ = kill(Pid::from_raw(self.pid()), signal);

@@ -15,9 +15,10 @@ use std::time::Duration;
 
 use nix::sys::signal::Signal;
 use serde_json::{Value, json};
-use standby_e2e::docker::{self, Cleanup, IMAGE, inspect};
+use standby_e2e::docker::{self, Cleanup, IMAGE, SPY_IMAGE, inspect, spied_credentials};
 use standby_e2e::harness::write_json;
-use standby_e2e::server_process::{ServerBuilder, ServerProcess, free_fixed_port};
+use standby_e2e::server_process::{ServerBuilder, ServerProcess, free_addr, free_fixed_port};
+use standby_protocol::{PROTOCOL_HEADER, PROTOCOL_VERSION, SPEC_PATH};
 
 const WAIT: Duration = Duration::from_secs(60);
 
@@ -55,6 +56,11 @@ impl Server {
         if !docker::available(test) {
             return None;
         }
+        Some(Self::start_on(IMAGE, args).await)
+    }
+
+    /// A server whose sandboxes are containers of `image`, built already.
+    async fn start_on(image: &str, args: &[&str]) -> Self {
         let dir = tempfile::Builder::new().prefix("standby-docker-e2e-").tempdir().expect("a temp dir");
         let spec_path = dir.path().join("spec.json");
         write_json(&spec_path, &spec());
@@ -69,7 +75,7 @@ impl Server {
             "--provider",
             "docker",
             "--image",
-            IMAGE,
+            image,
             "--docker-network",
             &network,
             "--log",
@@ -86,7 +92,7 @@ impl Server {
         }
         let builder = builder.args(args);
         let process = builder.start().await;
-        Some(Self { process: Some(process), builder, cleanup, _dir: dir })
+        Self { process: Some(process), builder, cleanup, _dir: dir }
     }
 
     /// The agents' output (the provider keeps it per sandbox), for failures.
@@ -429,5 +435,37 @@ async fn an_archived_sandbox_is_made_again_from_its_image_and_its_image_removed_
     assert_eq!(third["path"], "cold", "{third}");
     let fallback = third["resume"]["fallback"].as_str().unwrap_or_default();
     assert!(fallback.contains("no longer exists"), "the reason is recorded: {third}");
+    server.stop().await;
+}
+
+/// Every agent start gets a credential of its own: once the next agent of
+/// a container has started, the previous one's is refused (a container
+/// outlives its agents, so a credential left in it must be worthless).
+#[tokio::test]
+async fn a_previous_agent_starts_credential_is_refused_after_the_next_start() {
+    if !docker::spy_available("previous credential") {
+        return;
+    }
+    let server = Server::start_on(SPY_IMAGE, &["--pool-size", "0", "--warm-idle", "60s"]).await;
+    let first = server.turn("chat-credentials", "true").await;
+    let sandbox_id = sandbox_of(&first);
+    server.parked(&sandbox_id, "running").await;
+    let given = spied_credentials(&sandbox_id);
+    assert_eq!(given.len(), 2, "the first agent and the next one, each with its credential: {given:?}");
+    assert_ne!(given[0], given[1], "a fresh credential for the next start");
+
+    let http = reqwest::Client::new();
+    let spec = async |credential: &str| {
+        let response = http
+            .get(format!("{}{SPEC_PATH}", server.url()))
+            .bearer_auth(credential)
+            .header(PROTOCOL_HEADER, PROTOCOL_VERSION)
+            .send()
+            .await
+            .expect("the server answers");
+        response.status().as_u16()
+    };
+    assert_eq!(spec(&given[0]).await, 401, "the previous start's credential is refused");
+    assert_eq!(spec(&given[1]).await, 200, "the current agent's is accepted");
     server.stop().await;
 }

@@ -32,6 +32,16 @@ async fn ready(server: &ServerProcess, n: usize) -> Vec<String> {
         .await
 }
 
+/// Waits until the server leads (its `/healthz` says so).
+async fn leading(server: &ServerProcess) {
+    server
+        .until("the server to lead", WAIT, async || {
+            let (_, health) = server.try_call(reqwest::Method::GET, "/healthz", None, None).await?;
+            health.as_str().is_some_and(|text| text.starts_with("ok leader")).then_some(())
+        })
+        .await;
+}
+
 /// The password of a `scheme://user:password@host/…` URL, if it has one.
 fn password(url: &str) -> Option<&str> {
     let (_, rest) = url.split_once("://")?;
@@ -58,9 +68,13 @@ async fn a_server_on_postgres_runs_warm_and_a_restart_keeps_every_record() {
     let url = schema.url();
     let builder = ServerBuilder::new(&data, &dir.path().join("server.log"), &mark)
         .args(&["--linger", "3s", "--stop-grace", "5s", "--pool-size", "1", "--heartbeat-interval", "500ms"])
-        .args(&["--spec", &spec.display().to_string(), "--store", &url]);
+        .args(&["--spec", &spec.display().to_string(), "--store", &url])
+        // A server on PostgreSQL is a replica: a restarted one leads once
+        // the killed one's lease has lapsed.
+        .args(&["--lease-ttl", "1s"]);
 
     let server = builder.start().await;
+    leading(&server).await;
     ready(&server, 1).await;
     let id = server.submit(&json!({"command": ["sh", "-c", "echo kept in postgres; exit 3"]})).await;
     let before = server.finished(&id, WAIT).await;
@@ -78,6 +92,7 @@ async fn a_server_on_postgres_runs_warm_and_a_restart_keeps_every_record() {
     assert_eq!(schema.query_text(&format!("SELECT state FROM runs WHERE id = '{id}'")), ["exited"]);
 
     let server = builder.start().await;
+    leading(&server).await;
     let after = server.run(&id).await;
     for field in ["state", "exit_code", "path", "attempts", "timestamps"] {
         assert_eq!(after[field], before[field], "{field} after the restart");

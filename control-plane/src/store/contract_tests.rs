@@ -127,6 +127,7 @@ contract!(
     missing_records_read_as_none,
     any_text_round_trips_exactly,
     idempotency_keys_are_kept_with_their_run_and_forgotten_by_age,
+    a_request_digest_is_keyed_and_survives_reopening,
 );
 
 pub(super) fn run(id: &str) -> RunRecord {
@@ -572,4 +573,13 @@ fn idempotency_keys_are_kept_with_their_run_and_forgotten_by_age(backend: &dyn B
     store.apply(&[Write::ForgetIdempotency { through: Millis(30) }]).expect("forget");
     let left: Vec<String> = store.load().expect("load").idempotency.into_iter().map(|kept| kept.run_id).collect();
     assert_eq!(left, ["exe_3"]);
+}
+
+fn a_request_digest_is_keyed_and_survives_reopening(backend: &dyn Backend) {
+    let body = br#"{"command":["true"],"secrets":{"TOKEN":"hunter2"}}"#;
+    let digest = backend.open().digest(body);
+    assert_eq!(backend.open().digest(body), digest, "a retry after a restart is recognised");
+    assert_ne!(backend.open_with(&SealKey::random()).digest(body), digest, "keyed by the seal key");
+    let plain = crate::credential::hex(&<sha2::Sha256 as sha2::Digest>::digest(body));
+    assert_ne!(digest, plain, "not a plain hash a reader of the database could test guesses against");
 }

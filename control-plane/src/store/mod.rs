@@ -85,6 +85,18 @@ pub enum StoreError {
         #[source]
         source: std::io::Error,
     },
+    /// A write of a leader whose lease another replica has taken since:
+    /// rolled back (`docs/operations.md`, "Replicated deployment").
+    #[error(
+        "store {store}: fenced: this replica writes under lease epoch {held}, the database's lease is at epoch {current}: \
+         another replica leads now"
+    )]
+    Fenced { store: String, held: u64, current: u64 },
+    /// The local deadline of this replica's lease (the start of its last
+    /// successful renew plus the lease's time to live) passed: another
+    /// replica may lead by now, so nothing more is told or launched.
+    #[error("store {store}: this replica's lease lapsed {late:?} ago by its own clock: it may lead no longer")]
+    LeaseLapsed { store: String, late: std::time::Duration },
     #[error("store {store}: cannot start the store's connection thread: {source}")]
     Runtime {
         store: String,
@@ -116,6 +128,80 @@ pub trait Store: Send + Sync + 'static {
     /// by the agent) that end after stream offset `from`, in order, each
     /// with its stream offset. Bytes between pieces are gaps.
     fn log_pieces(&self, run_id: &str, from: u64, limit: usize) -> Result<Vec<(u64, Vec<u8>)>, StoreError>;
+    /// A keyed digest of `bytes` under this store's seal key
+    /// ([`Sealer::digest`]): what is kept of a request to recognise its
+    /// retries, stable across restarts on the same key, and no help to
+    /// whoever reads the database in guessing the secrets it carried.
+    fn digest(&self, bytes: &[u8]) -> String;
+    /// Whether this store writes under a leader's lease: then a step with
+    /// effects but no writes is still [`Store::apply`]'d (an empty
+    /// transaction that checks the lease), so a deposed leader tells
+    /// nobody anything.
+    fn fenced(&self) -> bool {
+        false
+    }
+    /// Whether the local deadline of the lease this store writes under has
+    /// passed: a provider operation queued before is then not carried out.
+    fn lapsed(&self) -> bool {
+        false
+    }
+}
+
+/// The leader's lease of a replicated deployment, as the database has it
+/// after a [`LeaseStore::claim`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeaseRow {
+    pub epoch: u64,
+    /// The holder's replica id and the URL other replicas reach it at
+    /// (both empty before anyone held it).
+    pub holder: String,
+    pub holder_url: String,
+    /// Whether this claim took or renewed it (else another holds it).
+    pub ours: bool,
+    /// How long it still runs by the database's clock (zero once expired).
+    pub remaining: std::time::Duration,
+    /// When it expires, by the database's clock.
+    pub expires_at: Millis,
+}
+
+/// A replica as it last claimed the lease (`GET /v1/cluster`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReplicaRow {
+    pub id: String,
+    pub url: String,
+    pub seen_at: Millis,
+}
+
+/// The lease and fencing of a replicated deployment: only PostgreSQL has
+/// them (a SQLite file is one server's).
+pub trait LeaseStore: std::fmt::Debug + Send + Sync + 'static {
+    /// In one statement, with the database's clock: takes the lease when
+    /// it has expired (at the next epoch), renews it when `replica` holds
+    /// it at `epoch` (`0`: we hold none) and it has not expired; else
+    /// leaves it. Records `replica` as seen at `url`. Blocks.
+    fn claim(&self, replica: &str, url: &str, epoch: u64, ttl: std::time::Duration) -> Result<LeaseRow, StoreError>;
+    /// Every write from now on runs under `epoch` (and fails, rolled back,
+    /// once the database's lease is at another one), and none starts or is
+    /// told of after `deadline` (this process's clock).
+    fn fence(&self, epoch: u64, deadline: std::time::Instant);
+    /// Whether a write was refused for a newer epoch or a lapsed deadline:
+    /// this replica was deposed.
+    fn deposed(&self) -> bool;
+    /// Every replica that ever claimed, most recently seen first. Blocks.
+    fn replicas(&self) -> Result<Vec<ReplicaRow>, StoreError>;
+}
+
+/// An opened store, and its lease when it is a shared database.
+#[derive(Clone)]
+pub struct Opened {
+    pub store: Arc<dyn Store>,
+    pub lease: Option<Arc<dyn LeaseStore>>,
+}
+
+impl std::fmt::Debug for Opened {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Opened").field("replicated", &self.lease.is_some()).finish_non_exhaustive()
+    }
 }
 
 /// Which runs a page of [`Store::runs`] holds.
@@ -163,6 +249,18 @@ impl StoreLocation {
             Self::Sqlite(path) => path.display().to_string(),
             Self::Postgres(url) => redact_url(url.expose()),
         }
+    }
+
+    /// Opens the store as [`Self::open`] does, with its lease when it is
+    /// PostgreSQL: every server on one database is a replica. Blocks.
+    pub fn open_replicated(&self, key: &SealKey) -> Result<Opened, StoreError> {
+        Ok(match self {
+            Self::Sqlite(path) => Opened { store: Arc::new(SqliteStore::open(path, key)?), lease: None },
+            Self::Postgres(url) => {
+                let store = Arc::new(PostgresStore::connect(url, key)?);
+                Opened { store: Arc::clone(&store) as Arc<dyn Store>, lease: Some(store) }
+            }
+        })
     }
 
     /// Opens the store (creating or migrating it as needed); run requests

@@ -19,9 +19,12 @@
 //! with the password replaced ([`redact_url`]), and the driver's own
 //! configuration is never printed.
 
+mod lease;
 mod migrations;
 mod url;
 
+use std::sync::atomic::AtomicBool;
+use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
 use deadpool_postgres::{
@@ -56,6 +59,11 @@ pub struct PostgresStore {
     pool: Pool,
     sealer: Sealer,
     driver: Driver,
+    /// The lease every write runs under, once this replica leads
+    /// ([`crate::store::LeaseStore::fence`]); `None`: unfenced.
+    fence: Mutex<Option<lease::Fence>>,
+    /// A write was refused for a newer epoch or a lapsed deadline.
+    deposed: AtomicBool,
 }
 
 impl std::fmt::Debug for PostgresStore {
@@ -122,7 +130,14 @@ impl PostgresStore {
                 operation: "set up the connection pool",
                 detail: error.to_string(),
             })?;
-        let store = Self { name, pool, sealer: Sealer::new(key), driver: Driver(Some(runtime)) };
+        let store = Self {
+            name,
+            pool,
+            sealer: Sealer::new(key),
+            driver: Driver(Some(runtime)),
+            fence: Mutex::new(None),
+            deposed: AtomicBool::new(false),
+        };
         store.migrate()?;
         Ok(store)
     }
@@ -440,18 +455,41 @@ impl Store for PostgresStore {
         })
     }
 
+    /// Under a fence: refused once the lease's local deadline has passed,
+    /// and the transaction first checks (and share-locks) the lease row at
+    /// our epoch, so a takeover waits for it, or it for the takeover and
+    /// then fails. Even without writes: a step's effects wait on this.
     fn apply(&self, writes: &[Write]) -> Result<(), StoreError> {
-        if writes.is_empty() {
+        let fence = *self.fence.lock().unwrap_or_else(PoisonError::into_inner);
+        if writes.is_empty() && fence.is_none() {
             return Ok(());
+        }
+        if let Some(fence) = fence {
+            self.check_deadline(fence)?;
         }
         self.driver.block_on(async {
             let mut client = self.client().await?;
             let transaction = client.transaction().await.map_err(self.failed("write"))?;
+            if let Some(fence) = fence {
+                self.check_epoch(&transaction, fence.epoch).await?;
+            }
             for change in writes {
                 self.write(&transaction, change).await?;
             }
             transaction.commit().await.map_err(self.failed("commit"))
-        })
+        })?;
+        // Committed; but the caller tells only while the lease holds.
+        let after = *self.fence.lock().unwrap_or_else(PoisonError::into_inner);
+        after.map_or(Ok(()), |fence| self.check_deadline(fence))
+    }
+
+    fn fenced(&self) -> bool {
+        self.fence.lock().unwrap_or_else(PoisonError::into_inner).is_some()
+    }
+
+    fn lapsed(&self) -> bool {
+        let fence = *self.fence.lock().unwrap_or_else(PoisonError::into_inner);
+        fence.is_some_and(|fence| self.check_deadline(fence).is_err())
     }
 
     fn request(&self, run_id: &str) -> Result<Option<RunRequest>, StoreError> {
@@ -564,6 +602,10 @@ impl Store for PostgresStore {
             Ok(pieces.into_iter().filter(|(start, data)| start + data.len() as u64 > from).collect())
         })
     }
+
+    fn digest(&self, bytes: &[u8]) -> String {
+        self.sealer.digest(bytes)
+    }
 }
 
 /// An id `text` cannot hold (a NUL): no record has it, and PostgreSQL
@@ -651,6 +693,79 @@ mod tests {
         let message = error.to_string();
         assert!(matches!(error, StoreError::Url { .. }) && !message.contains("pw-9c1e77"), "{message}");
         assert!(message.contains("port"), "names what is wrong: {message}");
+    }
+
+    fn connect(backend: &Postgres) -> PostgresStore {
+        PostgresStore::connect(&Secret::new(backend.schema.url()), &key()).expect("open")
+    }
+
+    /// Acquire when expired (the next epoch), renew by the holder at its
+    /// epoch, refuse everyone else while it runs: the database's clock.
+    #[test]
+    fn the_lease_is_taken_when_expired_renewed_by_its_holder_and_refused_to_others() {
+        use crate::store::LeaseStore as _;
+        let Some(backend) = backend("lease") else { return };
+        let store = connect(&backend);
+        let ttl = Duration::from_secs(60);
+        let a = store.claim("a", "http://a", 0, ttl).expect("claim");
+        assert_eq!((a.epoch, a.holder.as_str(), a.ours), (1, "a", true), "{a:?}");
+        assert!(a.remaining > Duration::from_secs(50), "{a:?}");
+        let b = store.claim("b", "http://b", 0, ttl).expect("claim");
+        assert_eq!((b.epoch, b.holder.as_str(), b.holder_url.as_str(), b.ours), (1, "a", "http://a", false));
+        let renewed = store.claim("a", "http://a", 1, ttl).expect("renew");
+        assert_eq!((renewed.epoch, renewed.ours), (1, true), "{renewed:?}");
+        // Without our epoch (an earlier process with our id) it is no renew.
+        assert!(!store.claim("a", "http://a", 0, ttl).expect("claim").ours);
+
+        backend.schema.execute("UPDATE cluster_lease SET expires_at = now() - interval '1 second'");
+        let taken = store.claim("b", "http://b", 0, ttl).expect("take");
+        assert_eq!((taken.epoch, taken.holder.as_str(), taken.ours), (2, "b", true), "{taken:?}");
+        let late = store.claim("a", "http://a", 1, ttl).expect("claim");
+        assert_eq!((late.epoch, late.holder.as_str(), late.ours), (2, "b", false), "the old holder renews nothing");
+        let replicas: Vec<String> = store.replicas().expect("replicas").into_iter().map(|replica| replica.id).collect();
+        assert_eq!(replicas.len(), 2, "{replicas:?}");
+    }
+
+    /// The fence: once another replica took the lease, a write under the
+    /// old epoch fails, rolled back (nothing of it is kept), and so does a
+    /// step with no writes at all; the store says it was deposed.
+    #[test]
+    fn a_write_under_a_stale_epoch_fails_and_writes_nothing() {
+        use crate::store::LeaseStore as _;
+        let Some(backend) = backend("fenced") else { return };
+        let store = connect(&backend);
+        let ttl = Duration::from_secs(60);
+        let lease = store.claim("a", "http://a", 0, ttl).expect("claim");
+        store.fence(lease.epoch, std::time::Instant::now() + ttl);
+        assert!(store.fenced());
+        store.apply(&[Write::NewRun(Box::new(run("exe_1")), Box::new(request()))]).expect("a write at our epoch");
+        store.apply(&[]).expect("an empty step at our epoch");
+        assert!(!store.deposed());
+
+        backend.schema.execute("UPDATE cluster_lease SET epoch = epoch + 1, holder = 'b', holder_url = 'http://b'");
+        let error = store.apply(&[Write::NewRun(Box::new(run("exe_2")), Box::new(request()))]).expect_err("fenced");
+        assert!(matches!(error, StoreError::Fenced { held: 1, current: 2, .. }), "{error}");
+        assert!(error.to_string().contains("epoch 1") && error.to_string().contains("epoch 2"), "{error}");
+        assert!(matches!(store.apply(&[]), Err(StoreError::Fenced { .. })), "a step without writes is fenced too");
+        assert!(store.deposed());
+        assert_eq!(backend.schema.query_text("SELECT id FROM runs"), ["exe_1"], "nothing of the fenced write");
+        assert_eq!(backend.schema.query_text("SELECT run_id FROM run_requests"), ["exe_1"]);
+    }
+
+    /// Past the lease's local deadline nothing is written, even at the
+    /// right epoch: another replica may lead by now.
+    #[test]
+    fn a_write_after_the_local_deadline_is_refused() {
+        use crate::store::LeaseStore as _;
+        let Some(backend) = backend("lapsed") else { return };
+        let store = connect(&backend);
+        let lease = store.claim("a", "http://a", 0, Duration::from_secs(60)).expect("claim");
+        store.fence(lease.epoch, std::time::Instant::now());
+        assert!(store.lapsed());
+        let error = store.apply(&[Write::NewRun(Box::new(run("exe_1")), Box::new(request()))]).expect_err("lapsed");
+        assert!(matches!(error, StoreError::LeaseLapsed { .. }), "{error}");
+        assert!(store.deposed());
+        assert!(backend.schema.query_text("SELECT id FROM runs").is_empty());
     }
 
     /// The engine's way: calls on the blocking pool of the server's runtime,

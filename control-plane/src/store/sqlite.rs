@@ -491,6 +491,10 @@ impl Store for SqliteStore {
             .map_err(read)?;
         Ok(pieces.into_iter().filter(|(start, data)| start + data.len() as u64 > from).collect())
     }
+
+    fn digest(&self, bytes: &[u8]) -> String {
+        self.sealer.digest(bytes)
+    }
 }
 
 impl SqliteStore {

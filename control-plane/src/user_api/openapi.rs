@@ -44,6 +44,7 @@ const COMPONENTS: &str = "/components/schemas";
         super::reads::sandboxes,
         super::thread,
         super::metrics,
+        super::cluster::cluster,
         openapi_json,
     ),
     components(schemas(
@@ -64,6 +65,8 @@ const COMPONENTS: &str = "/components/schemas";
         ParkView,
         SandboxesPage,
         ThreadView,
+        super::cluster::ClusterInfo,
+        super::cluster::ReplicaInfo,
     )),
     modifiers(&Security),
     security(("api_key" = [])),

@@ -79,6 +79,23 @@ CREATE TABLE idempotency_keys (id TEXT COLLATE "C" PRIMARY KEY, created_at BIGIN
 CREATE INDEX idempotency_keys_by_age ON idempotency_keys (created_at);
 "#,
     },
+    Migration {
+        version: 3,
+        name: "the leader's lease and the replicas of a replicated deployment",
+        // One lease row, there from the start (expired, epoch 0), so that
+        // acquiring and renewing are one UPDATE; `id` only pins it to one row.
+        sql: r#"
+CREATE TABLE cluster_lease (
+    id INTEGER PRIMARY KEY CHECK (id = 1),
+    epoch BIGINT NOT NULL,
+    holder TEXT NOT NULL,
+    holder_url TEXT NOT NULL,
+    expires_at TIMESTAMPTZ NOT NULL
+);
+INSERT INTO cluster_lease (id, epoch, holder, holder_url, expires_at) VALUES (1, 0, '', '', 'epoch');
+CREATE TABLE cluster_replicas (id TEXT COLLATE "C" PRIMARY KEY, url TEXT NOT NULL, seen_at TIMESTAMPTZ NOT NULL);
+"#,
+    },
 ];
 
 /// The newest version this binary knows.

@@ -1,0 +1,226 @@
+//! A replicated deployment (`--store postgres://…`): every `serve` on one
+//! database is a replica, one of them (the holder of the lease row) the
+//! leader that runs the engine; the others forward every call to it
+//! ([`forward`]).
+//!
+//! This module is the IO half: a loop that claims the lease every third of
+//! its time to live, lets the pure [`lease`] rules decide, fences the
+//! store when we lead, and publishes the [`ClusterView`] on a `watch`.
+//! Leadership is taken once per process: a leader that loses the lease is
+//! [`Role::Deposed`] and the process exits (`standby-server --help`, exit
+//! code 3); its supervisor starts it again, as a follower.
+
+pub mod forward;
+pub mod lease;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use tokio::sync::watch;
+
+use self::lease::{Lease, Outcome};
+use crate::model::Millis;
+use crate::store::LeaseStore;
+
+/// The exit code of a deposed leader (and of a replica that lost its
+/// store while it led): restart it, it comes back as a follower.
+pub const DEPOSED_EXIT_CODE: u8 = 3;
+
+/// What this replica is called and how long a lease runs.
+#[derive(Debug, Clone)]
+pub struct ClusterConfig {
+    pub replica_id: String,
+    /// The URL other replicas forward to when this one leads; the
+    /// server's own URL when unset.
+    pub advertise_url: Option<String>,
+    pub ttl: Duration,
+}
+
+/// This replica's part.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    /// No answer from the database yet.
+    Candidate,
+    Follower,
+    Leader,
+    /// It led and may no longer: the process is exiting.
+    Deposed,
+}
+
+impl Role {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Candidate => "candidate",
+            Self::Follower => "follower",
+            Self::Leader => "leader",
+            Self::Deposed => "deposed",
+        }
+    }
+}
+
+/// What this replica knows of the cluster, as of its last claim.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClusterView {
+    pub replica_id: String,
+    pub role: Role,
+    /// The leader's id and URL, when one holds a running lease.
+    pub leader: Option<(String, String)>,
+    pub epoch: u64,
+    /// When the lease expires, by the database's clock.
+    pub expires_at: Option<Millis>,
+}
+
+/// The counters of `/metrics` about the cluster.
+#[derive(Debug, Default)]
+pub struct ClusterStats {
+    pub leadership_changes: AtomicU64,
+    pub forwarded_requests: AtomicU64,
+    pub relayed_sockets: AtomicI64,
+}
+
+/// What the router and the handlers share about the cluster.
+#[derive(Debug, Clone)]
+pub struct Cluster {
+    pub view: watch::Receiver<ClusterView>,
+    pub stats: Arc<ClusterStats>,
+    pub lease: Arc<dyn LeaseStore>,
+}
+
+impl Cluster {
+    pub fn leading(&self) -> bool {
+        self.view.borrow().role == Role::Leader
+    }
+
+    /// Prometheus lines of the cluster's gauges and counters.
+    pub fn render_metrics(&self) -> String {
+        let leader = u8::from(self.leading());
+        format!(
+            "# HELP standby_leader Whether this replica leads (1) or not (0).\n# TYPE standby_leader gauge\n\
+             standby_leader {leader}\n\
+             # HELP standby_leadership_changes_total Times this replica took the lease.\n\
+             # TYPE standby_leadership_changes_total counter\nstandby_leadership_changes_total {}\n\
+             # HELP standby_forwarded_requests_total HTTP calls this replica forwarded to the leader.\n\
+             # TYPE standby_forwarded_requests_total counter\nstandby_forwarded_requests_total {}\n\
+             # HELP standby_relayed_sockets Upgraded connections this replica relays to the leader now.\n\
+             # TYPE standby_relayed_sockets gauge\nstandby_relayed_sockets {}\n",
+            self.stats.leadership_changes.load(Ordering::Relaxed),
+            self.stats.forwarded_requests.load(Ordering::Relaxed),
+            self.stats.relayed_sockets.load(Ordering::Relaxed),
+        )
+    }
+}
+
+/// Starts the claim loop of replica `config` reachable at `own_url`; it
+/// runs until `shutdown` turns true or this replica is deposed.
+pub fn start(
+    config: ClusterConfig,
+    own_url: &str,
+    lease: Arc<dyn LeaseStore>,
+    shutdown: watch::Receiver<bool>,
+) -> Cluster {
+    let url = config.advertise_url.clone().unwrap_or_else(|| own_url.to_owned());
+    let (view_tx, view) = watch::channel(ClusterView {
+        replica_id: config.replica_id.clone(),
+        role: Role::Candidate,
+        leader: None,
+        epoch: 0,
+        expires_at: None,
+    });
+    let stats = Arc::new(ClusterStats::default());
+    tokio::spawn(claim_loop(config, url, Arc::clone(&lease), view_tx, Arc::clone(&stats), shutdown));
+    Cluster { view, stats, lease }
+}
+
+async fn claim_loop(
+    config: ClusterConfig,
+    url: String,
+    store: Arc<dyn LeaseStore>,
+    view: watch::Sender<ClusterView>,
+    stats: Arc<ClusterStats>,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let me = config.replica_id.clone();
+    let mut lease = Lease::new(&me, config.ttl);
+    let period = lease.period();
+    loop {
+        let started = Instant::now();
+        let claim = {
+            let (store, me, url, epoch, ttl) = (Arc::clone(&store), me.clone(), url.clone(), lease.epoch(), config.ttl);
+            tokio::task::spawn_blocking(move || store.claim(&me, &url, epoch, ttl))
+        };
+        // A leader's deadline is watched below whatever a claim takes.
+        let answer = match tokio::time::timeout(config.ttl / 2, claim).await {
+            Ok(Ok(Ok(row))) => Some(row),
+            Ok(Ok(Err(error))) => {
+                tracing::warn!(%error, "claiming the lease failed");
+                None
+            }
+            Ok(Err(join)) => std::panic::resume_unwind(join.into_panic()),
+            Err(_) => {
+                tracing::warn!(bound = ?config.ttl / 2, "claiming the lease took too long");
+                None
+            }
+        };
+        let outcome = lease.observe(started, answer.as_ref(), Instant::now());
+        let expires_at = answer.as_ref().map(|row| row.expires_at);
+        match outcome {
+            Outcome::Lead { epoch, deadline } => {
+                store.fence(epoch, deadline);
+                stats.leadership_changes.fetch_add(1, Ordering::Relaxed);
+                tracing::info!(replica = me, epoch, "took the lease: this replica leads");
+                view.send_replace(ClusterView {
+                    replica_id: me.clone(),
+                    role: Role::Leader,
+                    leader: Some((me.clone(), url.clone())),
+                    epoch,
+                    expires_at,
+                });
+            }
+            Outcome::Renewed { deadline } => {
+                store.fence(lease.epoch(), deadline);
+                view.send_modify(|view| view.expires_at = expires_at);
+            }
+            Outcome::Follow { leader, epoch } => {
+                view.send_if_modified(|view| {
+                    let next = ClusterView { replica_id: me.clone(), role: Role::Follower, leader, epoch, expires_at };
+                    let changed = view.leader != next.leader || view.role != next.role;
+                    if changed {
+                        tracing::info!(leader = ?next.leader, epoch, "following");
+                    }
+                    *view = next;
+                    changed
+                });
+            }
+            Outcome::Unchanged => {}
+            Outcome::Deposed(why) => {
+                depose(&view, &me, &why.to_string());
+                return;
+            }
+        }
+        let deadline = lease.deadline();
+        tokio::select! {
+            _ = tokio::time::sleep(period) => {}
+            _ = sleep_until(deadline) => {
+                depose(&view, &me, &lease::Deposition::DeadlinePassed.to_string());
+                return;
+            }
+            _ = shutdown.wait_for(|stop| *stop) => return,
+        }
+    }
+}
+
+fn depose(view: &watch::Sender<ClusterView>, me: &str, why: &str) {
+    tracing::error!(replica = me, why, "deposed: this replica leads no longer and exits");
+    view.send_modify(|view| {
+        view.role = Role::Deposed;
+        view.leader = None;
+    });
+}
+
+async fn sleep_until(deadline: Option<Instant>) {
+    match deadline {
+        Some(deadline) => tokio::time::sleep_until(deadline.into()).await,
+        None => std::future::pending().await,
+    }
+}

@@ -1,0 +1,221 @@
+//! What a replica makes of the lease row (pure: the row, our id, the
+//! monotonic time of the claim's start and `now` in; a decision out).
+//!
+//! The rules, as Kubernetes' leader election has them, with one twist: a
+//! leader that loses the lease does not step down in place, it is
+//! [`Outcome::Deposed`] and the process exits, so "leader → follower" never
+//! happens inside one process.
+//! - A claim that took the lease while we held none: we lead at its epoch,
+//!   until the claim's START plus the time to live (our clock: the database
+//!   may have answered late, never early).
+//! - A claim that renewed it at our epoch: the deadline moves on, measured
+//!   from that claim's start again.
+//! - Another holds it (or it is ours at another epoch: it lapsed and was
+//!   taken anew) while we led: deposed.
+//! - A failed claim (database unreachable, timed out) changes nothing but
+//!   the clock: a leader whose deadline passes is deposed, whatever the
+//!   cause.
+
+use std::time::{Duration, Instant};
+
+use crate::store::LeaseRow;
+
+/// Why a leader stopped leading.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Deposition {
+    /// Another replica holds the lease (at `epoch`).
+    Taken { holder: String, epoch: u64 },
+    /// Our lease expired and the claim took it anew at `epoch`: the
+    /// machine in memory may be behind what another leader wrote between.
+    Lapsed { epoch: u64 },
+    /// No successful renew within the time to live, by our clock.
+    DeadlinePassed,
+}
+
+impl std::fmt::Display for Deposition {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Taken { holder, epoch } => write!(f, "replica `{holder}` holds the lease at epoch {epoch}"),
+            Self::Lapsed { epoch } => write!(f, "our lease lapsed and was taken anew at epoch {epoch}"),
+            Self::DeadlinePassed => f.write_str("no renew succeeded within the lease's time to live"),
+        }
+    }
+}
+
+/// What a claim (or the passing of time) means for this replica.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// We lead from now at `epoch`, until `deadline` unless renewed.
+    Lead { epoch: u64, deadline: Instant },
+    /// We still lead; the deadline moves to `deadline`.
+    Renewed { deadline: Instant },
+    /// Another leads (`leader`: its id and URL), or nobody does right now
+    /// (`None`: expired, or held by an earlier process with our id).
+    Follow { leader: Option<(String, String)>, epoch: u64 },
+    /// The claim failed; nothing changes yet.
+    Unchanged,
+    /// We led and may no longer: the process exits.
+    Deposed(Deposition),
+}
+
+/// A replica's side of the lease.
+#[derive(Debug, Clone)]
+pub struct Lease {
+    me: String,
+    ttl: Duration,
+    held: Option<(u64, Instant)>,
+}
+
+impl Lease {
+    /// The lease of replica `me`.
+    pub fn new(me: &str, ttl: Duration) -> Self {
+        Self { me: me.to_owned(), ttl, held: None }
+    }
+
+    /// How often a claim is made: a third of the time to live, as
+    /// Kubernetes renews (two claims may fail before the lease lapses).
+    pub fn period(&self) -> Duration {
+        self.ttl / 3
+    }
+
+    /// The epoch a claim renews (`0`: we hold none).
+    pub fn epoch(&self) -> u64 {
+        self.held.map_or(0, |(epoch, _)| epoch)
+    }
+
+    /// When we stop leading unless renewed; `None` as a follower.
+    pub fn deadline(&self) -> Option<Instant> {
+        self.held.map(|(_, deadline)| deadline)
+    }
+
+    /// A claim started at `started` answered `answer` (`None`: it failed).
+    pub fn observe(&mut self, started: Instant, answer: Option<&LeaseRow>, now: Instant) -> Outcome {
+        let deadline = started + self.ttl;
+        let outcome = match (self.held, answer) {
+            (_, None) => return self.tick(now).map_or(Outcome::Unchanged, Outcome::Deposed),
+            (None, Some(row)) if row.ours => Outcome::Lead { epoch: row.epoch, deadline },
+            (None, Some(row)) => {
+                // Our own id without our claim: an earlier process of ours.
+                let leads = row.remaining > Duration::ZERO && !row.holder.is_empty() && row.holder != self.me;
+                Outcome::Follow {
+                    leader: leads.then(|| (row.holder.clone(), row.holder_url.clone())),
+                    epoch: row.epoch,
+                }
+            }
+            (Some((epoch, _)), Some(row)) if row.ours && row.epoch == epoch => Outcome::Renewed { deadline },
+            (Some(_), Some(row)) if row.ours => Outcome::Deposed(Deposition::Lapsed { epoch: row.epoch }),
+            (Some(_), Some(row)) => {
+                Outcome::Deposed(Deposition::Taken { holder: row.holder.clone(), epoch: row.epoch })
+            }
+        };
+        // A renew answered after its own deadline renews nothing.
+        match outcome {
+            Outcome::Lead { epoch, deadline } if now < deadline => {
+                self.held = Some((epoch, deadline));
+                Outcome::Lead { epoch, deadline }
+            }
+            Outcome::Lead { epoch, .. } => Outcome::Follow { leader: None, epoch },
+            Outcome::Renewed { deadline } if now < deadline => {
+                self.held = self.held.map(|(epoch, _)| (epoch, deadline));
+                Outcome::Renewed { deadline }
+            }
+            Outcome::Renewed { .. } => Outcome::Deposed(Deposition::DeadlinePassed),
+            other => other,
+        }
+    }
+
+    /// Whether the passing of time alone deposes us.
+    pub fn tick(&self, now: Instant) -> Option<Deposition> {
+        let (_, deadline) = self.held?;
+        (now >= deadline).then_some(Deposition::DeadlinePassed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::Millis;
+
+    const TTL: Duration = Duration::from_secs(9);
+
+    fn row(holder: &str, epoch: u64, ours: bool, remaining_s: u64) -> LeaseRow {
+        LeaseRow {
+            epoch,
+            holder: holder.into(),
+            holder_url: format!("http://{holder}"),
+            ours,
+            remaining: Duration::from_secs(remaining_s),
+            expires_at: Millis(0),
+        }
+    }
+
+    #[test]
+    fn a_claim_that_takes_the_lease_leads_until_its_start_plus_the_ttl() {
+        let t0 = Instant::now();
+        let mut lease = Lease::new("a", TTL);
+        assert_eq!(lease.period(), Duration::from_secs(3));
+        let answered = t0 + Duration::from_secs(2);
+        assert_eq!(
+            lease.observe(t0, Some(&row("a", 4, true, 9)), answered),
+            Outcome::Lead { epoch: 4, deadline: t0 + TTL }
+        );
+        assert_eq!((lease.epoch(), lease.deadline()), (4, Some(t0 + TTL)));
+    }
+
+    #[test]
+    fn a_renew_moves_the_deadline_from_its_own_start() {
+        let t0 = Instant::now();
+        let mut lease = Lease::new("a", TTL);
+        lease.observe(t0, Some(&row("a", 4, true, 9)), t0);
+        let t1 = t0 + Duration::from_secs(3);
+        assert_eq!(lease.observe(t1, Some(&row("a", 4, true, 9)), t1), Outcome::Renewed { deadline: t1 + TTL });
+        assert_eq!(lease.tick(t1 + TTL - Duration::from_millis(1)), None);
+        assert_eq!(lease.tick(t1 + TTL), Some(Deposition::DeadlinePassed));
+    }
+
+    #[test]
+    fn a_leader_whose_lease_another_holds_or_that_was_taken_anew_is_deposed() {
+        let t0 = Instant::now();
+        let mut lease = Lease::new("a", TTL);
+        lease.observe(t0, Some(&row("a", 4, true, 9)), t0);
+        let taken = lease.clone().observe(t0, Some(&row("b", 5, false, 9)), t0);
+        assert_eq!(taken, Outcome::Deposed(Deposition::Taken { holder: "b".into(), epoch: 5 }));
+        let anew = lease.observe(t0, Some(&row("a", 5, true, 9)), t0);
+        assert_eq!(anew, Outcome::Deposed(Deposition::Lapsed { epoch: 5 }));
+    }
+
+    #[test]
+    fn failed_claims_change_nothing_until_the_deadline_passes() {
+        let t0 = Instant::now();
+        let mut lease = Lease::new("a", TTL);
+        assert_eq!(lease.observe(t0, None, t0), Outcome::Unchanged, "a follower waits");
+        lease.observe(t0, Some(&row("a", 4, true, 9)), t0);
+        assert_eq!(lease.observe(t0, None, t0 + Duration::from_secs(8)), Outcome::Unchanged);
+        assert_eq!(lease.observe(t0, None, t0 + TTL), Outcome::Deposed(Deposition::DeadlinePassed));
+    }
+
+    #[test]
+    fn an_answer_after_its_own_deadline_neither_leads_nor_renews() {
+        let t0 = Instant::now();
+        let late = t0 + TTL + Duration::from_secs(1);
+        let mut lease = Lease::new("a", TTL);
+        assert_eq!(lease.observe(t0, Some(&row("a", 4, true, 9)), late), Outcome::Follow { leader: None, epoch: 4 });
+        assert_eq!(lease.epoch(), 0);
+        lease.observe(late, Some(&row("a", 4, true, 9)), late);
+        let stale = lease.observe(late, Some(&row("a", 4, true, 9)), late + TTL);
+        assert_eq!(stale, Outcome::Deposed(Deposition::DeadlinePassed));
+    }
+
+    #[test]
+    fn a_follower_follows_a_running_lease_and_nobody_an_expired_one() {
+        let t0 = Instant::now();
+        let mut lease = Lease::new("a", TTL);
+        let leader = Some(("b".to_owned(), "http://b".to_owned()));
+        assert_eq!(lease.observe(t0, Some(&row("b", 5, false, 4)), t0), Outcome::Follow { leader, epoch: 5 });
+        assert_eq!(lease.observe(t0, Some(&row("b", 5, false, 0)), t0), Outcome::Follow { leader: None, epoch: 5 });
+        assert_eq!(lease.observe(t0, Some(&row("", 0, false, 0)), t0), Outcome::Follow { leader: None, epoch: 0 });
+        let earlier_self = lease.observe(t0, Some(&row("a", 6, false, 4)), t0);
+        assert_eq!(earlier_self, Outcome::Follow { leader: None, epoch: 6 }, "an earlier process with our id");
+        assert_eq!(lease.epoch(), 0);
+    }
+}

@@ -1,0 +1,457 @@
+//! Three `standby-server serve` replicas on one PostgreSQL store (the
+//! `spool` provider: the test starts a real `standby` agent for each
+//! standby credential the leader spools), agents reaching the replicas
+//! through a small round-robin TCP balancer, so their sockets spread over
+//! the replicas and those on followers are relayed to the leader.
+//!
+//! Each run appends its own marker to one file: a run executed twice would
+//! show there, whatever the servers believe.
+//!
+//! Needs PostgreSQL (`STANDBY_TEST_POSTGRES`, see `scripts/postgres`): each
+//! test gets a schema of its own; under `CI=true` a missing one fails it.
+
+use std::collections::{BTreeMap, HashSet};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+use serde_json::{Value, json};
+use standby_e2e::harness::{AgentBuilder, AgentProcess};
+use standby_e2e::postgres::TestSchema;
+use standby_e2e::server_process::{API_KEY, ServerBuilder, ServerProcess, free_addr, tail};
+use tokio::net::{TcpListener, TcpStream};
+
+const WAIT: Duration = Duration::from_secs(90);
+/// Short enough for a quick failover, long enough for two loaded cores.
+const LEASE_TTL: &str = "3s";
+/// The deposed leader's exit code (`standby-server serve --help`).
+const DEPOSED: i32 = 3;
+
+/// A TCP balancer on 127.0.0.1: each connection goes to the next replica
+/// that accepts it (a dead one is skipped), as a load balancer would.
+struct Balancer {
+    addr: SocketAddr,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Balancer {
+    async fn start(targets: Vec<SocketAddr>) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind the balancer");
+        let addr = listener.local_addr().expect("an address");
+        let next = Arc::new(AtomicUsize::new(0));
+        let task = tokio::spawn(async move {
+            while let Ok((mut client, _)) = listener.accept().await {
+                let (targets, next) = (targets.clone(), Arc::clone(&next));
+                tokio::spawn(async move {
+                    for _ in 0..targets.len() {
+                        let target = targets[next.fetch_add(1, Ordering::Relaxed) % targets.len()];
+                        let connect = tokio::time::timeout(Duration::from_secs(1), TcpStream::connect(target)).await;
+                        if let Ok(Ok(mut server)) = connect {
+                            let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        Self { addr, task }
+    }
+
+    fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+}
+
+impl Drop for Balancer {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Starts an agent for each credential the leader spools, through the
+/// balancer; keeps them until dropped.
+struct Agents {
+    task: tokio::task::JoinHandle<()>,
+    started: Arc<Mutex<Vec<AgentProcess>>>,
+}
+
+impl Agents {
+    fn start(spool: PathBuf, server_url: String) -> Self {
+        let started = Arc::new(Mutex::new(Vec::new()));
+        let agents = Arc::clone(&started);
+        let task = tokio::spawn(async move {
+            let mut seen = HashSet::new();
+            loop {
+                for entry in std::fs::read_dir(&spool).into_iter().flatten().flatten() {
+                    let path = entry.path();
+                    if path.extension().is_none_or(|ext| ext != "token") || !seen.insert(path.clone()) {
+                        continue;
+                    }
+                    let Ok(token) = std::fs::read_to_string(&path) else { continue };
+                    let agent = AgentBuilder::new(&server_url, token.trim()).heartbeat_interval("500ms").spawn();
+                    agents.lock().unwrap_or_else(PoisonError::into_inner).push(agent);
+                }
+                // The spool is files another process writes: polled.
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        });
+        Self { task, started }
+    }
+}
+
+impl Drop for Agents {
+    fn drop(&mut self) {
+        self.task.abort();
+        self.started.lock().unwrap_or_else(PoisonError::into_inner).clear();
+    }
+}
+
+struct Cluster {
+    replicas: Vec<Option<ServerProcess>>,
+    logs: Vec<PathBuf>,
+    builders: Vec<ServerBuilder>,
+    marks: PathBuf,
+    _agents: Agents,
+    _balancer: Balancer,
+    _dir: tempfile::TempDir,
+    schema: TestSchema,
+}
+
+/// A failed test shows every replica's log: the one that led may be gone.
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            for log in &self.logs {
+                eprintln!("--- {} ---\n{}", log.display(), tail(log, 80));
+            }
+        }
+    }
+}
+
+impl Cluster {
+    async fn start(test: &str, pool_size: usize) -> Option<Self> {
+        let schema = TestSchema::create(&format!("replicas::{test}"))?;
+        let dir = tempfile::Builder::new().prefix("standby-replicas-").tempdir().expect("a temp dir");
+        let spool = dir.path().join("spool");
+        std::fs::create_dir_all(&spool).expect("the spool");
+        let url = schema.url();
+        let builders: Vec<ServerBuilder> = (0..3)
+            .map(|index| {
+                let mark = format!("replicas-{}-{index}-{}", std::process::id(), schema.name());
+                ServerBuilder::new(
+                    &dir.path().join(format!("data{index}")),
+                    &dir.path().join(format!("r{index}.log")),
+                    &mark,
+                )
+                .args(&["--provider", "spool", "--spool-dir", &spool.display().to_string(), "--store", &url])
+                // A restarted replica keeps its port: the balancer's list holds.
+                .listen(free_addr())
+                .args(&["--lease-ttl", LEASE_TTL, "--replica-id", &format!("r{index}")])
+                // Every replica opens what any of them sealed.
+                .args(&["--secret-key-file", &dir.path().join("secret.key").display().to_string()])
+                .args(&[
+                    "--pool-size",
+                    &pool_size.to_string(),
+                    "--heartbeat-interval",
+                    "500ms",
+                    "--linger",
+                    "2s",
+                ])
+            })
+            .collect();
+        let logs = (0..3).map(|index| dir.path().join(format!("r{index}.log"))).collect();
+        let mut replicas = Vec::new();
+        for builder in &builders {
+            replicas.push(Some(builder.start().await));
+        }
+        let balancer = Balancer::start(replicas.iter().flatten().map(ServerProcess::addr).collect()).await;
+        let agents = Agents::start(spool, balancer.url());
+        let marks = dir.path().join("marks");
+        Some(Self { replicas, logs, builders, marks, _agents: agents, _balancer: balancer, _dir: dir, schema })
+    }
+
+    fn replica(&self, index: usize) -> &ServerProcess {
+        self.replicas[index].as_ref().expect("a live replica")
+    }
+
+    fn live(&self) -> impl Iterator<Item = (usize, &ServerProcess)> {
+        self.replicas.iter().enumerate().filter_map(|(index, replica)| Some((index, replica.as_ref()?)))
+    }
+
+    /// The leader's index and epoch once every live replica names the same
+    /// live one (other than `not`) and it says it leads.
+    async fn leader(&self, not: Option<usize>) -> (usize, u64) {
+        let (_, any) = self.live().next().expect("a live replica");
+        any.until("the replicas to agree on a leader", WAIT, async || {
+            let mut named = HashSet::new();
+            let mut epoch = 0;
+            for (index, replica) in self.live() {
+                let view = replica.get("/v1/cluster").await;
+                let leader: usize = view["leader"]["id"].as_str()?.strip_prefix('r')?.parse().ok()?;
+                if leader == index && view["role"] != "leader" {
+                    return None;
+                }
+                named.insert(leader);
+                epoch = view["epoch"].as_u64()?;
+            }
+            let leader = *named.iter().next()?;
+            let live = self.replicas.get(leader).is_some_and(Option::is_some);
+            (named.len() == 1 && live && Some(leader) != not).then_some((leader, epoch))
+        })
+        .await
+    }
+
+    /// A run whose command appends `marker` to the marks file.
+    fn run_body(&self, marker: &str) -> Value {
+        let line = format!("echo {marker} >> {}", self.marks.display());
+        json!({"command": ["sh", "-c", line]})
+    }
+
+    /// How many times each marker was executed.
+    fn executions(&self) -> BTreeMap<String, usize> {
+        let mut counts = BTreeMap::new();
+        for line in std::fs::read_to_string(&self.marks).unwrap_or_default().lines() {
+            *counts.entry(line.trim().to_owned()).or_insert(0) += 1;
+        }
+        counts
+    }
+
+    /// Submits through replica `index` under `key`, retrying through the
+    /// next live replicas (as a client would, with the same key) until one
+    /// answers `201`; the run's id.
+    async fn submit(&self, index: usize, key: &str, body: &Value) -> String {
+        let any = self.live().next().expect("a live replica").1;
+        any.until("a submission to be accepted", WAIT, async || {
+            let live: Vec<(usize, &ServerProcess)> = self.live().collect();
+            let first = live.iter().position(|(at, _)| *at >= index).unwrap_or(0);
+            for offset in 0..live.len() {
+                let (_, replica) = live[(first + offset) % live.len()];
+                let response = reqwest::Client::new()
+                    .post(format!("{}/v1/runs", replica.url()))
+                    .bearer_auth(API_KEY)
+                    .header("Idempotency-Key", key)
+                    .json(body)
+                    .timeout(Duration::from_secs(10))
+                    .send()
+                    .await;
+                if let Ok(response) = response
+                    && response.status().as_u16() == 201
+                    && let Ok(created) = response.json::<Value>().await
+                {
+                    return created["id"].as_str().map(str::to_owned);
+                }
+            }
+            None
+        })
+        .await
+    }
+
+    /// Waits for every run to finish (read through any live replica, a
+    /// `503` of an election under way read again); their final records.
+    async fn finished(&self, ids: &[String]) -> Vec<Value> {
+        let mut done = Vec::new();
+        for id in ids {
+            let (_, any) = self.live().next().expect("a live replica");
+            let path = format!("/v1/runs/{id}");
+            let run = any
+                .until("the run to finish", WAIT, async || {
+                    let (status, run) = any.try_call(reqwest::Method::GET, &path, Some(API_KEY), None).await?;
+                    let over = matches!(run["state"].as_str(), Some("exited" | "failed" | "cancelled"));
+                    (status == 200 && over).then_some(run)
+                })
+                .await;
+            done.push(run);
+        }
+        done
+    }
+
+    /// Every run exited 0 and was executed exactly once; its `started`
+    /// events, one per run.
+    async fn assert_once(&self, markers: &BTreeMap<String, String>, runs: &[Value]) {
+        for run in runs {
+            assert_eq!((run["state"].as_str(), run["exit_code"].as_i64()), (Some("exited"), Some(0)), "{run}");
+        }
+        let executions = self.executions();
+        for (marker, id) in markers {
+            assert_eq!(executions.get(marker), Some(&1), "run {id} ({marker}) executed once: {executions:?}");
+            let (_, any) = self.live().next().expect("a live replica");
+            let events = any.get(&format!("/v1/runs/{id}/events")).await;
+            let started = events["events"]
+                .as_array()
+                .map_or(0, |events| events.iter().filter(|event| event["event"]["type"] == "started").count());
+            assert_eq!(started, 1, "one start of {id}: {events}");
+        }
+        assert_eq!(executions.len(), markers.len(), "nothing else ran: {executions:?}");
+    }
+}
+
+#[tokio::test]
+async fn runs_submitted_through_every_replica_start_exactly_once() {
+    let Some(cluster) = Cluster::start("through_every_replica", 3).await else { return };
+    let (leader, _) = cluster.leader(None).await;
+    let mut markers = BTreeMap::new();
+    for round in 0..3 {
+        for index in 0..3 {
+            let marker = format!("m-{round}-{index}");
+            let id = cluster.submit(index, &marker, &cluster.run_body(&marker)).await;
+            markers.insert(marker, id);
+        }
+    }
+    let ids: Vec<String> = markers.values().cloned().collect();
+    let runs = cluster.finished(&ids).await;
+    cluster.assert_once(&markers, &runs).await;
+
+    let metrics = cluster.replica((leader + 1) % 3).call(reqwest::Method::GET, "/metrics", Some(API_KEY), None).await;
+    let text = metrics.1.as_str().unwrap_or_default().to_owned();
+    assert!(text.contains("standby_leader 0"), "a follower's metrics: {text}");
+    let forwarded: u64 = text
+        .lines()
+        .find_map(|line| line.strip_prefix("standby_forwarded_requests_total "))
+        .and_then(|count| count.parse().ok())
+        .unwrap_or(0);
+    assert!(forwarded > 0, "the follower forwarded calls: {text}");
+    let health = cluster.replica(leader).call(reqwest::Method::GET, "/healthz", None, None).await;
+    assert_eq!(health.1, Value::String(format!("ok leader r{leader}")));
+}
+
+#[tokio::test]
+async fn a_killed_leader_is_replaced_and_a_burst_loses_nothing_and_runs_nothing_twice() {
+    let Some(mut cluster) = Cluster::start("killed_leader", 3).await else { return };
+    let (leader, epoch) = cluster.leader(None).await;
+    let mut markers = BTreeMap::new();
+    for n in 0..12 {
+        if n == 4 {
+            cluster.replica(leader).crash().await;
+            cluster.replicas[leader] = None;
+        }
+        let marker = format!("burst-{n}");
+        let id = cluster.submit(n % 3, &marker, &cluster.run_body(&marker)).await;
+        markers.insert(marker, id);
+    }
+    let (next, next_epoch) = cluster.leader(Some(leader)).await;
+    assert!(next != leader && next_epoch > epoch, "r{next} leads at epoch {next_epoch} after r{leader} at {epoch}");
+    let ids: Vec<String> = markers.values().cloned().collect();
+    let runs = cluster.finished(&ids).await;
+    cluster.assert_once(&markers, &runs).await;
+    // The killed replica comes back as a follower.
+    let restarted = cluster.builders[leader].start().await;
+    cluster.replicas[leader] = Some(restarted);
+    assert_eq!(cluster.leader(None).await.0, next, "the leader stays");
+}
+
+/// A leader paused past its lease (SIGSTOP: its socket still accepts, the
+/// kernel buffers what arrives) wakes up after another took over: the
+/// submit it was sent meanwhile is neither committed nor answered `201`,
+/// and it exits with the deposed code.
+#[tokio::test]
+async fn a_paused_leader_woken_after_a_takeover_commits_and_sends_nothing_and_exits_deposed() {
+    let Some(mut cluster) = Cluster::start("paused_leader", 2).await else { return };
+    let (leader, epoch) = cluster.leader(None).await;
+    // A run before the pause: the agents are connected and ready.
+    let mut markers = BTreeMap::new();
+    let id = cluster.submit(leader, "before", &cluster.run_body("before")).await;
+    markers.insert("before".to_owned(), id);
+    cluster.finished(&markers.values().cloned().collect::<Vec<_>>()).await;
+
+    let paused = cluster.replicas[leader].take().expect("the leader");
+    kill(Pid::from_raw(paused.pid()), Signal::SIGSTOP).expect("SIGSTOP");
+    let (next, next_epoch) = cluster.leader(Some(leader)).await;
+    assert!(next_epoch > epoch);
+    // The paused leader's kernel accepts this and buffers it.
+    let body = cluster.run_body("while-paused");
+    let url = format!("{}/v1/runs", paused.url());
+    let sent = tokio::spawn(async move {
+        let response = reqwest::Client::new()
+            .post(url)
+            .bearer_auth(API_KEY)
+            .json(&body)
+            .timeout(Duration::from_secs(60))
+            .send()
+            .await;
+        response.map(|response| response.status().as_u16())
+    });
+    // Give the request time to reach the paused process's socket buffer:
+    // no event can tell that it arrived in a stopped process.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    kill(Pid::from_raw(paused.pid()), Signal::SIGCONT).expect("SIGCONT");
+    let status = paused.exited(WAIT).await;
+    assert_eq!(status.code(), Some(DEPOSED), "the woken leader exits deposed: {status}");
+    let answer = sent.await.expect("no panic");
+    assert!(!matches!(answer, Ok(201)), "the paused leader accepted a run: {answer:?}");
+    let committed = cluster.schema.query_text("SELECT id FROM runs WHERE doc LIKE '%while-paused%'");
+    assert!(committed.is_empty(), "the paused leader committed {committed:?}");
+
+    // The new leader carries on: a run through it starts once.
+    let id = cluster.submit(next, "after", &cluster.run_body("after")).await;
+    markers.insert("after".to_owned(), id);
+    let runs = cluster.finished(&markers.values().cloned().collect::<Vec<_>>()).await;
+    cluster.assert_once(&markers, &runs).await;
+}
+
+/// The epoch fence on its own: the lease moves to another holder (as a
+/// takeover by a replica whose clock ran ahead would) while the leader runs
+/// and its own lease has not lapsed by its clock. Its next write, a submit,
+/// fails on the epoch: no `201`, nothing committed, and it exits deposed.
+#[tokio::test]
+async fn a_leader_whose_epoch_moved_on_commits_nothing_and_exits_deposed() {
+    let Some(mut cluster) = Cluster::start("epoch_moved", 1).await else { return };
+    let (leader, _) = cluster.leader(None).await;
+    cluster.schema.execute(
+        "UPDATE cluster_lease SET epoch = epoch + 1, holder = 'intruder', holder_url = 'http://127.0.0.1:9', \
+         expires_at = now() + interval '1 hour'",
+    );
+    let (status, answer) = cluster
+        .replica(leader)
+        .call(reqwest::Method::POST, "/v1/runs", Some(API_KEY), Some(&cluster.run_body("fenced")))
+        .await;
+    assert_ne!(status, 201, "a leader at an old epoch accepted a run: {answer}");
+    let deposed = cluster.replicas[leader].take().expect("the leader");
+    let exit = deposed.exited(WAIT).await;
+    assert_eq!(exit.code(), Some(DEPOSED), "the fenced leader exits deposed: {exit}");
+    let committed = cluster.schema.query_text("SELECT id FROM runs WHERE doc LIKE '%fenced%'");
+    assert!(committed.is_empty(), "the fenced leader committed {committed:?}");
+}
+
+/// The failover benchmark (`scripts/bench-replicas`, not a test: ignored
+/// by default): ten times, SIGKILL the leader with a standby ready, submit
+/// at once through a survivor, and measure from the kill to the new
+/// leader's dispatch of that run (its `assignment_sent`, by the server's
+/// clock on this machine); the killed replica is restarted each round.
+#[tokio::test]
+#[ignore = "a benchmark: scripts/bench-replicas"]
+async fn bench_failover_from_a_leader_kill_to_the_next_dispatch() {
+    let Some(mut cluster) = Cluster::start("bench_failover", 2).await else { return };
+    let rounds: usize = std::env::var("BENCH_ROUNDS").ok().and_then(|n| n.parse().ok()).unwrap_or(10);
+    let mut times = Vec::new();
+    for round in 0..rounds {
+        let (leader, _) = cluster.leader(None).await;
+        let (_, any) = cluster.live().next().expect("a live replica");
+        any.until("a ready standby", WAIT, async || {
+            let sandboxes = cluster.replica(leader).get("/v1/sandboxes").await;
+            let ready = sandboxes["sandboxes"].as_array()?.iter().any(|sandbox| sandbox["candidate"] == true);
+            ready.then_some(())
+        })
+        .await;
+        let killed_at = std::time::SystemTime::now();
+        cluster.replica(leader).crash().await;
+        cluster.replicas[leader] = None;
+        let marker = format!("failover-{round}");
+        let id = cluster.submit((leader + 1) % 3, &marker, &cluster.run_body(&marker)).await;
+        let run = cluster.finished(std::slice::from_ref(&id)).await.remove(0);
+        let sent = run["timestamps"]["assignment_sent"].as_str().expect("dispatched");
+        let sent = humantime::parse_rfc3339(sent).expect("an RFC 3339 time");
+        times.push(sent.duration_since(killed_at).unwrap_or_default());
+        cluster.replicas[leader] = Some(cluster.builders[leader].start().await);
+    }
+    times.sort();
+    let median = times[times.len() / 2];
+    let max = times[times.len() - 1];
+    eprintln!(
+        "failover (leader SIGKILL → first dispatch by the new leader), lease TTL {LEASE_TTL}, {rounds} rounds: \
+         p50 {median:?}, max {max:?}; all: {times:?}"
+    );
+}
