@@ -17,7 +17,7 @@ use nix::sys::signal::Signal;
 use serde_json::{Value, json};
 use standby_e2e::docker::{self, Cleanup, IMAGE, SPY_IMAGE, inspect, spied_credentials};
 use standby_e2e::harness::write_json;
-use standby_e2e::server_process::{ServerBuilder, ServerProcess, free_addr, free_fixed_port};
+use standby_e2e::server_process::{ServerBuilder, ServerProcess, free_fixed_port};
 use standby_protocol::{PROTOCOL_HEADER, PROTOCOL_VERSION, SPEC_PATH};
 
 const WAIT: Duration = Duration::from_secs(60);
