@@ -378,6 +378,7 @@ impl Driver {
                 spool_dir: StateDir::of(&self.config.workspace).path().to_path_buf(),
                 bound: self.config.log_spool_max,
                 drain: logship::DRAIN_BOUND,
+                attempt: logship::ATTEMPT_BOUND,
             },
         ));
         let started_event = tokio::spawn({

@@ -78,6 +78,11 @@ struct Cli {
     /// Keep `<out>/work` (the workspace, server data, agent logs) afterwards.
     #[arg(long)]
     keep_work: bool,
+    /// Only generate the latency benchmark's workspace under `<out>/work`
+    /// and print its `workspace` JSON: `scripts/bench-docker` serves that
+    /// repository to its containers, so both benchmarks clone the same one.
+    #[arg(long)]
+    fixture_only: bool,
 }
 
 /// The endpoint latency follow-up turns are measured at: a server in the
@@ -145,7 +150,7 @@ async fn run(cli: Cli) -> Result<()> {
         burst: None,
         compare: None,
     };
-    let needs_fixture = parts.iter().any(|part| !matches!(part, Part::Capacity | Part::Burst));
+    let needs_fixture = cli.fixture_only || parts.iter().any(|part| !matches!(part, Part::Capacity | Part::Burst));
     let fixture = if needs_fixture {
         let size = RepoSize { files: 2000, bytes_per_file: 10 * 1024 };
         let light = cli.quick && fixture::pip_installs_elsewhere(&fixture::python()?);
@@ -156,6 +161,10 @@ async fn run(cli: Cli) -> Result<()> {
     } else {
         None
     };
+    if let (true, Some(fixture)) = (cli.fixture_only, &fixture) {
+        writeln!(std::io::stdout(), "{}", fixture.workspace).context("writing to stdout")?;
+        return Ok(());
+    }
     let heartbeat = Duration::from_millis(500);
     if let (true, Some(fixture)) = (parts.contains(&Part::Latency), &fixture) {
         let options = latency::LatencyOptions {

@@ -37,7 +37,7 @@ use self::batch::{After, Batch, reply};
 
 /// Bound on setting a sandbox's auto-stop: it is best effort, and never
 /// holds up a launch or a resume for longer.
-const AUTO_STOP_BOUND: Duration = Duration::from_secs(5);
+pub(crate) const AUTO_STOP_BOUND: Duration = Duration::from_secs(5);
 
 /// What a socket task is told to do.
 #[derive(Debug)]
