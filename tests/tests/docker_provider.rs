@@ -388,7 +388,9 @@ async fn an_adopted_container_gets_its_recorded_auto_stop_back_after_a_restart()
 
 #[tokio::test]
 async fn an_archived_sandbox_is_made_again_from_its_image_and_its_image_removed_by_age() {
-    // Minutes of 1 s: archived 2 s after its stop, removed 20 s after.
+    // Minutes of 1 s: archived 2 s after its stop, never removed until the
+    // restart below (so that no load can let the age pass before the
+    // resume), then removed 3 s after its stop.
     let args = [
         "--pool-size",
         "0",
@@ -397,11 +399,11 @@ async fn an_archived_sandbox_is_made_again_from_its_image_and_its_image_removed_
         "--auto-archive",
         "2",
         "--auto-delete",
-        "20",
+        "0",
         "--provider-minute",
         "1s",
     ];
-    let Some(server) = Server::start("archive", &args).await else { return };
+    let Some(mut server) = Server::start("archive", &args).await else { return };
     let first = server.turn("chat-6", "echo note-from-turn-1 > note.txt").await;
     let sandbox_id = sandbox_of(&first);
     let image = format!("standby-archive:{sandbox_id}");
@@ -422,10 +424,14 @@ async fn an_archived_sandbox_is_made_again_from_its_image_and_its_image_removed_
     let server_log = std::fs::read_to_string(server.log_path()).expect("the server log");
     assert!(server_log.contains("made again from its image"), "{}", server.agent_logs());
 
-    // Stopped again, archived again, then removed by age: the next turn
-    // finds nothing and falls back to cold with the reason.
+    // Stopped again, archived again, then (by a server restarted with a
+    // retention) removed by age: the next turn finds nothing and falls
+    // back to cold with the reason.
     server.parked(&sandbox_id, "stopped").await;
     server.until("the sandbox archived again", archived).await;
+    server.process.as_ref().expect("the server runs").crash().await;
+    server.builder = server.builder.clone().with_arg("--auto-delete", "3");
+    server.process = Some(server.builder.start().await);
     server
         .until("the archive image removed by age", async || {
             docker::docker(&["image", "inspect", &image]).is_none().then_some(())
