@@ -354,6 +354,7 @@ impl Driver {
         let shell = prepared.shell.take().ok_or_else(InstallFailure::shell_gone)?;
         // Killing and reaping the shell and forking the run block: off the
         // runtime, which keeps the heartbeats going meanwhile.
+        let spawning = Instant::now();
         let (installed, replaced) = process::off_runtime(move || {
             let replaced = shell.replace(&installed.argv, &installed.cwd, &installed.env);
             (installed, replaced)
@@ -363,7 +364,7 @@ impl Driver {
         let mut run = replaced.map_err(|e| InstallFailure::start_failed(&installed.argv[0], &e))?;
         let started_at = Instant::now();
         let group = run.group();
-        self.log_timing(&execution_id, &installed, started_at);
+        self.log_timing(&execution_id, &installed, started_at.duration_since(spawning), started_at);
 
         let redactor = Redactor::new(installed.secrets.iter().map(Secret::expose).chain([self.config.token.expose()]));
         let output = run.take_output();
@@ -377,6 +378,7 @@ impl Driver {
                 spool_dir: StateDir::of(&self.config.workspace).path().to_path_buf(),
                 bound: self.config.log_spool_max,
                 drain: logship::DRAIN_BOUND,
+                attempt: logship::ATTEMPT_BOUND,
             },
         ));
         let started_event = tokio::spawn({
@@ -392,9 +394,10 @@ impl Driver {
         Ok(())
     }
 
-    /// One line with the duration of every install step, the confirmation
-    /// and the critical path from assignment to start.
-    fn log_timing(&self, execution_id: &str, installed: &Installed, started_at: Instant) {
+    /// One line with the duration of every install step, the confirmation,
+    /// the spawn on the prepared terminal and the critical path from
+    /// assignment to start.
+    fn log_timing(&self, execution_id: &str, installed: &Installed, spawn: Duration, started_at: Instant) {
         let since_assignment = |at: Option<Instant>| at.zip(self.assigned_at).map(|(at, from)| at.duration_since(from));
         let steps = installed
             .steps
@@ -405,6 +408,7 @@ impl Driver {
         tracing::info!(
             execution_id,
             confirm_ms = since_assignment(self.confirmed_at).map(|d| d.as_millis() as u64),
+            spawn_ms = spawn.as_millis() as u64,
             critical_path_ms = since_assignment(Some(started_at)).map(|d| d.as_millis() as u64),
             plan = ?self.config.install_plan,
             steps,

@@ -20,6 +20,12 @@
 //! - Once the output has ended, the sender has `drain` (default
 //!   [`DRAIN_BOUND`], 30 s) to get the rest acknowledged; then it gives up,
 //!   so a dead log endpoint cannot hold the run's final event forever.
+//! - A chunk unanswered for `attempt` (default [`ATTEMPT_BOUND`], 10 s) is
+//!   sent again on a new connection: one that died without a reset (the
+//!   sandbox's network was cut and came back, as a container's can) would
+//!   otherwise hold it until the client's read timeout, past the drain
+//!   bound, and the end of the output would be lost though the server is
+//!   reachable again.
 
 mod ledger;
 mod store;
@@ -54,13 +60,19 @@ pub const SPOOL_BOUND: u64 = 64 * 1024 * 1024;
 /// acknowledged before the run's final event is reported anyway.
 pub const DRAIN_BOUND: Duration = Duration::from_secs(30);
 
-/// Where and how much to spool, and how long to drain.
+/// Default time one chunk's request may go unanswered before the chunk is
+/// sent again on a new connection.
+pub const ATTEMPT_BOUND: Duration = Duration::from_secs(10);
+
+/// Where and how much to spool, how long to drain, and how long one
+/// request may take.
 #[derive(Debug, Clone)]
 pub struct ShipConfig {
     /// Directory of the spool file (the workspace's `.standby/`).
     pub spool_dir: PathBuf,
     pub bound: u64,
     pub drain: Duration,
+    pub attempt: Duration,
 }
 
 /// What happened to the run's output.
@@ -129,7 +141,7 @@ pub async fn ship(
         tokio::task::spawn_blocking(move || spool_output(output, redactor, &shared, &execution_id))
     };
     let sender = Sender { path: paths::log(&execution_id), api, credential, execution_id, shared };
-    let report = sender.run(config.drain).await;
+    let report = sender.run(config.drain, config.attempt).await;
     // The spooler ends with the output; after a give-up it only drops.
     drop(spooler);
     report
@@ -197,7 +209,7 @@ struct Sender {
 }
 
 impl Sender {
-    async fn run(&self, drain: Duration) -> ShipReport {
+    async fn run(&self, drain: Duration, attempt_bound: Duration) -> ShipReport {
         let mut report = ShipReport::default();
         let mut gaps = 0;
         let mut delays = api::call_backoff().build();
@@ -219,7 +231,13 @@ impl Sender {
             };
             let body = LogChunk::after_gap(chunk.offset, chunk.dropped, &data);
             let attempt = self.api.post_or_conflict::<_, LogReceived>(&self.credential, &self.path, &body);
-            let Some(result) = within(drain_by, attempt).await else { break };
+            let Some(answered) = within(drain_by, tokio::time::timeout(attempt_bound, attempt)).await else { break };
+            // Dropping the request closes its connection: the next try
+            // opens another.
+            let Ok(result) = answered else {
+                tracing::info!(execution_id, offset = chunk.offset, bound = ?attempt_bound, "a log chunk was not answered in time; sent again");
+                continue;
+            };
             match result {
                 Ok(None) => {
                     let mut spool = self.shared.lock();
@@ -338,7 +356,7 @@ async fn sleep_until(at: Option<Instant>) {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
     use std::sync::{Arc, Mutex};
 
     use axum::Json;
@@ -377,6 +395,8 @@ mod tests {
     struct Server {
         received: Arc<Mutex<Received>>,
         fault: Arc<Fault>,
+        /// Requests left to leave unanswered forever (a dead connection).
+        stalls: Arc<AtomicUsize>,
     }
 
     /// The contract's log endpoint: every chunk judged by the ledger rule
@@ -387,6 +407,9 @@ mod tests {
         headers: HeaderMap,
         Json(chunk): Json<LogChunk>,
     ) -> Response {
+        if server.stalls.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |left| left.checked_sub(1)).is_ok() {
+            return std::future::pending().await;
+        }
         let mut received = server.received.lock().expect("lock is not poisoned");
         let bearer = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok());
         let protocol = headers.get(PROTOCOL_HEADER).and_then(|v| v.to_str().ok());
@@ -424,7 +447,7 @@ mod tests {
         // main installs one, tests do it here (a second install is refused,
         // which is fine).
         crate::api::install_tls_provider();
-        let server = Server { received: Arc::default(), fault: Arc::new(fault) };
+        let server = Server { received: Arc::default(), fault: Arc::new(fault), stalls: Arc::default() };
         let app = axum::Router::new().route(paths::LOG_ROUTE, axum::routing::post(receive)).with_state(server.clone());
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind a loopback port");
         let address = listener.local_addr().expect("bound address");
@@ -447,7 +470,7 @@ mod tests {
     }
 
     fn config(dir: &tempfile::TempDir, bound: u64, drain: Duration) -> ShipConfig {
-        ShipConfig { spool_dir: dir.path().to_path_buf(), bound, drain }
+        ShipConfig { spool_dir: dir.path().to_path_buf(), bound, drain, attempt: ATTEMPT_BOUND }
     }
 
     async fn ship_items(api: Api, items: Vec<Vec<u8>>, secrets: &[&str], config: ShipConfig) -> ShipReport {
@@ -543,6 +566,20 @@ mod tests {
         let report = shipping.await.expect("shipping does not panic");
         let received = received(&server);
         assert!(received.log == expected, "the log is complete and in order ({} bytes)", received.log.len());
+        assert_eq!(report.lost_bytes, 0);
+    }
+
+    #[tokio::test]
+    async fn a_chunk_left_unanswered_is_sent_again_and_the_log_arrives_whole_within_the_drain_bound() {
+        let (api, server) = serve(|_, _| None).await;
+        server.stalls.store(1, Ordering::SeqCst);
+        let dir = tempdir();
+        let items = vec![b"first line\n".to_vec(), b"second line\n".to_vec()];
+        // Without the attempt bound the first request would hold the chunk
+        // until the drain bound ended the shipping, the output lost.
+        let config = ShipConfig { attempt: Duration::from_millis(200), ..config(&dir, SPOOL_BOUND, DRAIN_BOUND) };
+        let report = ship_items(api, items.clone(), &[], config).await;
+        assert!(received(&server).log == items.concat(), "the whole output arrived");
         assert_eq!(report.lost_bytes, 0);
     }
 

@@ -90,7 +90,7 @@ pub struct CapacityResults {
 type Socket = WebSocketStream<MaybeTlsStream<TcpStream>>;
 
 /// What every connection task shares.
-struct Shared {
+pub struct Shared {
     ws_url: String,
     base_url: String,
     heartbeat: Duration,
@@ -100,6 +100,38 @@ struct Shared {
     failed: AtomicUsize,
     lost: AtomicUsize,
     assignments: mpsc::UnboundedSender<(String, Instant)>,
+}
+
+impl Shared {
+    /// For standbys of `server`, each reporting the assignment frame it
+    /// reads (the run id and when) on `assignments`.
+    pub fn new(
+        server: &ServerProc,
+        heartbeat: Duration,
+        assignments: mpsc::UnboundedSender<(String, Instant)>,
+    ) -> Result<Self> {
+        Ok(Self {
+            ws_url: format!("{}{}", server.url.replacen("http", "ws", 1), standby_protocol::SOCKET_PATH),
+            base_url: server.url.clone(),
+            heartbeat,
+            http: http_client()?,
+            handshakes: Semaphore::new(64),
+            connected: AtomicUsize::new(0),
+            failed: AtomicUsize::new(0),
+            lost: AtomicUsize::new(0),
+            assignments,
+        })
+    }
+
+    /// Standbys connected and not yet assigned.
+    pub fn connected(&self) -> usize {
+        self.connected.load(Ordering::Relaxed)
+    }
+
+    /// Standbys whose upgrade failed.
+    pub fn failed(&self) -> usize {
+        self.failed.load(Ordering::Relaxed)
+    }
 }
 
 /// Small buffers, as the agent itself would use: ten thousand sockets in
@@ -224,7 +256,7 @@ async fn act_out(shared: &Shared, assignment: &Assignment) -> Result<()> {
 }
 
 /// Connects every credential in the spool not connected before.
-fn connect_new(shared: &Arc<Shared>, spool: &Path, seen: &mut HashSet<PathBuf>, tasks: &mut JoinSet<()>) -> usize {
+pub fn connect_new(shared: &Arc<Shared>, spool: &Path, seen: &mut HashSet<PathBuf>, tasks: &mut JoinSet<()>) -> usize {
     let mut added = 0;
     for entry in std::fs::read_dir(spool).into_iter().flatten().flatten() {
         let path = entry.path();
@@ -240,11 +272,11 @@ fn connect_new(shared: &Arc<Shared>, spool: &Path, seen: &mut HashSet<PathBuf>, 
     added
 }
 
-fn progress(line: &str) {
+pub fn progress(line: &str) {
     let _ = writeln!(std::io::stderr(), "{line}");
 }
 
-fn spool_args(pool: usize, heartbeat: Duration, spool: &Path) -> Vec<OsString> {
+pub fn spool_args(pool: usize, heartbeat: Duration, spool: &Path) -> Vec<OsString> {
     let mut args: Vec<OsString> = Vec::new();
     for (flag, value) in [
         ("--provider", OsString::from("spool")),
@@ -265,7 +297,7 @@ fn spool_args(pool: usize, heartbeat: Duration, spool: &Path) -> Vec<OsString> {
     args
 }
 
-async fn wait_for(what: &str, timeout: Duration, mut done: impl AsyncFnMut() -> Result<bool>) -> Result<()> {
+pub async fn wait_for(what: &str, timeout: Duration, mut done: impl AsyncFnMut() -> Result<bool>) -> Result<()> {
     let deadline = Instant::now() + timeout;
     while !done().await? {
         if Instant::now() > deadline {
@@ -310,17 +342,7 @@ async fn level(
     let server =
         ServerProc::start(&name, server_bin, &dir, &spool_args(connections, options.heartbeat, &spool)).await?;
     let (sender, receiver) = mpsc::unbounded_channel();
-    let shared = Arc::new(Shared {
-        ws_url: format!("{}{}", server.url.replacen("http", "ws", 1), standby_protocol::SOCKET_PATH),
-        base_url: server.url.clone(),
-        heartbeat: options.heartbeat,
-        http: http_client()?,
-        handshakes: Semaphore::new(64),
-        connected: AtomicUsize::new(0),
-        failed: AtomicUsize::new(0),
-        lost: AtomicUsize::new(0),
-        assignments: sender,
-    });
+    let shared = Arc::new(Shared::new(&server, options.heartbeat, sender)?);
     let mut tasks = JoinSet::new();
     let mut level = Level { connections, ..Level::default() };
     let result = drive(options, &server, &shared, &spool, empty, receiver, &mut tasks, &mut level).await;

@@ -204,6 +204,38 @@ fn write(path: &Path, contents: &[u8]) -> Result<()> {
     std::fs::write(path, contents).with_context(|| format!("writing {}", path.display()))
 }
 
+/// `<root>/agent-<tag><plan>`: runs `standby_bin` with the install `plan`.
+fn wrapper(root: &Path, tag: &str, standby_bin: &Path, plan: &str, agent_logs: &Path) -> Result<PathBuf> {
+    let path = root.join(format!("agent-{tag}{plan}"));
+    // `exec` keeps the pid the server launched (and its parent-death
+    // signal); stderr (the agent's log) goes to a file the benchmark reads
+    // after the server deleted the sandbox.
+    let script = format!(
+        "#!/bin/sh\nexec '{}' --log-format json --install-plan {plan} \"$@\" 2>>'{}'/\"${{LOCAL_SANDBOX_ID:-$$}}\".log\n",
+        standby_bin.display(),
+        agent_logs.display()
+    );
+    executable(&path, &script)?;
+    Ok(path)
+}
+
+impl Fixture {
+    /// The same workspace and spec, with another agent binary (a baseline
+    /// build's): its wrappers are named after `tag`.
+    pub fn with_agent(&self, standby_bin: &Path, tag: &str) -> Result<Self> {
+        let root = self.spec_path.parent().ok_or_else(|| anyhow::anyhow!("the spec has no directory"))?;
+        Ok(Self {
+            spec_path: self.spec_path.clone(),
+            workspace: self.workspace.clone(),
+            agent_parallel: wrapper(root, &format!("{tag}-"), standby_bin, "parallel", &self.agent_logs)?,
+            agent_sequential: wrapper(root, &format!("{tag}-"), standby_bin, "sequential", &self.agent_logs)?,
+            agent_logs: self.agent_logs.clone(),
+            repo_files: self.repo_files,
+            repo_bytes: self.repo_bytes,
+        })
+    }
+}
+
 fn executable(path: &Path, contents: &str) -> Result<()> {
     use std::os::unix::fs::PermissionsExt as _;
     write(path, contents.as_bytes())?;
@@ -305,24 +337,11 @@ pub fn generate(root: &Path, size: RepoSize, setup: SetupKind, standby_bin: &Pat
 
     let agent_logs = root.join("agent-logs");
     std::fs::create_dir_all(&agent_logs).with_context(|| format!("creating {}", agent_logs.display()))?;
-    let wrapper = |plan: &str| -> Result<PathBuf> {
-        let path = root.join(format!("agent-{plan}"));
-        // `exec` keeps the pid the server launched (and its parent-death
-        // signal); stderr (the agent's log) goes to a file the benchmark
-        // reads after the server deleted the sandbox.
-        let script = format!(
-            "#!/bin/sh\nexec '{}' --log-format json --install-plan {plan} \"$@\" 2>>'{}'/\"${{LOCAL_SANDBOX_ID:-$$}}\".log\n",
-            standby_bin.display(),
-            agent_logs.display()
-        );
-        executable(&path, &script)?;
-        Ok(path)
-    };
     Ok(Fixture {
         spec_path,
         workspace,
-        agent_parallel: wrapper("parallel")?,
-        agent_sequential: wrapper("sequential")?,
+        agent_parallel: wrapper(root, "", standby_bin, "parallel", &agent_logs)?,
+        agent_sequential: wrapper(root, "", standby_bin, "sequential", &agent_logs)?,
         agent_logs,
         repo_files: size.files + 5,
         repo_bytes,

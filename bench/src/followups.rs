@@ -12,12 +12,12 @@ use std::ffi::OsString;
 use std::path::Path;
 use std::time::Duration;
 
-use anyhow::{Result, bail};
+use anyhow::{Result, anyhow, bail};
 use serde::Serialize;
 use serde_json::Value;
 
 use crate::fixture::Fixture;
-use crate::latency::{Timed, progress, run_once, submission};
+use crate::latency::{Build, Timed, progress, run_once, submission};
 use crate::server::ServerProc;
 use crate::stats::{Summary, summarize};
 
@@ -60,6 +60,9 @@ impl TurnPath {
 
 #[derive(Debug, Clone, Serialize)]
 pub struct FollowUpSample {
+    /// Which build ran it, when builds are compared side by side.
+    #[serde(skip_serializing_if = "str::is_empty")]
+    pub build: &'static str,
     pub tier: TurnPath,
     pub turn: usize,
     pub run_id: String,
@@ -91,6 +94,7 @@ pub struct FollowUpResults {
 }
 
 struct Side {
+    build: &'static str,
     tier: TurnPath,
     server: ServerProc,
     thread: String,
@@ -146,8 +150,24 @@ pub async fn run(
     latency_ms: u64,
     heartbeat: Duration,
 ) -> Result<FollowUpResults> {
+    let builds = [Build { label: "", fixture, server_bin }];
+    let samples = sample_turns(&builds, &TurnPath::ALL, work, turns, latency_ms, heartbeat).await?;
+    Ok(summarise(samples, turns, latency_ms, heartbeat))
+}
+
+/// Runs `turns` follow-up turns of each tier and build, one server per
+/// tier and build, one turn at a time in rotating order.
+pub async fn sample_turns(
+    builds: &[Build<'_>],
+    tiers: &[TurnPath],
+    work: &Path,
+    turns: usize,
+    latency_ms: u64,
+    heartbeat: Duration,
+) -> Result<Vec<FollowUpSample>> {
     let mut sides = Vec::new();
-    for tier in TurnPath::ALL {
+    for (&tier, build) in tiers.iter().flat_map(|tier| builds.iter().map(move |build| (tier, build))) {
+        let fixture = build.fixture;
         let mut args: Vec<OsString> = Vec::new();
         for (flag, value) in [
             ("--pool-size", "0".to_owned()),
@@ -165,18 +185,20 @@ pub async fn run(
             args.push(flag.into());
             args.push(value.into());
         }
-        let name = format!("follow-ups {}", tier.label());
-        let dir = work.join(format!("followups-{tier:?}").to_lowercase());
-        let server = ServerProc::start(&name, server_bin, &dir, &args).await?;
-        sides.push(Side { tier, server, thread: format!("bench-thread-{tier:?}").to_lowercase() });
+        let name = format!("{}follow-ups {}", build.prefix(), tier.label());
+        let tag = format!("{}{tier:?}", build.prefix().replace(' ', "-")).to_lowercase();
+        let dir = work.join(format!("followups-{tag}"));
+        let server = ServerProc::start(&name, build.server_bin, &dir, &args).await?;
+        sides.push(Side { build: build.label, tier, server, thread: format!("bench-thread-{tag}") });
     }
+    let fixture = builds.first().map(|build| build.fixture).ok_or_else(|| anyhow!("no build to measure"))?;
     let mut samples = Vec::new();
     let result = turns_of(fixture, &sides, turns, &mut samples).await;
     for side in sides {
         side.server.stop(Duration::from_secs(60)).await?;
     }
     result?;
-    Ok(summarise(samples, turns, latency_ms, heartbeat))
+    Ok(samples)
 }
 
 async fn turns_of(fixture: &Fixture, sides: &[Side], turns: usize, samples: &mut Vec<FollowUpSample>) -> Result<()> {
@@ -193,11 +215,12 @@ async fn turns_of(fixture: &Fixture, sides: &[Side], turns: usize, samples: &mut
             let timed: Timed = run_once(&side.server, &fixture.agent_logs, &body, side.tier.path()).await?;
             progress(&format!(
                 "  {:>29}  turn {:>2}/{turns}: submit→start {:>8.1} ms",
-                side.tier.label(),
+                format!("{} {}", side.build, side.tier.label()).trim_start(),
                 turn,
                 timed.submit_to_start_ms
             ));
             samples.push(FollowUpSample {
+                build: side.build,
                 tier: side.tier,
                 turn,
                 resume_ms: timed.server["durations_ms"]["resume"].as_f64(),

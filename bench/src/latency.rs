@@ -52,6 +52,9 @@ const NETWORK_STEPS: [&str; 6] =
 /// One run, as the agent and the server saw it.
 #[derive(Debug, Clone, Serialize)]
 pub struct Sample {
+    /// Which build ran it, when builds are compared side by side.
+    #[serde(skip_serializing_if = "str::is_empty")]
+    pub build: &'static str,
     pub path: Path3,
     pub latency_ms: u64,
     pub iteration: usize,
@@ -64,6 +67,8 @@ pub struct Sample {
     /// "run started"; one clock, one machine).
     pub submit_to_start_ms: f64,
     pub confirm_ms: Option<f64>,
+    /// The run's spawn on the prepared terminal (the agent's `spawn_ms`).
+    pub spawn_ms: Option<f64>,
     /// Each install step's duration, as the agent logged it.
     pub steps: BTreeMap<String, f64>,
     /// Slowest network step + confirmation + terminal check (warm paths).
@@ -88,7 +93,8 @@ pub struct Cell {
     pub model: Option<Summary>,
     /// `median(assignment_to_start) / median(bound)`.
     pub p50_over_bound: Option<f64>,
-    /// Median of each step's duration.
+    /// Median of each step's duration, and of `confirm`, `spawn` and
+    /// `git_chain` (git credentials, then refresh).
     pub step_medians: BTreeMap<String, f64>,
 }
 
@@ -124,8 +130,26 @@ pub struct LatencyOptions {
 }
 
 struct Side {
+    build: &'static str,
     path: Path3,
     server: ServerProc,
+}
+
+/// Binaries to measure: the server and, through the fixture's wrappers,
+/// the agent.
+#[derive(Debug, Clone, Copy)]
+pub struct Build<'a> {
+    /// Empty when one build is measured.
+    pub label: &'static str,
+    pub fixture: &'a Fixture,
+    pub server_bin: &'a Path,
+}
+
+impl Build<'_> {
+    /// How its servers and directories are named.
+    pub fn prefix(&self) -> String {
+        if self.label.is_empty() { String::new() } else { format!("{} ", self.label) }
+    }
 }
 
 fn server_args(fixture: &Fixture, path: Path3, latency_ms: u64, heartbeat: Duration) -> Vec<OsString> {
@@ -248,6 +272,7 @@ pub struct Timed {
     pub assignment_to_start_ms: f64,
     pub submit_to_start_ms: f64,
     pub confirm_ms: Option<f64>,
+    pub spawn_ms: Option<f64>,
     pub steps: BTreeMap<String, f64>,
     pub server: Value,
 }
@@ -282,6 +307,7 @@ pub async fn run_once(server: &ServerProc, agent_logs: &Path, body: &Value, want
         assignment_to_start_ms: critical,
         submit_to_start_ms: (started.as_microsecond() as f64 - micros_since_epoch(submitted)) / 1000.0,
         confirm_ms: line["confirm_ms"].as_f64(),
+        spawn_ms: line["spawn_ms"].as_f64(),
         steps: parse_steps(line["steps"].as_str().unwrap_or_default()),
         server: run,
     })
@@ -294,6 +320,7 @@ async fn measure(side: &Side, fixture: &Fixture, latency_ms: u64, iteration: usi
     let warm = side.path != Path3::Cold;
     let (bound, model) = bound_and_model(&timed.steps, timed.confirm_ms.unwrap_or(0.0));
     Ok(Sample {
+        build: side.build,
         path: side.path,
         latency_ms,
         iteration,
@@ -302,6 +329,7 @@ async fn measure(side: &Side, fixture: &Fixture, latency_ms: u64, iteration: usi
         assignment_to_start_ms: timed.assignment_to_start_ms,
         submit_to_start_ms: timed.submit_to_start_ms,
         confirm_ms: timed.confirm_ms,
+        spawn_ms: timed.spawn_ms,
         steps: timed.steps,
         bound_ms: warm.then_some(bound),
         model_ms: warm.then_some(model),
@@ -321,23 +349,41 @@ pub async fn run(
     server_bin: &Path,
     work: &Path,
 ) -> Result<LatencyResults> {
+    let builds = [Build { label: "", fixture, server_bin }];
+    let samples = sample_paths(options, &builds, &Path3::ALL, work).await?;
+    Ok(summarise(options, fixture, samples))
+}
+
+/// Runs `paths` of every build at each latency, one server per path and
+/// build, one run at a time in rotating order.
+pub async fn sample_paths(
+    options: &LatencyOptions,
+    builds: &[Build<'_>],
+    paths: &[Path3],
+    work: &Path,
+) -> Result<Vec<Sample>> {
     let mut samples = Vec::new();
     for &latency_ms in &options.latencies_ms {
         let mut sides = Vec::new();
-        for path in Path3::ALL {
-            let name = format!("{}@{latency_ms}ms", path.label());
-            let dir: PathBuf = work.join(format!("latency-{latency_ms}ms-{path:?}").to_lowercase());
-            let args = server_args(fixture, path, latency_ms, options.heartbeat);
-            let server = ServerProc::start(&name, server_bin, &dir, &args).await?;
-            sides.push(Side { path, server });
+        for &path in paths {
+            for build in builds {
+                let name = format!("{}{}@{latency_ms}ms", build.prefix(), path.label());
+                let dir: PathBuf = work.join(
+                    format!("latency-{}{latency_ms}ms-{path:?}", build.prefix().replace(' ', "-")).to_lowercase(),
+                );
+                let args = server_args(build.fixture, path, latency_ms, options.heartbeat);
+                let server = ServerProc::start(&name, build.server_bin, &dir, &args).await?;
+                sides.push(Side { build: build.label, path, server });
+            }
         }
+        let fixture = builds.first().map(|build| build.fixture).ok_or_else(|| anyhow!("no build to measure"))?;
         let result = iterate(options, fixture, &sides, latency_ms, &mut samples).await;
         for side in sides {
             side.server.stop(Duration::from_secs(60)).await?;
         }
         result?;
     }
-    Ok(summarise(options, fixture, samples))
+    Ok(samples)
 }
 
 async fn iterate(
@@ -356,7 +402,7 @@ async fn iterate(
             let sample = measure(side, fixture, latency_ms, iteration).await?;
             progress(&format!(
                 "  {:>17} @ {latency_ms:>3} ms  run {:>2}/{}{}: assignment→start {:>7.1} ms, submit→start {:>8.1} ms",
-                side.path.label(),
+                format!("{} {}", side.build, side.path.label()).trim_start(),
                 iteration + 1,
                 total,
                 if warmup { " (warm-up)" } else { "" },
@@ -369,6 +415,23 @@ async fn iterate(
         }
     }
     Ok(())
+}
+
+/// A run's install steps with the rest of its critical path: the
+/// delivery confirmation, the spawn, and the git chain (credentials, then
+/// the refresh that needs them).
+fn critical_parts(sample: &Sample) -> BTreeMap<String, f64> {
+    let mut parts = sample.steps.clone();
+    if let Some(confirm) = sample.confirm_ms {
+        parts.insert("confirm".into(), confirm);
+    }
+    if let Some(spawn) = sample.spawn_ms {
+        parts.insert("spawn".into(), spawn);
+    }
+    if let (Some(git), Some(refresh)) = (sample.steps.get("git_credentials"), sample.steps.get("refresh")) {
+        parts.insert("git_chain".into(), git + refresh);
+    }
+    parts
 }
 
 fn values(samples: &[&Sample], f: impl Fn(&Sample) -> Option<f64>) -> Vec<f64> {
@@ -386,14 +449,15 @@ fn summarise(options: &LatencyOptions, fixture: &Fixture, samples: Vec<Sample>) 
             let these = of(path);
             let a2s = summarize(&values(&these, |s| Some(s.assignment_to_start_ms)));
             let bound = summarize(&values(&these, |s| s.bound_ms));
-            let mut step_names: Vec<String> = these.iter().flat_map(|s| s.steps.keys().cloned()).collect();
+            let parts: Vec<BTreeMap<String, f64>> = these.iter().map(|s| critical_parts(s)).collect();
+            let mut step_names: Vec<String> = parts.iter().flat_map(|p| p.keys().cloned()).collect();
             step_names.sort();
             step_names.dedup();
             let step_medians = step_names
                 .into_iter()
                 .filter_map(|name| {
-                    let median = summarize(&values(&these, |s| s.steps.get(&name).copied()))?.median;
-                    Some((name, median))
+                    let of_name: Vec<f64> = parts.iter().filter_map(|p| p.get(&name).copied()).collect();
+                    Some((name, summarize(&of_name)?.median))
                 })
                 .collect();
             cells.push(Cell {

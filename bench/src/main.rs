@@ -7,7 +7,9 @@
 //! (the tables, also printed on stdout). Benchmarks are not tests: nothing
 //! here asserts a duration; the targets are reported, met or not.
 
+mod burst;
 mod capacity;
+mod compare;
 mod fixture;
 mod followups;
 mod idle;
@@ -44,7 +46,12 @@ struct Cli {
     /// The directory holding the `standby` and `standby-server` binaries.
     #[arg(long, default_value = "target/release", value_name = "DIR")]
     bin_dir: PathBuf,
-    /// Run only these parts (comma-separated).
+    /// The directory of a baseline build's `standby` and `standby-server`
+    /// (e.g. a build of `main`), for `--only compare`.
+    #[arg(long, value_name = "DIR")]
+    baseline_bin_dir: Option<PathBuf>,
+    /// Run only these parts (comma-separated); `compare` (needs
+    /// `--baseline-bin-dir`) is never run unless named.
     #[arg(long, value_delimiter = ',', value_name = "PART")]
     only: Vec<Part>,
     /// Runs per path and latency, and follow-up turns per tier (default 20, quick 2).
@@ -59,12 +66,23 @@ struct Cli {
     /// Runs submitted per connection count (default 200, quick 50).
     #[arg(long, value_name = "N")]
     dispatches: Option<usize>,
+    /// Runs submitted at once onto as many ready standbys (default 1000, quick 200).
+    #[arg(long, value_name = "N")]
+    burst_runs: Option<usize>,
+    /// `POST /v1/runs` requests in flight during the burst.
+    #[arg(long, default_value_t = 64, value_name = "N")]
+    burst_concurrency: usize,
     /// Seconds the waiting agent is watched (default 60, quick 10).
     #[arg(long, value_name = "SECONDS")]
     idle_window: Option<u64>,
     /// Keep `<out>/work` (the workspace, server data, agent logs) afterwards.
     #[arg(long)]
     keep_work: bool,
+    /// Only generate the latency benchmark's workspace under `<out>/work`
+    /// and print its `workspace` JSON: `scripts/bench-docker` serves that
+    /// repository to its containers, so both benchmarks clone the same one.
+    #[arg(long)]
+    fixture_only: bool,
 }
 
 /// The endpoint latency follow-up turns are measured at: a server in the
@@ -77,6 +95,8 @@ enum Part {
     FollowUps,
     Idle,
     Capacity,
+    Burst,
+    Compare,
 }
 
 fn git_commit() -> Option<String> {
@@ -97,7 +117,7 @@ async fn run(cli: Cli) -> Result<()> {
     let started_at = jiff::Timestamp::now().to_string();
     let load_before = procfs::load_average();
     let parts = if cli.only.is_empty() {
-        vec![Part::Latency, Part::FollowUps, Part::Idle, Part::Capacity]
+        vec![Part::Latency, Part::FollowUps, Part::Idle, Part::Capacity, Part::Burst]
     } else {
         cli.only.clone()
     };
@@ -127,8 +147,10 @@ async fn run(cli: Cli) -> Result<()> {
         follow_ups: None,
         idle: None,
         capacity: None,
+        burst: None,
+        compare: None,
     };
-    let needs_fixture = parts.iter().any(|part| *part != Part::Capacity);
+    let needs_fixture = cli.fixture_only || parts.iter().any(|part| !matches!(part, Part::Capacity | Part::Burst));
     let fixture = if needs_fixture {
         let size = RepoSize { files: 2000, bytes_per_file: 10 * 1024 };
         let light = cli.quick && fixture::pip_installs_elsewhere(&fixture::python()?);
@@ -139,6 +161,10 @@ async fn run(cli: Cli) -> Result<()> {
     } else {
         None
     };
+    if let (true, Some(fixture)) = (cli.fixture_only, &fixture) {
+        writeln!(std::io::stdout(), "{}", fixture.workspace).context("writing to stdout")?;
+        return Ok(());
+    }
     let heartbeat = Duration::from_millis(500);
     if let (true, Some(fixture)) = (parts.contains(&Part::Latency), &fixture) {
         let options = latency::LatencyOptions {
@@ -171,6 +197,35 @@ async fn run(cli: Cli) -> Result<()> {
         };
         say("server capacity");
         results.capacity = Some(capacity::run(&options, &server, &work).await?);
+    }
+    if let (true, Some(fixture)) = (parts.contains(&Part::Compare), &fixture) {
+        let dir = cli.baseline_bin_dir.as_deref().context("--only compare needs --baseline-bin-dir")?;
+        let baseline_standby = binary(dir, "standby")?;
+        let baseline_fixture = fixture.with_agent(&baseline_standby, "baseline")?;
+        let options = latency::LatencyOptions {
+            runs: cli.runs.unwrap_or(if cli.quick { 2 } else { 20 }),
+            warmup: if cli.quick { 0 } else { 1 },
+            latencies_ms: cli.latencies.clone().unwrap_or(if cli.quick { vec![0, 200] } else { vec![0, 50, 200] }),
+            heartbeat,
+        };
+        let builds = compare::Builds {
+            fixture,
+            server_bin: &server,
+            baseline_fixture: &baseline_fixture,
+            baseline_server_bin: &binary(dir, "standby-server")?,
+            baseline_bin_dir: dir,
+        };
+        say(&format!("side by side with {}", dir.display()));
+        results.compare = Some(compare::run(&options, &builds, &work, FOLLOW_UP_LATENCY_MS).await?);
+    }
+    if parts.contains(&Part::Burst) {
+        let options = burst::BurstOptions {
+            runs: cli.burst_runs.unwrap_or(if cli.quick { 200 } else { 1000 }),
+            concurrency: cli.burst_concurrency,
+            heartbeat: Duration::from_secs(10),
+        };
+        say(&format!("server burst ({} runs)", options.runs));
+        results.burst = Some(burst::run(&options, &server, &work).await?);
     }
     results.meta.load_average_after = procfs::load_average();
     results.meta.duration_s = started.elapsed().as_secs_f64();

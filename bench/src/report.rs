@@ -5,7 +5,9 @@ use std::fmt::Write as _;
 
 use serde::Serialize;
 
+use crate::burst::BurstResults;
 use crate::capacity::CapacityResults;
+use crate::compare::CompareResults;
 use crate::followups::FollowUpResults;
 use crate::idle::IdleResults;
 use crate::latency::{LatencyResults, Path3};
@@ -19,6 +21,8 @@ pub struct Results {
     pub follow_ups: Option<FollowUpResults>,
     pub idle: Option<IdleResults>,
     pub capacity: Option<CapacityResults>,
+    pub burst: Option<BurstResults>,
+    pub compare: Option<CompareResults>,
 }
 
 #[derive(Debug, Serialize)]
@@ -89,6 +93,12 @@ pub fn markdown(results: &Results) -> String {
     }
     if let Some(capacity) = &results.capacity {
         capacity_table(&mut out, capacity, &mut targets);
+    }
+    if let Some(compare) = &results.compare {
+        compare_table(&mut out, compare);
+    }
+    if let Some(burst) = &results.burst {
+        burst_table(&mut out, burst, &mut targets);
     }
     if !targets.is_empty() {
         let _ = writeln!(out, "## Targets\n\n| target | measured | met |\n|---|---|---|");
@@ -187,16 +197,22 @@ fn latency_tables(out: &mut String, latency: &LatencyResults, setup: Option<&str
     }
     let _ = writeln!(
         out,
-        "\n### Install steps (medians)\n\n| path | injected | check | secrets | attachments | metadata | cloud | git creds | refresh | terminal | mcp |\n\
-         |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        "\n### `critical_path_ms` by step (medians)\n\nEach step as the agent's timing line gives it: the delivery \
+         confirmation runs beside the install (check, then the network steps in parallel or one after another, then \
+         the terminal check), the MCP restart beside both; git = credentials then refresh; spawn = the run started on \
+         the prepared terminal, after the install.\n\n\
+         | path | injected | critical path | confirm | check | secrets | attachments | metadata | cloud | git creds | refresh | git | terminal | mcp | spawn |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     );
     for cell in latency.cells.iter().filter(|c| c.path != Path3::Cold) {
         let step = |name: &str| or_dash(cell.step_medians.get(name).map(|v| ms(*v)));
         let _ = writeln!(
             out,
-            "| {} | {} ms | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+            "| {} | {} ms | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
             cell.path.label(),
             cell.latency_ms,
+            or_dash(cell.assignment_to_start.map(|a| ms(a.median))),
+            step("confirm"),
             step("check"),
             step("secrets"),
             step("attachments"),
@@ -204,8 +220,10 @@ fn latency_tables(out: &mut String, latency: &LatencyResults, setup: Option<&str
             step("cloud_credentials"),
             step("git_credentials"),
             step("refresh"),
+            step("git_chain"),
             step("terminal"),
             step("mcp"),
+            step("spawn"),
         );
     }
     let _ = writeln!(
@@ -378,4 +396,66 @@ fn capacity_table(out: &mut String, capacity: &CapacityResults, targets: &mut Ve
             met: top.dispatch_ms.map(|d| d.p99 < 25.0 && top.error.is_none()),
         });
     }
+}
+
+fn burst_table(out: &mut String, burst: &BurstResults, targets: &mut Vec<Target>) {
+    let _ = writeln!(
+        out,
+        "## Server burst\n\n{} runs submitted at once ({} requests in flight on kept-alive connections) onto {} ready \
+         standbys of the load generator, against `standby-server serve --provider spool`. Agent side: `POST /v1/runs` \
+         sent → the assignment frame read; server side: the run's `queued` + `commit_to_assignment_sent`. \
+         Throughput: runs / (first request sent → last frame read).\n\n\
+         | figure | p50 | p99 | max |\n|---|---:|---:|---:|",
+        burst.runs, burst.concurrency, burst.runs,
+    );
+    for (what, summary) in [
+        ("submit → assignment frame read (agent)", burst.submit_to_frame_ms),
+        ("submit → assignment written (server)", burst.server_submit_to_sent_ms),
+        ("`POST /v1/runs` answered", burst.submit_ms),
+    ] {
+        let cells = summary.map_or_else(
+            || "– | – | –".to_owned(),
+            |s| format!("{} ms | {} ms | {} ms", ms(s.median), ms(s.p99), ms(s.max)),
+        );
+        let _ = writeln!(out, "| {what} | {cells} |");
+    }
+    let _ = writeln!(
+        out,
+        "\n{} assignments in {:.2} s: **{:.0} assignments/s**; every submit answered after {:.2} s; standbys connected in {:.1} s.\n",
+        burst.assignments, burst.assign_span_s, burst.assignments_per_s, burst.submit_span_s, burst.connect_s,
+    );
+    if let Some(error) = &burst.error {
+        let _ = writeln!(out, "- not measured to the end: {}\n", error.replace('\n', " "));
+    }
+    let p99 = burst.submit_to_frame_ms.map(|s| s.p99);
+    targets.push(Target {
+        what: format!("≥ 1,000 assignments/s with submit → assignment p99 ≤ 50 ms ({} runs at once)", burst.runs),
+        measured: p99.map_or_else(
+            || "not measured (see above)".into(),
+            |p99| format!("{:.0} /s, p99 {} ms", burst.assignments_per_s, ms(p99)),
+        ),
+        met: p99.map(|p99| burst.assignments_per_s >= 1000.0 && p99 <= 50.0 && burst.error.is_none()),
+    });
+}
+
+fn compare_table(out: &mut String, compare: &CompareResults) {
+    let _ = writeln!(
+        out,
+        "## Side by side with a baseline build\n\nBaseline: the binaries in `{}`; candidate: this run's. Both builds' \
+         servers run at once and take turns run by run ({} runs each per row).\n\n\
+         | what | injected | baseline p50 | candidate p50 | candidate / baseline |\n|---|---:|---:|---:|---:|",
+        compare.baseline_bin_dir, compare.runs,
+    );
+    for row in &compare.rows {
+        let _ = writeln!(
+            out,
+            "| {} | {} ms | {} | {} | {} |",
+            row.what,
+            row.latency_ms,
+            or_dash(row.baseline.map(|s| format!("{} ms", ms(s.median)))),
+            or_dash(row.candidate.map(|s| format!("{} ms", ms(s.median)))),
+            or_dash(row.ratio.map(|r| format!("{r:.2}×"))),
+        );
+    }
+    out.push('\n');
 }

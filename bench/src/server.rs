@@ -14,7 +14,7 @@ use tokio::io::{AsyncBufReadExt as _, BufReader};
 use tokio::process::{Child, Command};
 
 /// The API key of every server the benchmarks start (loopback only).
-const API_KEY: &str = "standby-bench-key";
+pub const API_KEY: &str = "standby-bench-key";
 
 /// A running `standby-server serve`.
 #[derive(Debug)]

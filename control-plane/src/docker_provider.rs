@@ -14,7 +14,9 @@
 //!   starts the stopped container again; a removed one is missing, and a
 //!   resume of it falls back to cold with the reason, as for `local`;
 //! - **timers**: Docker has none, so the sweeper (`sweeper.rs`, decisions
-//!   in `timers.rs`) stops idle containers and removes long-stopped ones.
+//!   in `timers.rs`) stops idle containers, archives long-stopped ones to
+//!   images (`archive.rs`; a resume makes the container again from its
+//!   image) and removes them by age.
 //!
 //! A sandbox is [`Found::Running`] while an agent exec runs in its
 //! container; a running container without one (Tier 2, between agents) is
@@ -23,6 +25,7 @@
 //!
 //! [`clear`]: SandboxProvider::clear
 
+mod archive;
 mod container;
 mod exec;
 mod sweeper;
@@ -59,7 +62,9 @@ pub struct DockerOptions {
     pub log_dir: PathBuf,
     /// How long a provider minute is (auto-stop, delete).
     pub minute: Duration,
-    /// Stopped for this many minutes: removed (`0`: never).
+    /// Stopped for this many minutes: archived to an image (`0`: never).
+    pub auto_archive: u32,
+    /// Stopped for this many minutes: removed, archived or not (`0`: never).
     pub auto_delete: u32,
     /// Between SIGTERM and SIGKILL when the auto-stop stops a sandbox.
     pub stop_grace: Duration,
@@ -112,6 +117,10 @@ struct DockerInner {
     auto_stop: Mutex<HashMap<String, u32>>,
     /// Sandboxes the auto-stop is stopping.
     stopping: Mutex<HashSet<String>>,
+    /// Held for writing by the sweeper while it archives or removes a
+    /// stopped sandbox, for reading by a start: a resume never starts a
+    /// container that is being committed or removed under it.
+    retention: tokio::sync::RwLock<()>,
     sweeper: std::sync::Once,
 }
 
@@ -141,6 +150,7 @@ impl DockerProvider {
                 activity: Mutex::new(HashMap::new()),
                 auto_stop: Mutex::new(HashMap::new()),
                 stopping: Mutex::new(HashSet::new()),
+                retention: tokio::sync::RwLock::new(()),
                 sweeper: std::sync::Once::new(),
             }),
         })
@@ -238,13 +248,24 @@ impl SandboxProvider for DockerProvider {
 
     async fn start(&self, sandbox_id: &str) -> Result<(), ProviderError> {
         self.ensure_sweeper();
-        if self.inspect(sandbox_id).await?.is_none() {
+        let _retention = self.inner.retention.read().await;
+        if self.inspect(sandbox_id).await?.is_some() {
+            return container::start(&self.inner.docker, sandbox_id).await;
+        }
+        if !archive::exists(&self.inner.docker, sandbox_id).await? {
             return Err(ProviderError::Missing {
                 sandbox: sandbox_id.to_owned(),
                 path: PathBuf::from(format!("container {}", container::name(sandbox_id))),
             });
         }
-        container::start(&self.inner.docker, sandbox_id).await
+        // Archived: the container is made again from its image.
+        let options = &self.inner.options;
+        let image = archive::image(sandbox_id);
+        let body = container::spec(&image, &options.network, sandbox_id, &options.instance, options.limits);
+        container::create(&self.inner.docker, sandbox_id, body).await?;
+        container::start(&self.inner.docker, sandbox_id).await?;
+        tracing::info!(sandbox_id, image, "archived sandbox's container made again from its image");
+        Ok(())
     }
 
     async fn launch(&self, sandbox_id: &str, launch: AgentLaunch) -> Result<Launched, ProviderError> {
@@ -300,6 +321,7 @@ impl SandboxProvider for DockerProvider {
 
     async fn delete(&self, sandbox_id: &str) -> Result<(), ProviderError> {
         container::remove(&self.inner.docker, sandbox_id).await?;
+        archive::remove(&self.inner.docker, sandbox_id).await?;
         lock(&self.inner.activity).remove(sandbox_id);
         lock(&self.inner.auto_stop).remove(sandbox_id);
         lock(&self.inner.agents).remove(sandbox_id);
@@ -309,7 +331,10 @@ impl SandboxProvider for DockerProvider {
 
     async fn state(&self, sandbox_id: &str) -> Result<Found, ProviderError> {
         self.ensure_sweeper();
-        let Some((running, exec_ids)) = self.inspect(sandbox_id).await? else { return Ok(Found::Missing) };
+        let Some((running, exec_ids)) = self.inspect(sandbox_id).await? else {
+            let archived = archive::exists(&self.inner.docker, sandbox_id).await?;
+            return Ok(if archived { Found::Archived } else { Found::Missing });
+        };
         if !running {
             return Ok(Found::Stopped);
         }
@@ -340,6 +365,14 @@ impl SandboxProvider for DockerProvider {
                 tracing::warn!(sandbox_id = found.sandbox_id, "removing an orphaned container of this server");
                 if let Err(error) = container::remove(&self.inner.docker, &found.sandbox_id).await {
                     tracing::warn!(%error, "removing an orphaned container failed");
+                }
+            }
+        }
+        for found in archive::own(&self.inner.docker, &self.inner.options.instance).await {
+            if !known.contains(&found.sandbox_id) {
+                tracing::warn!(sandbox_id = found.sandbox_id, "removing an orphaned archive image of this server");
+                if let Err(error) = archive::remove(&self.inner.docker, &found.sandbox_id).await {
+                    tracing::warn!(%error, "removing an orphaned archive image failed");
                 }
             }
         }

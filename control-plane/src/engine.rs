@@ -1,13 +1,18 @@
 //! Drives the [`Dispatch`] state machine: one task owns it, takes commands
-//! from HTTP handlers, sockets, provider tasks and a ticker, and for each
-//! step applies the writes in one store transaction **before** carrying out
+//! from HTTP handlers, sockets, provider tasks and a ticker, and applies
+//! their steps' writes in one store transaction **before** carrying out
 //! the effects (sending frames, launching, parking, resuming and retiring
-//! sandboxes). A sandbox's provider operations run one after another, in
-//! the order the machine emitted them.
+//! sandboxes) and answering. Commands already queued are committed together
+//! (group commit, [`batch`]). A sandbox's provider operations run one after
+//! another, in the order the machine emitted them.
 //!
 //! A store failure is fatal: the machine's memory may then be ahead of the
 //! store, so the engine stops and the server shuts down; the next start
 //! rebuilds everything from what was committed.
+
+mod batch;
+#[cfg(test)]
+mod tests;
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -28,9 +33,11 @@ use crate::policy::raised_auto_stop;
 use crate::provider::{AgentLaunch, Details, Launched, SandboxProvider};
 use crate::store::{Store, StoreError};
 
+use self::batch::{After, Batch, reply};
+
 /// Bound on setting a sandbox's auto-stop: it is best effort, and never
 /// holds up a launch or a resume for longer.
-const AUTO_STOP_BOUND: Duration = Duration::from_secs(5);
+pub(crate) const AUTO_STOP_BOUND: Duration = Duration::from_secs(5);
 
 /// What a socket task is told to do.
 #[derive(Debug)]
@@ -43,6 +50,13 @@ pub enum Outbound {
 
 /// A provider operation on one sandbox, queued behind its earlier ones.
 type Op = Pin<Box<dyn Future<Output = ()> + Send>>;
+
+/// Whether the engine goes on after a batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Flow {
+    Continue,
+    Stop,
+}
 
 /// The engine stopped (a store failure, or shutdown) before answering.
 #[derive(Debug, Clone, Copy, thiserror::Error)]
@@ -391,87 +405,99 @@ impl<P: SandboxProvider> Engine<P> {
         loop {
             let result = tokio::select! {
                 command = self.rx.recv() => match command {
-                    None | Some(Command::Stop) => break,
-                    Some(command) => self.handle(command).await,
+                    None => break,
+                    Some(first) => {
+                        let commands = batch::take_queued(&mut self.rx, first, batch::BOUND);
+                        self.handle_batch(commands).await
+                    }
                 },
                 _ = ticker.tick() => {
                     let step = self.machine.tick(Millis::now());
-                    self.apply(step).await
+                    self.apply(step).await.map(|()| Flow::Continue)
                 }
             };
-            if let Err(error) = result {
-                tracing::error!(%error, "store failure: the engine stops");
-                let _ = fatal.send(Some(error.to_string()));
-                break;
+            match result {
+                Ok(Flow::Continue) => {}
+                Ok(Flow::Stop) => break,
+                Err(error) => {
+                    tracing::error!(%error, "store failure: the engine stops");
+                    let _ = fatal.send(Some(error.to_string()));
+                    break;
+                }
             }
         }
         // Dropping the senders ends every socket task.
         self.conns.clear();
     }
 
-    async fn handle(&mut self, command: Command) -> Result<(), StoreError> {
+    /// Runs `commands` through the machine, commits their writes in one
+    /// transaction, then carries out their effects and answers them in
+    /// order. A `Stop` ends the batch there (the commands after it are
+    /// dropped, their callers see the engine gone).
+    async fn handle_batch(&mut self, commands: Vec<Command>) -> Result<Flow, StoreError> {
+        let mut batch = Batch::default();
+        let mut flow = Flow::Continue;
+        for command in commands {
+            if matches!(command, Command::Stop) {
+                flow = Flow::Stop;
+                break;
+            }
+            self.stage(&mut batch, command);
+        }
+        self.commit(batch).await?;
+        Ok(flow)
+    }
+
+    /// Runs one command through the machine into `batch`: its writes, then
+    /// what to do once they are committed.
+    fn stage(&mut self, batch: &mut Batch<After>, command: Command) {
         let now = Millis::now();
         match command {
-            Command::Check { token, call, reply } => {
-                let _ = reply.send(self.machine.check(&token, call));
+            Command::Check { token, call, reply: to } => {
+                batch.then(reply(to, self.machine.check(&token, call)));
             }
-            Command::ClaimSocket { conn, token, reply } => match self.machine.claim_socket(now, conn, &token) {
+            Command::ClaimSocket { conn, token, reply: to } => match self.machine.claim_socket(now, conn, &token) {
                 Ok((admission, step)) => {
-                    self.apply(step).await?;
-                    let _ = reply.send(Ok(admission));
+                    batch.stage(step);
+                    batch.then(reply(to, Ok(admission)));
                 }
-                Err(refusal) => {
-                    let _ = reply.send(Err(refusal));
-                }
+                Err(refusal) => batch.then(reply(to, Err(refusal))),
             },
             Command::Connect { conn, sender, credential_id, presented } => {
-                self.conns.insert(conn, sender);
-                let step = self.machine.connected(now, conn, &credential_id, &presented);
-                self.apply(step).await?;
+                batch.then(After::Attach(conn, sender));
+                batch.stage(self.machine.connected(now, conn, &credential_id, &presented));
             }
             Command::Disconnect { conn } => {
-                self.conns.remove(&conn);
+                batch.then(After::Detach(conn));
                 self.machine.disconnected(conn);
             }
-            Command::Heartbeat { conn, state } => {
-                let step = self.machine.heartbeat(now, conn, state);
-                self.apply(step).await?;
-            }
-            Command::AssignmentSent { run_id } => {
-                let step = self.machine.assignment_sent(now, &run_id);
-                self.apply(step).await?;
-            }
-            Command::Submit { run, request, thread_id, key, reply } => {
+            Command::Heartbeat { conn, state } => batch.stage(self.machine.heartbeat(now, conn, state)),
+            Command::AssignmentSent { run_id } => batch.stage(self.machine.assignment_sent(now, &run_id)),
+            Command::Submit { run, request, thread_id, key, reply: to } => {
                 match self.machine.submit_keyed(now, *run, *request, thread_id, key) {
                     Ok((step, submitted)) => {
-                        self.apply(step).await?;
+                        batch.stage(step);
                         let record = self.machine.run(submitted.run_id()).cloned();
-                        let _ = reply.send(Ok((submitted, record)));
+                        batch.then(reply(to, Ok((submitted, record))));
                     }
-                    Err(reused) => {
-                        let _ = reply.send(Err(reused));
-                    }
+                    Err(reused) => batch.then(reply(to, Err(reused))),
                 }
             }
-            Command::Cancel { run_id, reply } => match self.machine.cancel(now, &run_id) {
+            Command::Cancel { run_id, reply: to } => match self.machine.cancel(now, &run_id) {
                 Ok((step, state)) => {
-                    self.apply(step).await?;
-                    let _ = reply.send(Ok(state));
+                    batch.stage(step);
+                    batch.then(reply(to, Ok(state)));
                 }
-                Err(error) => {
-                    let _ = reply.send(Err(error));
-                }
+                Err(error) => batch.then(reply(to, Err(error))),
             },
-            Command::GetRun { run_id, reply } => {
-                let _ = reply.send(self.machine.run(&run_id).cloned());
+            Command::GetRun { run_id, reply: to } => batch.then(reply(to, self.machine.run(&run_id).cloned())),
+            Command::GetThread { thread_id, reply: to } => {
+                batch.then(reply(to, self.machine.thread(&thread_id).cloned()));
             }
-            Command::GetThread { thread_id, reply } => {
-                let _ = reply.send(self.machine.thread(&thread_id).cloned());
+            Command::GetSandbox { sandbox_id, reply: to } => {
+                batch.then(reply(to, self.machine.sandbox(&sandbox_id).cloned()));
             }
-            Command::GetSandbox { sandbox_id, reply } => {
-                let _ = reply.send(self.machine.sandbox(&sandbox_id).cloned());
-            }
-            Command::Sandboxes { page, reply } => {
+            Command::Sandboxes { page, reply: to } => {
                 let views = self.machine.sandbox_page(now, &page);
                 let with_details = views
                     .into_iter()
@@ -480,66 +506,68 @@ impl<P: SandboxProvider> Engine<P> {
                         (view, details)
                     })
                     .collect();
-                let _ = reply.send(with_details);
+                batch.then(reply(to, with_details));
             }
-            Command::Event { run_id, attempt, event, reply } => {
-                let step = self.machine.event(now, &run_id, attempt, event);
-                self.apply(step).await?;
-                let _ = reply.send(());
+            Command::Event { run_id, attempt, event, reply: to } => {
+                batch.stage(self.machine.event(now, &run_id, attempt, event));
+                batch.then(reply(to, ()));
             }
-            Command::Log { chunk, reply } => {
+            Command::Log { chunk, reply: to } => {
                 match self.machine.log(&chunk.run_id, chunk.offset, chunk.dropped, &chunk.data) {
                     Ok((step, received)) => {
-                        self.apply(step).await?;
-                        let _ = reply.send(Ok(received));
+                        batch.stage(step);
+                        batch.then(reply(to, Ok(received)));
                     }
-                    Err(error) => {
-                        let _ = reply.send(Err(error));
-                    }
+                    Err(error) => batch.then(reply(to, Err(error))),
                 }
             }
-            Command::Metrics { reply } => {
-                let _ = reply.send(self.machine.metrics());
-            }
-            Command::Exited { sandbox_id, code } => {
-                let step = self.machine.sandbox_exited(now, &sandbox_id, code);
-                self.apply(step).await?;
-            }
+            Command::Metrics { reply: to } => batch.then(reply(to, self.machine.metrics())),
+            Command::Exited { sandbox_id, code } => batch.stage(self.machine.sandbox_exited(now, &sandbox_id, code)),
             Command::LaunchFailed { sandbox_id, error } => {
-                let step = self.machine.launch_failed(now, &sandbox_id, &error);
-                self.apply(step).await?;
+                batch.stage(self.machine.launch_failed(now, &sandbox_id, &error));
             }
-            Command::SpecServed { sandbox_id } => {
-                let step = self.machine.spec_served(&sandbox_id);
-                self.apply(step).await?;
-            }
+            Command::SpecServed { sandbox_id } => batch.stage(self.machine.spec_served(&sandbox_id)),
             Command::ResumeFailed { sandbox_id, failure } => {
-                let step = self.machine.resume_failed(now, &sandbox_id, &failure);
-                self.apply(step).await?;
+                batch.stage(self.machine.resume_failed(now, &sandbox_id, &failure));
             }
-            Command::Probed { sandbox_id, found } => {
-                let step = self.machine.probed(now, &sandbox_id, found);
-                self.apply(step).await?;
-            }
-            Command::Drain { reply } => {
+            Command::Probed { sandbox_id, found } => batch.stage(self.machine.probed(now, &sandbox_id, found)),
+            Command::Drain { reply: to } => {
                 self.machine.shutdown();
-                let _ = reply.send(());
+                batch.then(reply(to, ()));
             }
+            // The batch ends before it (see `handle_batch`).
             Command::Stop => {}
         }
-        Ok(())
     }
 
-    /// Commit, then tell: the writes first, in one transaction; the effects
-    /// only once it succeeded.
+    /// Commit, then tell: one step, as a batch of its own.
     async fn apply(&mut self, step: Step) -> Result<(), StoreError> {
-        let Step { writes, effects } = step;
-        // A fenced store checks the lease even for a step without writes.
-        if !writes.is_empty() || (!effects.is_empty() && self.store.fenced()) {
+        let mut batch = Batch::default();
+        batch.stage(step);
+        self.commit(batch).await
+    }
+
+    /// The batch's writes first, in one transaction; its effects and
+    /// replies only once it succeeded, in order.
+    async fn commit(&mut self, batch: Batch<After>) -> Result<(), StoreError> {
+        let (writes, after) = batch.into_parts();
+        // A fenced store checks the lease even for a batch without writes,
+        // before any effect is carried out.
+        let effects = after.iter().any(|action| matches!(action, After::Effect(_)));
+        if !writes.is_empty() || (effects && self.store.fenced()) {
             blocking(&self.store, move |store| store.apply(&writes)).await?;
         }
-        for effect in effects {
-            self.effect(effect);
+        for action in after {
+            match action {
+                After::Effect(effect) => self.effect(*effect),
+                After::Reply(answer) => answer(),
+                After::Attach(conn, sender) => {
+                    self.conns.insert(conn, sender);
+                }
+                After::Detach(conn) => {
+                    self.conns.remove(&conn);
+                }
+            }
         }
         Ok(())
     }

@@ -557,6 +557,7 @@ async fn serve(args: Serve) -> anyhow::Result<()> {
             },
             log_dir: args.data_dir.join("sandbox-logs"),
             minute: args.pool_policy.provider_minute,
+            auto_archive: args.pool_policy.auto_archive,
             auto_delete: args.pool_policy.auto_delete,
             stop_grace: args.stop_grace,
         };

@@ -98,6 +98,32 @@ impl ServerConfig {
     }
 }
 
+/// The auto-stop a kept sandbox is given again after a restart: its
+/// record's, when the provider lost its own (`kept` is `None`: the Docker
+/// provider holds auto-stops in memory, and the engine has no timer of its
+/// own, so an adopted container would otherwise never be stopped while
+/// idle). A provider that kept one (the local provider's meta file) is
+/// left as it is: it may hold a resume's raise that the record does not.
+fn auto_stop_to_restore(recorded: Option<u32>, kept: Option<u32>) -> Option<u32> {
+    if kept.is_some() { None } else { recorded }
+}
+
+/// Gives every kept sandbox the auto-stop [`auto_stop_to_restore`] says,
+/// best effort and bounded per sandbox.
+async fn restore_auto_stops<P: SandboxProvider>(provider: &P, records: &[crate::model::SandboxRecord]) {
+    let kept = records.iter().filter(|record| record.state != crate::model::SandboxState::Retired);
+    for record in kept {
+        let bound = crate::engine::AUTO_STOP_BOUND;
+        let Ok(Ok(current)) = tokio::time::timeout(bound, provider.auto_stop(&record.id)).await else { continue };
+        let Some(minutes) = auto_stop_to_restore(record.auto_stop_minutes, current) else { continue };
+        match tokio::time::timeout(bound, provider.set_auto_stop(&record.id, minutes)).await {
+            Ok(Ok(())) => tracing::info!(sandbox_id = record.id, minutes, "auto-stop restored from the store"),
+            Ok(Err(error)) => tracing::warn!(sandbox_id = record.id, %error, "restoring the auto-stop failed"),
+            Err(_) => tracing::warn!(sandbox_id = record.id, "restoring the auto-stop timed out"),
+        }
+    }
+}
+
 fn router(state: AppState) -> Router {
     Router::new()
         .route("/healthz", get(health))
@@ -283,6 +309,7 @@ impl<P: SandboxProvider> Launch<P> {
             .map(|record| record.id.clone())
             .collect();
         provider.adopt(known).await;
+        restore_auto_stops(provider.as_ref(), &snapshot.sandboxes).await;
         let dispatch_config = DispatchConfig {
             heartbeat_interval: config.heartbeat_interval,
             pool_size: config.pool_size,
@@ -410,5 +437,18 @@ impl<P: SandboxProvider> RunningServer<P> {
             Some(message) => Err(ServerError::Failed(message)),
             None => Ok(()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::auto_stop_to_restore;
+
+    #[test]
+    fn a_restart_gives_back_the_recorded_auto_stop_only_where_the_provider_lost_it() {
+        assert_eq!(auto_stop_to_restore(Some(9), None), Some(9), "lost (kept in memory): the record's");
+        assert_eq!(auto_stop_to_restore(Some(9), Some(12)), None, "kept (a resume's raise): left as it is");
+        assert_eq!(auto_stop_to_restore(Some(9), Some(0)), None);
+        assert_eq!(auto_stop_to_restore(None, None), None, "never recorded: nothing to give back");
     }
 }

@@ -63,7 +63,8 @@ pub fn available(test: &str) -> bool {
     }
 }
 
-/// Removes the containers of a server instance and a network when dropped,
+/// Removes the containers and archive images of a server instance and a
+/// network when dropped,
 /// whether the test passed or panicked.
 #[derive(Debug)]
 pub struct Cleanup {
@@ -89,6 +90,11 @@ impl Drop for Cleanup {
         if !self.instance().is_empty() {
             for id in self.containers() {
                 let _ = docker(&["rm", "-f", &id]);
+            }
+            // Archived sandboxes' images.
+            let filter = format!("label=standby.instance={}", self.instance());
+            for id in docker(&["images", "-q", "--filter", &filter]).unwrap_or_default().lines() {
+                let _ = docker(&["rmi", "-f", id]);
             }
         }
         // Containers a test made itself (labelled with its network's name).

@@ -83,6 +83,42 @@ pub fn free_addr() -> SocketAddr {
     listener.local_addr().expect("a bound listener has an address")
 }
 
+/// A free port on every address, below the kernel's ephemeral range: a
+/// server restarted on it (same port, so that its agents find it again)
+/// cannot find it taken meanwhile as some connection's source port, as a
+/// port from [`free_addr`] can be on a busy machine.
+pub fn free_fixed_port() -> u16 {
+    let range = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").unwrap_or_default();
+    let low: u16 = range.split_whitespace().next().and_then(|low| low.parse().ok()).unwrap_or(32768);
+    let seed = u64::from(std::process::id()) ^ std::time::UNIX_EPOCH.elapsed().map_or(0, |d| d.as_nanos() as u64);
+    let span = u64::from(low.saturating_sub(10_000).max(1));
+    (0..span)
+        .map(|step| 10_000 + ((seed.wrapping_mul(2_654_435_761).wrapping_add(step * 7919)) % span) as u16)
+        .find(|port| std::net::TcpListener::bind(("0.0.0.0", *port)).is_ok())
+        .expect("a free port below the ephemeral range")
+}
+
+/// Waits (up to `timeout`) until `addr` can be bound again: after a
+/// crash, the kernel may hold the port a moment longer while connections
+/// to frozen or cut-off peers (paused containers) close. `false` when it
+/// stayed taken.
+pub async fn wait_bindable(addr: SocketAddr, timeout: Duration) -> bool {
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        let socket = tokio::net::TcpSocket::new_v4().and_then(|socket| {
+            socket.set_reuseaddr(true)?;
+            socket.bind(addr)
+        });
+        if socket.is_ok() {
+            return true;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 impl ServerBuilder {
     /// A server on `data` (kept across restarts), its stderr appended to
     /// `log`, its processes marked with `mark`.
@@ -130,6 +166,16 @@ impl ServerBuilder {
 
     pub fn args(mut self, args: &[&str]) -> Self {
         self.args.extend(args.iter().map(|arg| (*arg).to_owned()));
+        self
+    }
+
+    /// The same server with `flag`'s value replaced by `value` (a restart
+    /// with another setting).
+    pub fn with_arg(mut self, flag: &str, value: &str) -> Self {
+        match self.args.iter().position(|arg| arg == flag) {
+            Some(at) if at + 1 < self.args.len() => self.args[at + 1] = value.to_owned(),
+            _ => self.args.extend([flag.to_owned(), value.to_owned()]),
+        }
         self
     }
 

@@ -17,7 +17,7 @@ use nix::sys::signal::Signal;
 use serde_json::{Value, json};
 use standby_e2e::docker::{self, Cleanup, IMAGE, SPY_IMAGE, inspect, spied_credentials};
 use standby_e2e::harness::write_json;
-use standby_e2e::server_process::{ServerBuilder, ServerProcess, free_addr};
+use standby_e2e::server_process::{ServerBuilder, ServerProcess, free_fixed_port};
 use standby_protocol::{PROTOCOL_HEADER, PROTOCOL_VERSION, SPEC_PATH};
 
 const WAIT: Duration = Duration::from_secs(60);
@@ -70,7 +70,7 @@ impl Server {
         let cleanup = Cleanup { data: data.clone(), network: network.clone() };
         // Containers reach the server at the network's gateway: it listens
         // on every address, on a port kept across a restart.
-        let listen = std::net::SocketAddr::from(([0, 0, 0, 0], free_addr().port()));
+        let listen = std::net::SocketAddr::from(([0, 0, 0, 0], free_fixed_port()));
         let mut builder = ServerBuilder::new(&data, &dir.path().join("server.log"), &tag).listen(listen).args(&[
             "--provider",
             "docker",
@@ -347,6 +347,94 @@ async fn the_auto_stop_floor_keeps_a_warm_container_running_through_its_window()
     assert!(ended.is_some(), "the window ended first\n{}", server.agent_logs());
     assert!(auto_stopped.is_none_or(|at| Some(at) > ended), "the provider stopped it inside its window");
     assert_eq!(inspect(&sandbox_id, "{{.State.Running}}").as_deref(), Some("false"));
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn an_adopted_container_gets_its_recorded_auto_stop_back_after_a_restart() {
+    // A provider minute of 60 s: the kept container's auto-stop is the
+    // floor ceil(60 s / 60 s) + 5 = 6 minutes, out of reach of the test.
+    let args = ["--pool-size", "0", "--warm-idle", "60s", "--auto-stop", "1", "--provider-minute", "60s"];
+    let Some(mut server) = Server::start("auto-stop-restart", &args).await else { return };
+    let first = server.turn("chat-5", "true").await;
+    let sandbox_id = sandbox_of(&first);
+    let parked = server.parked(&sandbox_id, "running").await;
+    assert_eq!(parked["auto_stop_minutes"], 6, "{parked}");
+
+    // While the server is down, the kept container's waiting agent dies:
+    // the restarted server finds the container running without an agent
+    // and keeps it parked running until its window ends, 60 s on. It is
+    // restarted with a minute of 1 s, so the recorded six minutes are 6 s:
+    // only the provider's timer, given its minutes back from the store,
+    // stops it before the window ends.
+    server.process.as_ref().expect("the server runs").crash().await;
+    let kill_agent = "for p in /proc/[0-9]*; do [ \"$(tr '\\0' ' ' < $p/cmdline)\" = '/usr/local/bin/standby ' ] && kill -9 ${p#/proc/}; done; true";
+    // As the container's user: root there has no capability to signal it.
+    docker::docker(&["exec", &format!("standby-{sandbox_id}"), "sh", "-c", kill_agent]).expect("kill the agent");
+    server.builder = server.builder.clone().with_arg("--provider-minute", "1s");
+    server.process = Some(server.builder.start().await);
+    server
+        .until("the adopted container auto-stopped", async || {
+            (inspect(&sandbox_id, "{{.State.Running}}").as_deref() == Some("false")).then_some(())
+        })
+        .await;
+    let log = std::fs::read_to_string(server.log_path()).expect("the server log");
+    let line = |needle: &str| log.lines().any(|l| l.contains(needle) && l.contains(&sandbox_id));
+    assert!(line("auto-stop restored from the store"), "{}", server.agent_logs());
+    assert!(line("idle auto-stop"), "the provider's timer stopped it\n{}", server.agent_logs());
+    assert!(!line("warm idle window ended"), "not the dispatcher's window");
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn an_archived_sandbox_is_made_again_from_its_image_and_its_image_removed_by_age() {
+    // Minutes of 1 s: archived 2 s after its stop, removed 20 s after.
+    let args = [
+        "--pool-size",
+        "0",
+        "--warm-idle",
+        "0s",
+        "--auto-archive",
+        "2",
+        "--auto-delete",
+        "20",
+        "--provider-minute",
+        "1s",
+    ];
+    let Some(server) = Server::start("archive", &args).await else { return };
+    let first = server.turn("chat-6", "echo note-from-turn-1 > note.txt").await;
+    let sandbox_id = sandbox_of(&first);
+    let image = format!("standby-archive:{sandbox_id}");
+    let archived = async || {
+        let image_there =
+            docker::docker(&["image", "inspect", "--format", "{{index .Config.Labels \"standby.sandbox\"}}", &image]);
+        let container_gone = inspect(&sandbox_id, "{{.Id}}").is_none();
+        (container_gone && image_there.as_deref() == Some(sandbox_id.as_str())).then_some(())
+    };
+    server.until("the stopped container archived to its image", archived).await;
+
+    // A Tier 1 resume makes the container again from the image.
+    let second = server.turn("chat-6", "cat note.txt; echo setup-runs=$(wc -l < .setup-runs)").await;
+    assert_eq!(second["path"], "parked_stopped", "{second}\n{}", server.agent_logs());
+    assert_eq!(sandbox_of(&second), sandbox_id);
+    let log = server.text_log(&second).await;
+    assert!(log.contains("note-from-turn-1") && log.contains("setup-runs=1"), "the archived files: {log}");
+    let server_log = std::fs::read_to_string(server.log_path()).expect("the server log");
+    assert!(server_log.contains("made again from its image"), "{}", server.agent_logs());
+
+    // Stopped again, archived again, then removed by age: the next turn
+    // finds nothing and falls back to cold with the reason.
+    server.parked(&sandbox_id, "stopped").await;
+    server.until("the sandbox archived again", archived).await;
+    server
+        .until("the archive image removed by age", async || {
+            docker::docker(&["image", "inspect", &image]).is_none().then_some(())
+        })
+        .await;
+    let third = server.turn("chat-6", "test ! -e note.txt && echo fresh").await;
+    assert_eq!(third["path"], "cold", "{third}");
+    let fallback = third["resume"]["fallback"].as_str().unwrap_or_default();
+    assert!(fallback.contains("no longer exists"), "the reason is recorded: {third}");
     server.stop().await;
 }
 

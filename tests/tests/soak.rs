@@ -27,42 +27,29 @@
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use backon::{BackoffBuilder, ExponentialBuilder};
 use futures::{SinkExt, StreamExt};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
-use serde_json::{Value, json};
+use serde_json::json;
 use standby_agent::control::{BACKOFF_CAP, BACKOFF_MIN, STABLE_AFTER};
 use standby_e2e::harness::{describe, write_json};
 use standby_e2e::proxy::{
     ConnId, ConnInfo, Direction, Fault, FaultPolicy, FaultProxy, RandomFaults, Rng, seed_from_env,
 };
 use standby_e2e::server_process::{API_KEY, ServerBuilder, ServerProcess, marked, tail};
-use standby_protocol::{AgentMessage, AgentState, Event, EventKind, PROTOCOL_HEADER, PROTOCOL_VERSION, SOCKET_PATH};
+use standby_protocol::{AgentMessage, AgentState, PROTOCOL_HEADER, PROTOCOL_VERSION, SOCKET_PATH};
 use tokio::time::Instant;
 use tokio_tungstenite::tungstenite::{self, Message, client::IntoClientRequest};
 
-fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
-/// Prints how to replay a failed run: on a panic, the seed is the one
-/// thing needed to reproduce it.
-struct SeedGuard {
-    var: &'static str,
-    seed: u64,
-}
-
-impl Drop for SeedGuard {
-    fn drop(&mut self) {
-        if std::thread::panicking() {
-            eprintln!("FAILED with seed {}: replay with {}={}", self.seed, self.var, self.seed);
-        }
-    }
-}
+mod soak_shared;
+use soak_shared::{
+    Current, Journal, SeedGuard, TERMINAL, check_credentials, check_runs, current, lock, maybe_cancel, outcomes,
+    settle, watcher,
+};
 
 // ---- the soak's size ---------------------------------------------------------
 
@@ -229,30 +216,6 @@ fn client_text(data: &[u8]) -> Option<String> {
 
 // ---- the soak -------------------------------------------------------------------------
 
-/// What the test did and saw, for the invariants and the summary.
-#[derive(Debug, Default, Clone)]
-struct Journal {
-    /// Label → run id, in submission order.
-    submitted: Vec<(usize, String)>,
-    /// Run id → the first terminal state seen, and every later state that
-    /// differed from it (must stay empty).
-    terminal: HashMap<String, String>,
-    flips: Vec<String>,
-    kills: BTreeMap<&'static str, u64>,
-    cancels: u64,
-    restarts: u64,
-    cut_alls: u64,
-}
-
-/// The server of the moment: replaced on every restart.
-type Current = Arc<Mutex<Option<Arc<ServerProcess>>>>;
-
-fn current(server: &Current) -> Option<Arc<ServerProcess>> {
-    lock(server).clone()
-}
-
-const TERMINAL: [&str; 3] = ["exited", "failed", "cancelled"];
-
 fn run_command(marker: &Path, lines: usize) -> Vec<String> {
     let half = lines / 2;
     let script = format!(
@@ -303,7 +266,7 @@ async fn killer(server: Current, journal: Arc<Mutex<Journal>>, mut rng: Rng, bud
         let pid = targets[rng.below(targets.len() as u64) as usize];
         if kill(Pid::from_raw(pid), Signal::SIGKILL).is_ok() {
             killed += 1;
-            *lock(&journal).kills.entry(category).or_default() += 1;
+            *lock(&journal).faults.entry(category).or_default() += 1;
         }
     }
 }
@@ -347,57 +310,10 @@ async fn start_killer(
                 && kill(Pid::from_raw(pid), Signal::SIGKILL).is_ok()
             {
                 killed += 1;
-                *lock(&journal).kills.entry("starting").or_default() += 1;
+                *lock(&journal).faults.entry("starting").or_default() += 1;
             }
         }
     }
-}
-
-/// Polls every run's state: the first terminal state of each is kept, and
-/// any later change is a violation.
-async fn watcher(server: Current, journal: Arc<Mutex<Journal>>, stop: Arc<AtomicBool>) {
-    while !stop.load(Ordering::Relaxed) {
-        // Every page of the list (a server may be restarted between two).
-        let mut path = "/v1/runs?limit=1000".to_owned();
-        while let Some(server) = current(&server)
-            && let Some((200, body)) = server.try_call(reqwest::Method::GET, &path, Some(API_KEY), None).await
-        {
-            observe(&journal, &body);
-            let Some(cursor) = body["next_cursor"].as_str() else { break };
-            path = format!("/v1/runs?limit=1000&cursor={cursor}");
-        }
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
-}
-
-fn observe(journal: &Mutex<Journal>, runs: &Value) {
-    let mut journal = lock(journal);
-    for run in runs["runs"].as_array().into_iter().flatten() {
-        let (Some(id), Some(state)) = (run["id"].as_str(), run["state"].as_str()) else { continue };
-        match journal.terminal.get(id).cloned() {
-            Some(first) if first != state => journal.flips.push(format!("{id}: {first} then {state}")),
-            Some(_) => {}
-            None if TERMINAL.contains(&state) => {
-                journal.terminal.insert(id.to_owned(), state.to_owned());
-            }
-            None => {}
-        }
-    }
-}
-
-/// Reads credential and run records from the store file (read-only).
-fn store_credentials(path: &Path) -> HashMap<String, Value> {
-    let connection = rusqlite::Connection::open_with_flags(path, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)
-        .unwrap_or_else(|error| panic!("open the store {} read-only: {error}", path.display()));
-    let mut statement = connection.prepare("SELECT id, doc FROM credentials").expect("query credentials");
-    statement
-        .query_map([], |row| Ok((row.get::<_, String>(0)?, row.get::<_, String>(1)?)))
-        .expect("read credentials")
-        .map(|row| {
-            let (id, doc) = row.expect("a credential row");
-            (id, serde_json::from_str(&doc).expect("a credential document"))
-        })
-        .collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -459,226 +375,57 @@ async fn soak_with_faults_kills_and_restarts_loses_nothing_and_runs_nothing_twic
         }
         if label == cut_at {
             proxy.cut_all();
-            lock(&journal).cut_alls += 1;
+            *lock(&journal).faults.entry("cut-all").or_default() += 1;
         }
         let body = json!({"command": run_command(&marker, profile.lines), "env": {"SOAK_RUN": label.to_string()}});
         let id = current(&server).expect("a server").submit(&body).await;
         lock(&journal).submitted.push((label, id.clone()));
-        if rng.chance(profile.cancel_probability) {
-            let delay = rng.duration(Duration::ZERO, Duration::from_millis(800));
-            let (server, journal) = (Arc::clone(&server), Arc::clone(&journal));
-            cancels.spawn(async move {
-                tokio::time::sleep(delay).await;
-                if let Some(server) = current(&server)
-                    && let Some((200 | 409, _)) = server
-                        .try_call(reqwest::Method::POST, &format!("/v1/runs/{id}/cancel"), Some(API_KEY), None)
-                        .await
-                {
-                    lock(&journal).cancels += 1;
-                }
-            });
-        }
+        maybe_cancel(&mut cancels, &server, &journal, &mut rng, (profile.cancel_probability, id));
         tokio::time::sleep(rng.duration(gap / 2, gap * 3 / 2)).await;
     }
     while cancels.join_next().await.is_some() {}
 
     // Every run ends.
     let server_now = current(&server).expect("a server");
-    let ids: Vec<String> = lock(&journal).submitted.iter().map(|(_, id)| id.clone()).collect();
-    let settled = server_now
-        .until("every run to reach a terminal state", profile.settle, async || {
-            let runs = server_now.runs().await;
-            let done = runs.iter().filter(|run| TERMINAL.iter().any(|t| run["state"] == *t)).count();
-            (done >= ids.len()).then_some(runs)
-        })
-        .await;
+    let settled = settle(&server_now, &journal, profile.settle).await;
     stop.store(true, Ordering::Relaxed);
     let _ = killer.await;
     let _ = start_killer.await;
     let _ = watcher.await;
     proxy.clear_policy();
-    observe(&journal, &json!({ "runs": settled }));
 
     // ---- invariants --------------------------------------------------------
     let journal = lock(&journal).clone();
-    let runs: HashMap<String, Value> =
-        settled.iter().filter_map(|run| Some((run["id"].as_str()?.to_owned(), run.clone()))).collect();
-    let mut problems = Vec::new();
-
-    // Nothing lost: every submitted run is there, and nothing else.
-    assert_eq!(runs.len(), journal.submitted.len(), "runs in the server vs runs submitted");
-    for (_, id) in &journal.submitted {
-        if !runs.contains_key(id) {
-            problems.push(format!("run {id} was lost"));
-        }
-    }
-    // Exactly one terminal state.
-    problems.extend(journal.flips.iter().map(|flip| format!("terminal state changed: {flip}")));
-    for (id, run) in &runs {
-        let state = run["state"].as_str().unwrap_or_default();
-        if !TERMINAL.contains(&state) {
-            problems.push(format!("run {id} is {state}"));
-        }
-        if journal.terminal.get(id).is_some_and(|first| first != state) {
-            problems.push(format!("run {id} ended {} and is now {state}", journal.terminal[id]));
-        }
-        if state == "exited" && run["exit_code"].is_null() {
-            problems.push(format!("run {id} exited without an exit code"));
-        }
-    }
-    // Events: at most one start and one end per run, and no start from a
-    // requeued attempt.
-    let mut started_attempts: HashMap<String, Vec<u64>> = HashMap::new();
-    for id in runs.keys() {
-        let events = server_now.get(&format!("/v1/runs/{id}/events")).await;
-        let events = events["events"].as_array().cloned().unwrap_or_default();
-        let kind = |e: &Value| serde_json::from_value::<Event>(e["event"].clone()).ok().map(|event| event.kind);
-        let started: Vec<&Value> = events.iter().filter(|e| kind(e) == Some(EventKind::Started)).collect();
-        let ends = events.iter().filter(|e| matches!(kind(e), Some(EventKind::Exited { .. } | EventKind::Cancelled)));
-        let ends = ends.count();
-        if started.len() > 1 || ends > 1 {
-            problems.push(format!("run {id} has {} started and {ends} end events", started.len()));
-        }
-        started_attempts.insert(id.clone(), started.iter().filter_map(|e| e["attempt"].as_u64()).collect());
-    }
-    // Markers: no command ran twice, no sandbox ran two runs.
     let markers = std::fs::read_to_string(&marker).unwrap_or_default();
-    let mut ran: HashMap<String, Vec<String>> = HashMap::new();
-    let mut dirs: HashMap<String, Vec<String>> = HashMap::new();
-    for line in markers.lines() {
-        let mut parts = line.splitn(3, ' ');
-        let (Some(label), Some(id), Some(pwd)) = (parts.next(), parts.next(), parts.next()) else {
-            problems.push(format!("malformed marker line {line:?}"));
-            continue;
-        };
-        ran.entry(id.to_owned()).or_default().push(label.to_owned());
-        dirs.entry(pwd.to_owned()).or_default().push(id.to_owned());
-    }
-    for (label, id) in &journal.submitted {
-        let executions = ran.get(id).map_or(0, Vec::len);
-        if executions > 1 {
-            problems.push(format!("run {id} (label {label}) executed {executions} times"));
-        }
-        if ran.get(id).is_some_and(|labels| labels.iter().any(|l| *l != label.to_string())) {
-            problems.push(format!("run {id} executed another run's command"));
-        }
-        if runs.get(id).is_some_and(|run| run["state"] == "exited") && executions != 1 {
-            problems.push(format!("run {id} exited but its command executed {executions} times"));
-        }
-    }
-    for (pwd, ids) in &dirs {
-        if ids.len() > 1 {
-            problems.push(format!("sandbox {pwd} ran {ids:?}"));
-        }
-    }
-    let mut sandbox_runs: HashMap<String, Vec<String>> = HashMap::new();
-    for (id, run) in &runs {
-        for attempt in run["attempts"].as_array().into_iter().flatten() {
-            if let Some(sandbox) = attempt["sandbox_id"].as_str() {
-                sandbox_runs.entry(sandbox.to_owned()).or_default().push(id.clone());
-            }
-        }
-    }
-    for (sandbox, ids) in &sandbox_runs {
-        if ids.len() > 1 {
-            problems.push(format!("sandbox {sandbox} was bound to {ids:?}"));
-        }
-    }
-    // Logs: complete and in order for every run that exited 0, an in-order
-    // prefix for every other run that exited.
-    for (label, id) in &journal.submitted {
-        let Some(run) = runs.get(id) else { continue };
-        if run["state"] != "exited" {
-            continue;
-        }
-        let log = String::from_utf8_lossy(&server_now.log(id).await).into_owned();
-        let ours = format!("soak {label} line ");
-        let numbers: Vec<usize> =
-            log.lines().filter_map(|line| line.trim_end_matches('\r').strip_prefix(&ours)?.parse().ok()).collect();
-        let foreign = log.lines().filter(|line| line.starts_with("soak ") && !line.starts_with(&ours)).count();
-        let expected: Vec<usize> = (1..=profile.lines).collect();
-        let complete = run["exit_code"] == 0;
-        let in_order = numbers.iter().copied().eq(1..=numbers.len());
-        if foreign > 0 || !in_order || (complete && numbers != expected) {
-            problems.push(format!("run {id} (label {label}, exit {}) logged lines {numbers:?}", run["exit_code"]));
-        }
-    }
-
-    // The store, after a clean stop: every requeued (or otherwise ended
-    // before the start) attempt's run credential is revoked, and no such
-    // attempt started.
-    let store_path = data.join("standby.db");
+    let mut verdict = check_runs(&server_now, &journal, &settled, &markers, profile.lines).await;
     drop(server_now);
     let final_server = lock(&server).take().expect("a server");
     let final_server = Arc::try_unwrap(final_server).expect("no other holder of the server");
     let status = final_server.stop(Signal::SIGTERM).await;
     assert!(status.success(), "standby-server exited {status} on SIGTERM");
-    let credentials = store_credentials(&store_path);
-    let mut requeues = 0;
-    for (id, run) in &runs {
-        for attempt in run["attempts"].as_array().into_iter().flatten() {
-            let outcome = attempt["outcome"].as_str().unwrap_or_default();
-            // Fenced: released before the run started on it.
-            let fenced = match outcome {
-                "requeued" | "cancelled" => true,
-                "failed" => attempt["started_at"].is_null(),
-                _ => false,
-            };
-            if !fenced {
-                continue;
-            }
-            requeues += u64::from(outcome == "requeued");
-            let number = attempt["number"].as_u64().unwrap_or_default();
-            let revoked = credentials.values().any(|credential| {
-                credential["run_id"] == id.as_str()
-                    && credential["attempt"] == number
-                    && credential["kind"] == "run"
-                    && credential["state"] != "active"
-            });
-            let active = credentials.values().any(|credential| {
-                credential["run_id"] == id.as_str()
-                    && credential["attempt"] == number
-                    && credential["state"] == "active"
-            });
-            if !revoked || active {
-                problems.push(format!("run {id} attempt {number} ({outcome}): its run credential is still active"));
-            }
-            // A cancel races the agent's start: the run may have started
-            // just before the cancel reached it, and amendment 8 lets the
-            // agent report that until it exits (the markers prove it ran
-            // at most once). A requeued or failed attempt never starts.
-            if outcome != "cancelled" && started_attempts.get(id).is_some_and(|started| started.contains(&number)) {
-                problems.push(format!("run {id} attempt {number} ({outcome}) reported started"));
-            }
-        }
-    }
+    let requeues = check_credentials(&mut verdict, &data.join("standby.db"));
     // No ghost: nothing the servers started is still running.
     if let Err(left) = ServerProcess::wait_no_marked(&mark, Duration::from_secs(30)).await {
-        problems.push(format!("processes left running after the server stopped: {}", describe(&left)));
+        verdict.problems.push(format!("processes left running after the server stopped: {}", describe(&left)));
     }
 
     // ---- summary -----------------------------------------------------------
-    let mut by_state: BTreeMap<String, u64> = BTreeMap::new();
-    for run in runs.values() {
-        let key = format!("{}/{}", run["state"].as_str().unwrap_or("?"), run["path"].as_str().unwrap_or("none"));
-        *by_state.entry(key).or_default() += 1;
-    }
-    let attempts: usize = runs.values().map(|run| run["attempts"].as_array().map_or(0, Vec::len)).sum();
+    let (by_state, attempts) = outcomes(&verdict);
     let faults = lock(&fault_counts).clone();
-    eprintln!("soak: seed {seed}, {} runs submitted, {attempts} attempts, {requeues} requeues", runs.len());
+    eprintln!("soak: seed {seed}, {} runs submitted, {attempts} attempts, {requeues} requeues", verdict.runs.len());
     eprintln!("soak: runs by state/path: {by_state:?}");
     eprintln!("soak: proxy: {}", proxy.stats());
     eprintln!("soak: injected faults by (phase, kind): {faults:?}");
     eprintln!(
-        "soak: agents SIGKILLed by point: {:?}; cancels: {}; server restarts (SIGKILL): {}; cut-alls: {}",
-        journal.kills, journal.cancels, journal.restarts, journal.cut_alls
+        "soak: agents SIGKILLed by point, and connections cut at once: {:?}; cancels: {}; server restarts (SIGKILL): {}",
+        journal.faults, journal.cancels, journal.restarts
     );
-    eprintln!("soak: marker lines: {}; invariant violations: {}", markers.lines().count(), problems.len());
+    eprintln!("soak: marker lines: {}; invariant violations: {}", verdict.marker_lines, verdict.problems.len());
     assert!(
-        problems.is_empty(),
+        verdict.problems.is_empty(),
         "{} invariant violations (seed {seed}):\n{}\n--- server log ---\n{}",
-        problems.len(),
-        problems.join("\n"),
+        verdict.problems.len(),
+        verdict.problems.join("\n"),
         tail(&dir.path().join("server.log"), 40)
     );
 }

@@ -62,6 +62,7 @@ async fn demo(
         limits: Limits::default(),
         log_dir: scene.logs.clone(),
         minute: Duration::from_secs(60),
+        auto_archive: 0,
         auto_delete: 0,
         stop_grace: Duration::from_secs(5),
     })

@@ -18,6 +18,39 @@ pub(super) fn delete_stopped(auto_delete: u32, stopped_for: Duration, minute: Du
     auto_delete > 0 && stopped_for >= minute.saturating_mul(auto_delete)
 }
 
+/// What becomes of a sandbox stopped for `stopped_for` (counted from the
+/// container's stop, also once it is archived).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Retention {
+    Keep,
+    /// Committed to an image and the container removed: a stopped
+    /// container holds its writable layer and an entry in the engine; an
+    /// image holds the same files, and the container is made again from
+    /// it on a resume (slower).
+    Archive,
+    /// Removed for good (the container, or the archive's image).
+    Delete,
+}
+
+/// The retention of a stopped sandbox: deleted past `auto_delete`, else
+/// archived past `auto_archive` unless it is already (minutes of `minute`
+/// each; `0`: never). Deletion wins when both are due, as for the local
+/// provider: an archive that is removed at once is work for nothing.
+pub(super) fn retention(
+    (auto_archive, auto_delete): (u32, u32),
+    stopped_for: Duration,
+    archived: bool,
+    minute: Duration,
+) -> Retention {
+    if delete_stopped(auto_delete, stopped_for, minute) {
+        Retention::Delete
+    } else if !archived && auto_archive > 0 && stopped_for >= minute.saturating_mul(auto_archive) {
+        Retention::Archive
+    } else {
+        Retention::Keep
+    }
+}
+
 /// How long ago the engine's `FinishedAt` (RFC 3339) was, at `now`; `None`
 /// when it is missing, unreadable, or the engine's zero time
 /// (`0001-01-01T00:00:00Z`: a container created and never stopped, which
@@ -61,6 +94,18 @@ mod tests {
         assert!(!delete_stopped(0, Duration::from_secs(1 << 30), MINUTE), "0: never");
         assert!(!delete_stopped(1440, 1439 * MINUTE, MINUTE));
         assert!(delete_stopped(1440, 1440 * MINUTE, MINUTE));
+    }
+
+    #[test]
+    fn a_stopped_sandbox_is_archived_then_deleted_by_age() {
+        let both = (60, 1440);
+        assert_eq!(retention(both, 59 * MINUTE, false, MINUTE), Retention::Keep);
+        assert_eq!(retention(both, 60 * MINUTE, false, MINUTE), Retention::Archive);
+        assert_eq!(retention(both, 60 * MINUTE, true, MINUTE), Retention::Keep, "archived once");
+        assert_eq!(retention(both, 1440 * MINUTE, true, MINUTE), Retention::Delete, "an archive is deleted too");
+        assert_eq!(retention(both, 1440 * MINUTE, false, MINUTE), Retention::Delete, "deletion wins");
+        assert_eq!(retention((0, 1440), 1000 * MINUTE, false, MINUTE), Retention::Keep, "0: never archived");
+        assert_eq!(retention((60, 0), 100_000 * MINUTE, true, MINUTE), Retention::Keep, "0: never deleted");
     }
 
     #[test]
