@@ -107,7 +107,9 @@ pub async fn socket(cluster: Cluster, leader: String, epoch: u64, request: axum:
     };
     upgrade.on_upgrade(move |agent| async move {
         cluster.stats.relayed_sockets.fetch_add(1, Ordering::Relaxed);
-        Relay { cluster: cluster.clone(), headers, epoch, heartbeat: None }.run(agent, upstream).await;
+        // A socket stream each way and a dial: boxed, not on the task's stack.
+        let relay = Relay { cluster: cluster.clone(), headers, epoch, heartbeat: None };
+        Box::pin(relay.run(agent, upstream)).await;
         cluster.stats.relayed_sockets.fetch_sub(1, Ordering::Relaxed);
     })
 }
