@@ -1,7 +1,7 @@
 //! A replicated deployment (`--store postgres://…`): every `serve` on one
 //! database is a replica, one of them (the holder of the lease row) the
 //! leader that runs the engine; the others forward every call to it
-//! ([`forward`]).
+//! ([`forward`]) and relay agents' sockets to it ([`relay`]).
 //!
 //! This module is the IO half: a loop that claims the lease every third of
 //! its time to live, lets the pure [`lease`] rules decide, fences the
@@ -12,6 +12,7 @@
 
 pub mod forward;
 pub mod lease;
+pub mod relay;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
@@ -77,6 +78,7 @@ pub struct ClusterStats {
     pub leadership_changes: AtomicU64,
     pub forwarded_requests: AtomicU64,
     pub relayed_sockets: AtomicI64,
+    pub relay_redials: AtomicU64,
 }
 
 /// What the router and the handlers share about the cluster.
@@ -85,6 +87,10 @@ pub struct Cluster {
     pub view: watch::Receiver<ClusterView>,
     pub stats: Arc<ClusterStats>,
     pub lease: Arc<dyn LeaseStore>,
+    /// The lease's time to live: a relay waits three for a new leader.
+    pub ttl: Duration,
+    /// Turns true when the replica stops: relayed sockets close with 1012.
+    pub shutdown: watch::Receiver<bool>,
 }
 
 impl Cluster {
@@ -103,10 +109,13 @@ impl Cluster {
              # HELP standby_forwarded_requests_total HTTP calls this replica forwarded to the leader.\n\
              # TYPE standby_forwarded_requests_total counter\nstandby_forwarded_requests_total {}\n\
              # HELP standby_relayed_sockets Upgraded connections this replica relays to the leader now.\n\
-             # TYPE standby_relayed_sockets gauge\nstandby_relayed_sockets {}\n",
+             # TYPE standby_relayed_sockets gauge\nstandby_relayed_sockets {}\n\
+             # HELP standby_relay_redials_total Relayed sockets re-dialled to a new leader, the agent's socket kept.\n\
+             # TYPE standby_relay_redials_total counter\nstandby_relay_redials_total {}\n",
             self.stats.leadership_changes.load(Ordering::Relaxed),
             self.stats.forwarded_requests.load(Ordering::Relaxed),
             self.stats.relayed_sockets.load(Ordering::Relaxed),
+            self.stats.relay_redials.load(Ordering::Relaxed),
         )
     }
 }
@@ -128,8 +137,9 @@ pub fn start(
         expires_at: None,
     });
     let stats = Arc::new(ClusterStats::default());
-    tokio::spawn(claim_loop(config, url, Arc::clone(&lease), view_tx, Arc::clone(&stats), shutdown));
-    Cluster { view, stats, lease }
+    let ttl = config.ttl;
+    tokio::spawn(claim_loop(config, url, Arc::clone(&lease), view_tx, Arc::clone(&stats), shutdown.clone()));
+    Cluster { view, stats, lease, ttl, shutdown }
 }
 
 async fn claim_loop(

@@ -73,33 +73,48 @@ impl Drop for Balancer {
 }
 
 /// Starts an agent for each credential the leader spools, through the
-/// balancer; keeps them until dropped.
+/// balancer (or the URL a test pins, once it set one); keeps them until
+/// dropped.
 struct Agents {
     task: tokio::task::JoinHandle<()>,
     started: Arc<Mutex<Vec<AgentProcess>>>,
+    url: Arc<Mutex<Option<String>>>,
 }
 
 impl Agents {
-    fn start(spool: PathBuf, server_url: String) -> Self {
+    fn start(spool: PathBuf, server_url: Option<String>) -> Self {
         let started = Arc::new(Mutex::new(Vec::new()));
-        let agents = Arc::clone(&started);
+        let url = Arc::new(Mutex::new(server_url));
+        let (agents, pinned) = (Arc::clone(&started), Arc::clone(&url));
         let task = tokio::spawn(async move {
             let mut seen = HashSet::new();
             loop {
+                let server_url = pinned.lock().unwrap_or_else(PoisonError::into_inner).clone();
                 for entry in std::fs::read_dir(&spool).into_iter().flatten().flatten() {
+                    let Some(server_url) = &server_url else { break };
                     let path = entry.path();
                     if path.extension().is_none_or(|ext| ext != "token") || !seen.insert(path.clone()) {
                         continue;
                     }
                     let Ok(token) = std::fs::read_to_string(&path) else { continue };
-                    let agent = AgentBuilder::new(&server_url, token.trim()).heartbeat_interval("500ms").spawn();
+                    let agent = AgentBuilder::new(server_url, token.trim()).heartbeat_interval("500ms").spawn();
                     agents.lock().unwrap_or_else(PoisonError::into_inner).push(agent);
                 }
                 // The spool is files another process writes: polled.
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
         });
-        Self { task, started }
+        Self { task, started, url }
+    }
+
+    /// The agents started from now on dial `url`.
+    fn pin(&self, url: &str) {
+        *self.url.lock().unwrap_or_else(PoisonError::into_inner) = Some(url.to_owned());
+    }
+
+    /// The output of the first agent started, once there is one.
+    fn first_output(&self) -> Option<String> {
+        self.started.lock().unwrap_or_else(PoisonError::into_inner).first().map(AgentProcess::output)
     }
 }
 
@@ -115,7 +130,7 @@ struct Cluster {
     logs: Vec<PathBuf>,
     builders: Vec<ServerBuilder>,
     marks: PathBuf,
-    _agents: Agents,
+    agents: Agents,
     _balancer: Balancer,
     _dir: tempfile::TempDir,
     schema: TestSchema,
@@ -134,6 +149,12 @@ impl Drop for Cluster {
 
 impl Cluster {
     async fn start(test: &str, pool_size: usize) -> Option<Self> {
+        Self::start_agents(test, pool_size, true).await
+    }
+
+    /// `balanced`: agents go through the balancer; else they wait for the
+    /// test to [`Agents::pin`] a URL.
+    async fn start_agents(test: &str, pool_size: usize, balanced: bool) -> Option<Self> {
         let schema = TestSchema::create(&format!("replicas::{test}"))?;
         let dir = tempfile::Builder::new().prefix("standby-replicas-").tempdir().expect("a temp dir");
         let spool = dir.path().join("spool");
@@ -169,9 +190,9 @@ impl Cluster {
             replicas.push(Some(builder.start().await));
         }
         let balancer = Balancer::start(replicas.iter().flatten().map(ServerProcess::addr).collect()).await;
-        let agents = Agents::start(spool, balancer.url());
+        let agents = Agents::start(spool, balanced.then(|| balancer.url()));
         let marks = dir.path().join("marks");
-        Some(Self { replicas, logs, builders, marks, _agents: agents, _balancer: balancer, _dir: dir, schema })
+        Some(Self { replicas, logs, builders, marks, agents, _balancer: balancer, _dir: dir, schema })
     }
 
     fn replica(&self, index: usize) -> &ServerProcess {
@@ -343,6 +364,55 @@ async fn a_killed_leader_is_replaced_and_a_burst_loses_nothing_and_runs_nothing_
     assert_eq!(cluster.leader(None).await.0, next, "the leader stays");
 }
 
+/// A replica's metric `name`.
+async fn metric(replica: &ServerProcess, name: &str) -> Option<u64> {
+    let (_, text) = replica.try_call(reqwest::Method::GET, "/metrics", Some(API_KEY), None).await?;
+    let prefix = format!("{name} ");
+    text.as_str()?.lines().find_map(|line| line.strip_prefix(&prefix)?.parse().ok())
+}
+
+/// An agent connected to a follower keeps its socket when the leader is
+/// SIGKILLed: the follower's relay waits for the next leader, re-dials it
+/// and replays the agent's heartbeat; the agent connected once only, and
+/// a run submitted afterwards starts warm on its sandbox.
+#[tokio::test]
+async fn an_agent_on_a_follower_keeps_its_socket_when_the_leader_is_killed() {
+    let Some(mut cluster) = Cluster::start_agents("relayed_socket_survives", 1, false).await else { return };
+    let (leader, epoch) = cluster.leader(None).await;
+    let follower = (leader + 1) % 3;
+    cluster.agents.pin(&cluster.replica(follower).url());
+    let standby = cluster
+        .replica(leader)
+        .until("the standby relayed by the follower to connect", WAIT, async || {
+            let page = cluster.replica(leader).get("/v1/sandboxes?state=standby").await;
+            let connected = metric(cluster.replica(follower), "standby_relayed_sockets").await? == 1;
+            (connected && page["sandboxes"][0]["connected"] == true).then(|| page["sandboxes"][0]["id"].clone())
+        })
+        .await;
+
+    cluster.replica(leader).crash().await;
+    cluster.replicas[leader] = None;
+    let (next, next_epoch) = cluster.leader(Some(leader)).await;
+    assert!(next_epoch > epoch, "r{next} leads at epoch {next_epoch} after r{leader} at {epoch}");
+    cluster
+        .replica(follower)
+        .until("the follower to re-dial the new leader", WAIT, async || {
+            (metric(cluster.replica(follower), "standby_relay_redials_total").await? >= 1).then_some(())
+        })
+        .await;
+
+    let marker = "after-failover";
+    let id = cluster.submit(follower, marker, &cluster.run_body(marker)).await;
+    let runs = cluster.finished(std::slice::from_ref(&id)).await;
+    cluster.assert_once(&BTreeMap::from([(marker.to_owned(), id)]), &runs).await;
+    let attempt = &runs[0]["attempts"][0];
+    assert_eq!((&attempt["sandbox_id"], attempt["path"].as_str()), (&standby, Some("warm")), "{}", runs[0]);
+    let output = cluster.agents.first_output().expect("the agent");
+    // One standby connection (the run's credential then opens its own).
+    let standby_connections = output.matches("control socket connected credential=Standby").count();
+    assert_eq!(standby_connections, 1, "one standby control connection: {output}");
+}
+
 /// A leader paused past its lease (SIGSTOP: its socket still accepts, the
 /// kernel buffers what arrives) wakes up after another took over: the
 /// submit it was sent meanwhile is neither committed nor answered `201`,
@@ -404,11 +474,12 @@ async fn a_leader_whose_epoch_moved_on_commits_nothing_and_exits_deposed() {
         "UPDATE cluster_lease SET epoch = epoch + 1, holder = 'intruder', holder_url = 'http://127.0.0.1:9', \
          expires_at = now() + interval '1 hour'",
     );
-    let (status, answer) = cluster
+    // The fenced leader may exit before it answers: no answer is no 201.
+    let answer = cluster
         .replica(leader)
-        .call(reqwest::Method::POST, "/v1/runs", Some(API_KEY), Some(&cluster.run_body("fenced")))
+        .try_call(reqwest::Method::POST, "/v1/runs", Some(API_KEY), Some(&cluster.run_body("fenced")))
         .await;
-    assert_ne!(status, 201, "a leader at an old epoch accepted a run: {answer}");
+    assert!(!matches!(answer, Some((201, _))), "a leader at an old epoch accepted a run: {answer:?}");
     let deposed = cluster.replicas[leader].take().expect("the leader");
     let exit = deposed.exited(WAIT).await;
     assert_eq!(exit.code(), Some(DEPOSED), "the fenced leader exits deposed: {exit}");

@@ -2,11 +2,8 @@
 //! ([`LOCAL_PATHS`]) goes to the leader's advertised URL as it came
 //! (method, path, headers, streamed body), and its answer comes back as the
 //! leader gave it (status, headers such as `Retry-After`, streamed body).
-//! An upgrade (an agent's control socket) is forwarded the same way: the
-//! leader admits or refuses it (its status, headers and body reach the
-//! agent as they are), and once both sides switched protocols the replica
-//! relays the bytes both ways until either side closes. The agent's own
-//! reconnect policy takes it from there when the leader goes away.
+//! An agent's control socket is relayed frame by frame instead
+//! ([`super::relay`]), so that it outlives the leader.
 //!
 //! Each forwarded call is a connection of its own to the leader; a relayed
 //! socket holds one on the leader for as long as it lives (the capacity
@@ -39,9 +36,16 @@ pub async fn route(State(cluster): State<Cluster>, request: Request, next: Next)
     let view = cluster.view.borrow().clone();
     match (view.role, view.leader) {
         (Role::Leader, _) => next.run(request).await,
+        (Role::Follower, Some((_, url)))
+            if request.uri().path() == standby_protocol::SOCKET_PATH
+                && request.headers().contains_key(header::UPGRADE)
+                && !request.headers().contains_key(FORWARDED_BY) =>
+        {
+            super::relay::socket(cluster.clone(), url, view.epoch, request).await
+        }
         (Role::Follower, Some((_, url))) if !request.headers().contains_key(FORWARDED_BY) => {
             cluster.stats.forwarded_requests.fetch_add(1, Ordering::Relaxed);
-            forward(&cluster, &view.replica_id, &url, request).await.unwrap_or_else(|problem| unavailable(&problem))
+            forward(&view.replica_id, &url, request).await.unwrap_or_else(|problem| unavailable(&problem))
         }
         (role, _) => unavailable(&format!("this replica is {} and knows no leader right now", role.as_str())),
     }
@@ -49,7 +53,7 @@ pub async fn route(State(cluster): State<Cluster>, request: Request, next: Next)
 
 /// `503` with `Retry-After: 1`: the caller retries, by then a leader is
 /// known (or the load balancer picked another replica).
-fn unavailable(detail: &str) -> Response {
+pub(super) fn unavailable(detail: &str) -> Response {
     let body = serde_json::json!({
         "type": "about:blank",
         "title": "Service Unavailable",
@@ -64,14 +68,13 @@ fn unavailable(detail: &str) -> Response {
         .into_response()
 }
 
-async fn forward(cluster: &Cluster, me: &str, leader: &str, mut request: Request) -> Result<Response, String> {
+async fn forward(me: &str, leader: &str, request: Request) -> Result<Response, String> {
     let target: Uri = leader.parse().map_err(|_| format!("the leader's URL `{leader}` is not a URL"))?;
     if target.scheme_str() != Some("http") {
         return Err(format!("the leader's URL `{leader}` is not http://: only plain HTTP is forwarded"));
     }
     let authority = target.authority().ok_or_else(|| format!("the leader's URL `{leader}` has no host"))?.clone();
     let port = authority.port_u16().unwrap_or(80);
-    let upgrade = request.headers().contains_key(header::UPGRADE).then(|| hyper::upgrade::on(&mut request));
     let stream = tokio::net::TcpStream::connect((authority.host().trim_matches(['[', ']']), port))
         .await
         .map_err(|error| format!("cannot reach the leader at {leader}: {error}"))?;
@@ -80,7 +83,7 @@ async fn forward(cluster: &Cluster, me: &str, leader: &str, mut request: Request
         .await
         .map_err(|error| format!("cannot talk to the leader at {leader}: {error}"))?;
     tokio::spawn(async move {
-        if let Err(error) = connection.with_upgrades().await {
+        if let Err(error) = connection.await {
             tracing::debug!(%error, "a forwarded connection ended");
         }
     });
@@ -89,20 +92,9 @@ async fn forward(cluster: &Cluster, me: &str, leader: &str, mut request: Request
     if let Ok(value) = HeaderValue::from_str(me) {
         parts.headers.insert(FORWARDED_BY, value);
     }
-    let mut response = sender
+    let response = sender
         .send_request(Request::from_parts(parts, body))
         .await
         .map_err(|error| format!("the leader at {leader} did not answer: {error}"))?;
-    if let (StatusCode::SWITCHING_PROTOCOLS, Some(downstream)) = (response.status(), upgrade) {
-        let upstream = hyper::upgrade::on(&mut response);
-        let stats = std::sync::Arc::clone(&cluster.stats);
-        tokio::spawn(async move {
-            let (Ok(downstream), Ok(upstream)) = (downstream.await, upstream.await) else { return };
-            stats.relayed_sockets.fetch_add(1, Ordering::Relaxed);
-            let (mut agent, mut leader) = (TokioIo::new(downstream), TokioIo::new(upstream));
-            let _ = tokio::io::copy_bidirectional(&mut agent, &mut leader).await;
-            stats.relayed_sockets.fetch_sub(1, Ordering::Relaxed);
-        });
-    }
     Ok(response.map(Body::new))
 }
