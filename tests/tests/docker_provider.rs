@@ -390,7 +390,7 @@ async fn an_adopted_container_gets_its_recorded_auto_stop_back_after_a_restart()
 async fn an_archived_sandbox_is_made_again_from_its_image_and_its_image_removed_by_age() {
     // Minutes of 1 s: archived 2 s after its stop, never removed until the
     // restart below (so that no load can let the age pass before the
-    // resume), then removed 3 s after its stop.
+    // resume), then removed 8 s after its stop.
     let args = [
         "--pool-size",
         "0",
@@ -427,11 +427,14 @@ async fn an_archived_sandbox_is_made_again_from_its_image_and_its_image_removed_
     // Stopped again, archived again, then (by a server restarted with a
     // retention) removed by age: the next turn finds nothing and falls
     // back to cold with the reason.
+    // The restart comes before the archive's removal, so that the
+    // restarted server finds its kept sandbox and the removal is seen by
+    // the next turn's resume, not by the restart's adoption.
     server.parked(&sandbox_id, "stopped").await;
-    server.until("the sandbox archived again", archived).await;
     server.process.as_ref().expect("the server runs").crash().await;
-    server.builder = server.builder.clone().with_arg("--auto-delete", "3");
+    server.builder = server.builder.clone().with_arg("--auto-delete", "8");
     server.process = Some(server.builder.start().await);
+    server.until("the sandbox archived again", archived).await;
     server
         .until("the archive image removed by age", async || {
             docker::docker(&["image", "inspect", &image]).is_none().then_some(())
