@@ -27,7 +27,7 @@ use std::time::Duration;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use serde_json::json;
-use standby_e2e::docker::{self, Cleanup, IMAGE};
+use standby_e2e::docker::{self, Cleanup};
 use standby_e2e::harness::write_json;
 use standby_e2e::proxy::{Rng, seed_from_env};
 use standby_e2e::server_process::{API_KEY, ServerBuilder, free_fixed_port, wait_bindable};
@@ -208,7 +208,7 @@ async fn soak_on_docker_with_killed_paused_and_disconnected_containers_and_resta
     let heartbeat = format!("{}ms", HEARTBEAT.as_millis());
     let builder = ServerBuilder::new(&data, &dir.path().join("server.log"), &format!("soak-docker-{seed:016x}"))
         .listen(listen)
-        .args(&["--provider", "docker", "--image", IMAGE, "--docker-network", &network])
+        .args(&["--provider", "docker", "--image", &docker::image(), "--docker-network", &network])
         .args(&["--spec", &spec.display().to_string(), "--pool-size", "4", "--running-cap", "8"])
         .args(&["--heartbeat-interval", &heartbeat, "--max-attempts", "6", "--launch-timeout", "30s"])
         .args(&[

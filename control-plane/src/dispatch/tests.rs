@@ -173,7 +173,7 @@ impl World {
 
     fn event(&mut self, run_id: &str, id: &str, kind: EventKind) -> Step {
         let attempt = self.run(run_id).attempts.len() as u32;
-        let step = self.machine.event(self.now, run_id, attempt, Event { event_id: id.to_owned(), kind });
+        let step = self.machine.event(self.now, run_id, attempt, Event::new(id, kind));
         self.keep(step)
     }
 

@@ -190,6 +190,14 @@ pub async fn check_runs(
         if state == "exited" && run["exit_code"].is_null() {
             problems.push(format!("run {id} exited without an exit code"));
         }
+        // The agent's own word on the log (contract 1.1 note 10): no run
+        // gave up on any output, and every exit says so.
+        if !run["log_lost_bytes"].is_null() || (state == "exited" && run["log_complete"] != true) {
+            problems.push(format!(
+                "run {id} ({state}) says log_complete {} log_lost_bytes {}",
+                run["log_complete"], run["log_lost_bytes"]
+            ));
+        }
     }
     // Events: at most one start and one end per run.
     let mut started_attempts: HashMap<String, Vec<u64>> = HashMap::new();
