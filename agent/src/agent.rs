@@ -475,6 +475,9 @@ impl Driver {
 /// Posts an event until it is acknowledged, keeping its `event_id` across
 /// retries, for at most `timeout`. A final event carries `log_lost`, the
 /// bytes of the run's output the shipper gave up on (contract 1.1 note 10).
+/// A try unanswered for [`logship::ATTEMPT_BOUND`] is made again on new
+/// connections ([`Api::fresh`]), as a log chunk is: pooled connections
+/// that died silently must not hold the run's end for minutes.
 async fn report(
     api: &Api,
     credential: &Secret,
@@ -486,8 +489,21 @@ async fn report(
     let event = Event::new(format!("{execution_id}-{}-{:016x}", kind.name(), rand::random::<u64>()), kind)
         .with_log_lost(log_lost);
     let path = paths::events(execution_id);
+    let call = format!("POST {path}");
     let deadline = time::after(Instant::now(), timeout);
-    retry(&format!("POST {path}"), deadline, call_backoff(), || api.post(credential, &path, &event)).await
+    let api = std::sync::Mutex::new(api.clone());
+    let lock = || api.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    retry(&call, deadline, call_backoff(), || async {
+        let attempt_api = lock().clone();
+        match tokio::time::timeout(logship::ATTEMPT_BOUND, attempt_api.post(credential, &path, &event)).await {
+            Ok(result) => result,
+            Err(_) => {
+                *lock() = attempt_api.fresh();
+                Err(ApiError::Unanswered { call: call.clone(), bound: logship::ATTEMPT_BOUND })
+            }
+        }
+    })
+    .await
 }
 
 /// Loads the spec, prepares the workspace, starts the MCP servers and opens

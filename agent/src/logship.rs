@@ -25,7 +25,9 @@
 //!   What was never acknowledged is counted in the report's `lost_bytes`,
 //!   which the final event carries as `log_lost`.
 //! - A chunk unanswered for `attempt` (default [`ATTEMPT_BOUND`], 10 s) is
-//!   sent again on a new connection: one that died without a reset (the
+//!   sent again on a new connection (a client with a pool of its own,
+//!   [`Api::fresh`]: another idle connection of the old pool may be as
+//!   dead): one that died without a reset (the
 //!   sandbox's network was cut and came back, as a container's can) would
 //!   otherwise hold it until the client's read timeout, past the drain
 //!   bound, and the end of the output would be lost though the server is
@@ -222,6 +224,8 @@ impl Sender {
         let mut delays = api::call_backoff().build();
         let mut drain = Drain::new(drain_bound);
         let mut revoked = false;
+        // Replaced by one with a pool of its own after an unanswered try.
+        let mut api = self.api.clone();
         let execution_id = self.execution_id.as_str();
         loop {
             let step = self.step(revoked, &mut drain);
@@ -237,7 +241,7 @@ impl Sender {
                 Step::Send(chunk, data) => (chunk, data),
             };
             let body = LogChunk::after_gap(chunk.offset, chunk.dropped, &data);
-            let attempt = self.api.post_or_conflict::<_, LogReceived>(&self.credential, &self.path, &body);
+            let attempt = api.post_or_conflict::<_, LogReceived>(&self.credential, &self.path, &body);
             let Some(answered) = within(drain.deadline(), tokio::time::timeout(attempt_bound, attempt)).await else {
                 break;
             };
@@ -245,6 +249,7 @@ impl Sender {
             // opens another.
             let Ok(result) = answered else {
                 tracing::info!(execution_id, offset = chunk.offset, bound = ?attempt_bound, "a log chunk was not answered in time; sent again");
+                api = api.fresh();
                 continue;
             };
             match result {
@@ -368,11 +373,13 @@ async fn sleep_until(at: Option<Instant>) {
 
 #[cfg(test)]
 mod tests {
+    use std::collections::HashSet;
+    use std::net::SocketAddr;
     use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
     use std::sync::{Arc, Mutex};
 
     use axum::Json;
-    use axum::extract::{Path, State};
+    use axum::extract::{ConnectInfo, Path, State};
     use axum::http::{HeaderMap, StatusCode, header};
     use axum::response::{IntoResponse, Response};
     use standby_protocol::log_ledger::{self, Verdict};
@@ -414,16 +421,35 @@ mod tests {
         stall: Arc<Stall>,
         /// Requests that arrived, stalled ones included.
         arrivals: Arc<AtomicUsize>,
+        /// Every client connection seen, and those whose requests go
+        /// unanswered from now on (a connection whose packets are dropped).
+        peers: Arc<Mutex<HashSet<SocketAddr>>>,
+        dead: Arc<Mutex<HashSet<SocketAddr>>>,
+        /// Empty chunks at offset 0 wait here until `WARM` of them are in,
+        /// so each holds a pooled connection of its own.
+        warm: Arc<tokio::sync::Barrier>,
     }
+
+    /// Connections [`warm_pool`] leaves idle in the client's pool.
+    const WARM: usize = 6;
 
     /// The contract's log endpoint: every chunk judged by the ledger rule
     /// every server shares (`log_ledger::accept`, amendment 6).
     async fn receive(
         State(server): State<Server>,
+        ConnectInfo(peer): ConnectInfo<SocketAddr>,
         Path(execution): Path<String>,
         headers: HeaderMap,
         Json(chunk): Json<LogChunk>,
     ) -> Response {
+        server.peers.lock().expect("lock is not poisoned").insert(peer);
+        if server.dead.lock().expect("lock is not poisoned").contains(&peer) {
+            return std::future::pending().await;
+        }
+        if chunk.offset == 0 && chunk.data.is_empty() {
+            server.warm.wait().await;
+            return StatusCode::OK.into_response();
+        }
         if (server.stall)(server.arrivals.fetch_add(1, Ordering::SeqCst)) {
             return std::future::pending().await;
         }
@@ -477,13 +503,22 @@ mod tests {
             fault: Arc::new(fault),
             stall: Arc::new(stall),
             arrivals: Arc::default(),
+            peers: Arc::default(),
+            dead: Arc::default(),
+            warm: Arc::new(tokio::sync::Barrier::new(WARM)),
         };
         let app = axum::Router::new().route(paths::LOG_ROUTE, axum::routing::post(receive)).with_state(server.clone());
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind a loopback port");
         let address = listener.local_addr().expect("bound address");
-        tokio::spawn(async move { axum::serve(listener, app).await });
+        tokio::spawn(
+            async move { axum::serve(listener, app.into_make_service_with_connect_info::<SocketAddr>()).await },
+        );
         let base = reqwest::Url::parse(&format!("http://{address}")).expect("a valid URL");
-        (Api::new(&base).expect("an HTTP client"), server)
+        // The agent's own trust store, built once: a fresh client (after an
+        // unanswered try) reuses it, as in the agent, instead of loading the
+        // system's roots again.
+        let tls = crate::tls::client_config(None).expect("the system's trust store");
+        (Api::with_tls(&base, tls, false).expect("an HTTP client"), server)
     }
 
     /// Feeds `items` into an output channel holding at most one item, as
@@ -630,7 +665,40 @@ mod tests {
         let config =
             ShipConfig { attempt: Duration::from_millis(200), ..config(&dir, SPOOL_BOUND, Duration::from_secs(2)) };
         let report = ship_items(api, items.clone(), &[], config).await;
-        assert_eq!(server.arrivals.load(Ordering::SeqCst), 2 * STALLS + 1 + 2, "two outages, three chunks");
+        assert!(server.arrivals.load(Ordering::SeqCst) > 2 * STALLS + 1, "both outages were sat out");
+        assert!(received(&server).log == items.concat(), "the whole output arrived");
+        assert_eq!(report.lost_bytes, 0);
+    }
+
+    /// Leaves [`WARM`] idle connections in `api`'s pool (requests held
+    /// until all of them arrived, so none is reused by another).
+    async fn warm_pool(api: &Api) {
+        let empty = LogChunk::new(0, b"");
+        let (path, token) = (paths::log(EXECUTION), Secret::new(TOKEN));
+        let posts = (0..WARM).map(|_| api.post_or_conflict::<_, LogReceived>(&token, &path, &empty));
+        for answer in futures::future::join_all(posts).await {
+            answer.expect("a warm-up request is answered");
+        }
+    }
+
+    /// The client's idle pooled connections all die silently (a sandbox
+    /// cut from its network and connected again): more of them than the
+    /// drain bound has attempt bounds. The chunk unanswered on the first is
+    /// sent again on a new connection, not on the next dead one, and the
+    /// whole log arrives.
+    #[tokio::test]
+    async fn a_pool_of_dead_connections_costs_one_attempt_not_the_log() {
+        let (api, server) = serve(|_, _| None).await;
+        warm_pool(&api).await;
+        let peers = server.peers.lock().expect("lock is not poisoned").clone();
+        assert_eq!(peers.len(), WARM, "one connection per warm-up request");
+        *server.dead.lock().expect("lock is not poisoned") = peers;
+        let dir = tempdir();
+        let items = vec![b"first line\n".to_vec(), b"second line\n".to_vec()];
+        // Six dead connections at 300 ms each outlast the 1 s bound.
+        let config =
+            ShipConfig { attempt: Duration::from_millis(300), ..config(&dir, SPOOL_BOUND, Duration::from_secs(1)) };
+        let report = ship_items(api, items.clone(), &[], config).await;
         assert!(received(&server).log == items.concat(), "the whole output arrived");
         assert_eq!(report.lost_bytes, 0);
     }
