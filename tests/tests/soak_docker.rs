@@ -172,13 +172,18 @@ fn lines_about(log: &std::path::Path, verdict: &soak_shared::Verdict) -> String 
     about.collect::<Vec<_>>().join("\n")
 }
 
-/// Quarantined: it finds a product weakness not yet fixed. A run whose
-/// end falls into two server restarts (seed 16551899802935713672) exits 0
-/// with the end of its log lost: the agent's log shipping gives up at the
-/// 30 s drain bound and the server is not told the log is incomplete.
-/// Another seed left a run `running` 60 s after the last submission.
+/// Quarantined: it still finds product weaknesses not yet fixed. Log loss
+/// across server restarts and network cuts is fixed (the agent's drain
+/// bound counts time without progress, an unanswered try goes out on a new
+/// connection pool) and now also checked by the run's `log_lost`; what is
+/// left: a container still running after the server's clean stop (seed
+/// 4018657372120271267: `stop_all` stops the containers running when it
+/// lists them, not one whose launch is in flight), and a run whose marker
+/// connection falls into a network cut exits 3 unreported (the command's
+/// own check; seen with seed 9135697549409858208 before the connection fix,
+/// not in the six runs since).
 /// Run it with `cargo nextest run --run-ignored all --test soak_docker`.
-#[ignore = "finds log loss across two server restarts within a run's drain bound (not fixed yet)"]
+#[ignore = "a container launched during the clean stop is left running (not fixed yet)"]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn soak_on_docker_with_killed_paused_and_disconnected_containers_and_restarts_loses_nothing() {
     if !docker::available("soak-docker") {
