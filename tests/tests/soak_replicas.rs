@@ -48,6 +48,8 @@ const AGENT_KILLS: usize = 8;
 const CANCEL_CHANCE: f64 = 0.04;
 /// Probability of a network fault per chunk on an agent's connection.
 const NETWORK_FAULT_CHANCE: f64 = 0.01;
+/// Probability of a network fault on an assignment sent to an agent.
+const ASSIGNMENT_FAULT_CHANCE: f64 = 0.25;
 /// Submissions after which a killed replica is started again.
 const RESTART_AFTER: usize = 4;
 /// Bound on waiting for every run to end after the last submission.
@@ -73,16 +75,22 @@ fn run_command(marker: &Path) -> Vec<String> {
     vec!["/bin/sh".into(), "-c".into(), script]
 }
 
-/// Random network faults, counted by kind.
+/// Random network faults, counted by (phase, kind): on any chunk with
+/// [`NETWORK_FAULT_CHANCE`], and on an assignment on its way to an agent
+/// (the server's frames are not masked) with [`ASSIGNMENT_FAULT_CHANCE`],
+/// the window where a lost delivery must be requeued and never run twice.
 struct CountedFaults {
     faults: RandomFaults,
-    counts: Arc<Mutex<BTreeMap<&'static str, u64>>>,
+    counts: Arc<Mutex<BTreeMap<(&'static str, &'static str), u64>>>,
 }
 
 impl FaultPolicy for CountedFaults {
-    fn on_data(&mut self, conn: &ConnInfo, direction: Direction, data: &[u8]) -> Option<Fault> {
-        let fault = self.faults.on_data(conn, direction, data)?;
-        *lock(&self.counts).entry(fault.kind()).or_default() += 1;
+    fn on_data(&mut self, _conn: &ConnInfo, direction: Direction, data: &[u8]) -> Option<Fault> {
+        let assignment = direction == Direction::ToClient && data.windows(12).any(|w| w == b"\"assignment\"");
+        let (phase, chance) =
+            if assignment { ("assignment", ASSIGNMENT_FAULT_CHANCE) } else { ("any", NETWORK_FAULT_CHANCE) };
+        let fault = self.faults.roll(chance)?;
+        *lock(&self.counts).entry((phase, fault.kind())).or_default() += 1;
         Some(fault)
     }
 }
@@ -157,14 +165,14 @@ impl Replicas {
 
     /// Replicas that exited on their own (a leader deposed by a missed
     /// lease renewal exits, as it must): restarted, as a supervisor would;
-    /// how many.
-    async fn restart_exited(&mut self) -> u64 {
-        let mut exited = 0;
+    /// the last line each one logged.
+    async fn restart_exited(&mut self) -> Vec<String> {
+        let mut exited = Vec::new();
         for index in 0..self.live.len() {
             if self.live[index].as_ref().is_some_and(|replica| !process_alive(replica.pid())) {
                 self.live[index] = None;
+                exited.push(format!("r{index}: {}", tail(&self.logs[index], 1).trim()));
                 self.restart(index).await;
-                exited += 1;
             }
         }
         exited
@@ -306,10 +314,10 @@ async fn replicated_soak_with_faults_agent_and_replica_kills_loses_nothing_and_r
     // The leader killed at a quarter and three quarters, a follower at half.
     let kills = [(RUNS / 4, "leader"), (RUNS / 2, "follower"), (3 * RUNS / 4, "leader")];
     let mut restarts: Vec<(usize, usize)> = Vec::new();
-    let (mut submit_retries, mut exited) = (0, 0);
+    let (mut submit_retries, mut exited) = (0, Vec::new());
     let gap = SUBMIT_OVER / RUNS as u32;
     for label in 0..RUNS {
-        exited += replicas.restart_exited().await;
+        exited.extend(replicas.restart_exited().await);
         for (_, index) in restarts.iter().filter(|(at, _)| *at == label) {
             replicas.restart(*index).await;
         }
@@ -339,7 +347,7 @@ async fn replicated_soak_with_faults_agent_and_replica_kills_loses_nothing_and_r
     while cancels.join_next().await.is_some() {}
 
     // Every run ends, read through the leader of a settled cluster.
-    exited += replicas.restart_exited().await;
+    exited.extend(replicas.restart_exited().await);
     let (leader, _) = replicas.leader().await;
     let leader_now = replicas.live[leader].clone().expect("the leader");
     *lock(&server) = Some(Arc::clone(&leader_now));
@@ -379,10 +387,10 @@ async fn replicated_soak_with_faults_agent_and_replica_kills_loses_nothing_and_r
         verdict.runs.len()
     );
     eprintln!("soak-replicas: runs by state/path: {by_state:?}");
-    eprintln!("soak-replicas: proxy: {}; network faults by kind: {:?}", proxy.stats(), lock(&network_faults));
+    eprintln!("soak-replicas: proxy: {}; network faults by (phase, kind): {:?}", proxy.stats(), lock(&network_faults));
     eprintln!(
         "soak-replicas: agents SIGKILLed by point and replicas SIGKILLed by role: {:?}; agents started: {}; \
-         cancels: {}; replicas that exited on their own: {exited}; submissions retried: {submit_retries}",
+         cancels: {}; replicas that exited on their own: {exited:?}; submissions retried: {submit_retries}",
         journal.faults,
         agents.count(),
         journal.cancels
