@@ -379,6 +379,15 @@ async fn replicated_soak_with_faults_agent_and_replica_kills_loses_nothing_and_r
         .map(|doc| serde_json::from_str(doc).expect("a credential document"))
         .collect();
     let requeues = check_credentials(&mut verdict, &credentials);
+    // No replica panicked (a deposed one exits cleanly, with its own code).
+    for log in &replicas.logs {
+        let text = std::fs::read_to_string(log).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        for (at, line) in lines.iter().enumerate().filter(|(_, line)| line.contains("panicked at")) {
+            let message = lines.get(at + 1).unwrap_or(&"");
+            verdict.problems.push(format!("{} panicked: {line} {message}", log.display()));
+        }
+    }
 
     // ---- summary -----------------------------------------------------------
     let (by_state, attempts) = outcomes(&verdict);
