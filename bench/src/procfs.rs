@@ -166,3 +166,10 @@ pub fn raise_open_files_limit() -> u64 {
         Err(_) => 1024,
     }
 }
+
+/// Whether the process runs: it exists and is not a zombie awaiting its
+/// parent.
+pub fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .is_ok_and(|status| status.lines().any(|line| line.starts_with("State:") && !line.contains("zombie")))
+}

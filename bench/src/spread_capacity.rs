@@ -271,6 +271,7 @@ async fn drive(
     let spool = dir.join("spool");
     progress(&format!("  {connections} standbys: minting credentials"));
     wait_for("the spooled credentials", Duration::from_secs(900), async || {
+        replicas.check_alive()?;
         Ok(procfs::count_entries(&spool, ".token") >= connections)
     })
     .await?;
@@ -294,6 +295,7 @@ async fn drive(
     let per_replica = spreader.per_replica.clone();
     let mut registered = 0;
     let settled = wait_for("every standby to connect", Duration::from_secs(900), async || {
+        replicas.check_alive()?;
         let (connected, failed, _) = workers.totals();
         registered = replicas.servers[leader].metric("standby_connected_standbys").await? as usize;
         Ok(connected + failed >= connections && registered >= connected)
