@@ -35,7 +35,8 @@ use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
 mod soak_shared;
 use soak_shared::{
-    Current, Journal, SeedGuard, check_credentials, check_runs, current, lock, maybe_cancel, outcomes, settle, watcher,
+    Current, Journal, SeedGuard, check_credentials, check_runs, current, lock, maybe_cancel, outcomes, settle,
+    sqlite_credentials, watcher,
 };
 
 /// Runs submitted, over how long, and how many faults of each kind: sized
@@ -272,7 +273,7 @@ async fn soak_on_docker_with_killed_paused_and_disconnected_containers_and_resta
     let status = final_server.stop(Signal::SIGTERM).await;
     assert!(status.success(), "standby-server exited {status} on SIGTERM");
     marker_task.abort();
-    let requeues = check_credentials(&mut verdict, &data.join("standby.db"));
+    let requeues = check_credentials(&mut verdict, &sqlite_credentials(&data.join("standby.db")));
     // A clean stop leaves none of the server's containers running.
     let filter = format!("label=standby.instance={}", cleanup.instance());
     let running = docker::docker(&["ps", "-q", "--filter", &filter]).unwrap_or_default();
