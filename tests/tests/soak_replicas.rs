@@ -8,7 +8,7 @@
 //! Runs are submitted over time through random replicas (a `503` of an
 //! election under way, or no answer from a dead replica, is retried with
 //! the same `Idempotency-Key` through another), with random network faults
-//! on the agents' connections, waiting agents SIGKILLed (see [`killer`]), a few
+//! on the agents' connections, agents SIGKILLed, waiting or running (see [`killer`]), a few
 //! runs cancelled, and the leader SIGKILLed twice and a follower once, each
 //! killed replica restarted a few submissions later. At the end, the local
 //! soak's invariants (`soak_shared`): no run lost, none run twice, no
@@ -210,12 +210,12 @@ impl Replicas {
     }
 }
 
-/// Kills waiting agents (ready standbys) at random times, the server's view
-/// read through the replica of the moment. Only standbys: the `spool`
-/// provider reports no exit, and the server writes off a silent sandbox
-/// only while it is a standby or its run's delivery is unconfirmed (a
-/// confirmed run waits for its agent's exit, which a spooled sandbox never
-/// reports), so an agent killed later would leave its run open for good.
+/// Kills agents at random times, waiting or running a run, the server's
+/// view read through the replica of the moment. The `spool` provider
+/// reports no exit: a killed standby is retired for silence, and a run
+/// whose agent dies after confirming delivery is failed once it has been
+/// unheard for `--run-lost-after` (short here), as an adopted sandbox's
+/// is after a failover.
 async fn killer(
     server: Current,
     agents: Arc<SpooledAgents>,
@@ -232,21 +232,24 @@ async fn killer(
         else {
             continue;
         };
-        let targets: Vec<i32> = sandboxes["sandboxes"]
+        let targets: Vec<(i32, &str)> = sandboxes["sandboxes"]
             .as_array()
             .into_iter()
             .flatten()
-            .filter(|sandbox| sandbox["state"] == "standby" && sandbox["last_state"] == "ready")
-            .filter_map(|sandbox| agents.pid(sandbox["id"].as_str()?))
-            .filter(|pid| process_alive(*pid))
+            .filter(|sandbox| sandbox["state"] == "assigned" || sandbox["last_state"] == "ready")
+            .filter_map(|sandbox| {
+                let kind = if sandbox["state"] == "assigned" { "agent-running" } else { "agent-waiting" };
+                Some((agents.pid(sandbox["id"].as_str()?)?, kind))
+            })
+            .filter(|(pid, _)| process_alive(*pid))
             .collect();
         if targets.is_empty() {
             continue;
         }
-        let pid = targets[rng.below(targets.len() as u64) as usize];
+        let (pid, kind) = targets[rng.below(targets.len() as u64) as usize];
         if kill(Pid::from_raw(pid), Signal::SIGKILL).is_ok() {
             killed += 1;
-            *lock(&journal).faults.entry("agent-waiting").or_default() += 1;
+            *lock(&journal).faults.entry(kind).or_default() += 1;
         }
     }
 }
@@ -279,6 +282,7 @@ async fn replicated_soak_with_faults_agent_and_replica_kills_loses_nothing_and_r
             .args(&["--secret-key-file", &dir.path().join("secret.key").display().to_string()])
             .args(&["--pool-size", "6", "--running-cap", "12", "--heartbeat-interval", HEARTBEAT])
             .args(&["--max-attempts", "6", "--launch-timeout", "20s", "--linger", "2s", "--log", "info"])
+            .args(&["--run-lost-after", "5s"])
         })
         .collect();
     let logs = (0..3).map(|index| dir.path().join(format!("r{index}.log"))).collect();

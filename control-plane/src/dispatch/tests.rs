@@ -18,6 +18,7 @@ fn config(pool_size: usize) -> DispatchConfig {
         pool_size,
         max_attempts: 3,
         launch_timeout: Duration::from_secs(10),
+        run_silence: Duration::from_secs(120),
         linger: Duration::from_secs(5),
         pool_workspace: Workspace::default(),
         pool_fingerprint: fingerprint(&Workspace::default()),
