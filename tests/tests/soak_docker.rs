@@ -181,8 +181,8 @@ fn lines_about(log: &std::path::Path, verdict: &soak_shared::Verdict) -> String 
 /// 4018657372120271267: `stop_all` stops the containers running when it
 /// lists them, not one whose launch is in flight), and a run whose marker
 /// connection falls into a network cut exits 3 unreported (the command's
-/// own check; seen with seed 9135697549409858208 before the connection fix,
-/// not in the six runs since).
+/// own check: the cut passes, the run is not retried; seeds 9135697549409858208
+/// and 4896729091736762794).
 /// Run it with `cargo nextest run --run-ignored all --test soak_docker`.
 #[ignore = "a container launched during the clean stop is left running (not fixed yet)"]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
