@@ -121,6 +121,11 @@ struct DockerInner {
     /// stopped sandbox, for reading by a start: a resume never starts a
     /// container that is being committed or removed under it.
     retention: tokio::sync::RwLock<()>,
+    /// `true` once [`SandboxProvider::stop_all`] began. Held for reading by
+    /// every create and start, for writing by `stop_all`: it waits for the
+    /// containers being started, then no new one starts, so a clean stop
+    /// leaves no container of this server running.
+    closed: tokio::sync::RwLock<bool>,
     sweeper: std::sync::Once,
 }
 
@@ -151,6 +156,7 @@ impl DockerProvider {
                 auto_stop: Mutex::new(HashMap::new()),
                 stopping: Mutex::new(HashSet::new()),
                 retention: tokio::sync::RwLock::new(()),
+                closed: tokio::sync::RwLock::new(false),
                 sweeper: std::sync::Once::new(),
             }),
         })
@@ -240,6 +246,10 @@ async fn ensure_network(docker: &Docker, network: &str) -> Result<IpAddr, Docker
 impl SandboxProvider for DockerProvider {
     async fn create(&self, sandbox_id: &str) -> Result<(), ProviderError> {
         self.ensure_sweeper();
+        let closed = self.inner.closed.read().await;
+        if *closed {
+            return Err(ProviderError::Stopping { sandbox: sandbox_id.to_owned() });
+        }
         let options = &self.inner.options;
         let body = container::spec(&options.image, &options.network, sandbox_id, &options.instance, options.limits);
         container::create(&self.inner.docker, sandbox_id, body).await?;
@@ -248,6 +258,10 @@ impl SandboxProvider for DockerProvider {
 
     async fn start(&self, sandbox_id: &str) -> Result<(), ProviderError> {
         self.ensure_sweeper();
+        let closed = self.inner.closed.read().await;
+        if *closed {
+            return Err(ProviderError::Stopping { sandbox: sandbox_id.to_owned() });
+        }
         let _retention = self.inner.retention.read().await;
         if self.inspect(sandbox_id).await?.is_some() {
             return container::start(&self.inner.docker, sandbox_id).await;
@@ -351,6 +365,7 @@ impl SandboxProvider for DockerProvider {
     }
 
     async fn stop_all(&self, grace: Duration) {
+        *self.inner.closed.write().await = true;
         let ids = sweeper::own_containers(&self.inner).await.into_iter().filter(|c| c.running).map(|c| c.sandbox_id);
         let ids: Vec<String> = ids.collect();
         futures::future::join_all(ids.iter().map(|id| self.stop(id, grace))).await;

@@ -101,6 +101,8 @@ pub enum ProviderError {
         #[source]
         source: bollard::errors::Error,
     },
+    #[error("sandbox {sandbox}: not started: the server is stopping")]
+    Stopping { sandbox: String },
 }
 
 /// What the agent of a sandbox is started with: the contract's variables.
