@@ -306,6 +306,9 @@ impl Driver {
                     spec: self.spec.clone().unwrap_or_default(),
                     plan: self.config.install_plan,
                     deadline: time::after(Instant::now(), self.config.install_timeout),
+                    // Once: a second install in this life would find the
+                    // clone as the first left it, not as preparation did.
+                    checkouts: std::mem::take(&mut prepared.checkouts),
                 };
                 let (abort_tx, abort_rx) = oneshot::channel();
                 let task = tokio::spawn(async move {
@@ -511,7 +514,7 @@ async fn prepare_all(
             .map_err(|e| PrepFailure::Failed(format!("idle shell `{}`: {e}", shell_argv.join(" "))))?
     };
     tracing::info!(fingerprint = %workspace.fingerprint, skipped = workspace.skipped, "ready");
-    Ok(Prepared { shell: Some(shell), mcp, fingerprint: workspace.fingerprint })
+    Ok(Prepared { shell: Some(shell), mcp, fingerprint: workspace.fingerprint, checkouts: workspace.checkouts })
 }
 
 fn default_shell() -> Vec<String> {

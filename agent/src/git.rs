@@ -19,6 +19,10 @@ use tokio::process::Command;
 
 use crate::process::{child_env, register, unregister};
 
+mod clean;
+
+pub use clean::Snapshot;
+
 /// `http.lowSpeedLimit` (bytes per second) and `http.lowSpeedTime`
 /// (seconds): a transfer slower than the limit for that long fails.
 const LOW_SPEED_LIMIT: &str = "1";

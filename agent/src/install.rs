@@ -33,6 +33,7 @@ use tokio::time::Instant;
 
 use crate::api::{Api, call_backoff, retry};
 use crate::config::InstallPlan;
+use crate::git::Snapshot;
 use crate::lifecycle::InstallFailure;
 use crate::mcp::McpSupervisor;
 use crate::paths::{resolve_inside, write_run_file};
@@ -46,6 +47,8 @@ pub struct Prepared {
     pub shell: Option<IdleShell>,
     pub mcp: McpSupervisor,
     pub fingerprint: Fingerprint,
+    /// The fresh clones as preparation left them, for the first install.
+    pub checkouts: BTreeMap<String, Snapshot>,
 }
 
 /// Everything the install needs besides the prepared sandbox.
@@ -60,6 +63,8 @@ pub struct InstallInput {
     pub plan: InstallPlan,
     /// Retries of every call stop here (`STANDBY_INSTALL_TIMEOUT`).
     pub deadline: Instant,
+    /// Clones known as preparation left them (see [`Prepared::checkouts`]).
+    pub checkouts: BTreeMap<String, Snapshot>,
 }
 
 /// A run ready to start.
@@ -123,7 +128,7 @@ pub async fn install(input: &InstallInput, prepared: &mut Prepared) -> Result<In
     // behind points at this run's store or at nothing.
     crate::hygiene::remove_run_files(&input.root, &[]).await;
 
-    let Prepared { shell, mcp, fingerprint: prepared_fingerprint } = prepared;
+    let Prepared { shell, mcp, fingerprint: prepared_fingerprint, .. } = prepared;
     let mcp_restart = steps.time(Stage::Mcp, restart_mcp(mcp, &input.run.mcp_env));
     let rest = async {
         let cwd = steps.time(Stage::Check, async { check(input, prepared_fingerprint) }).await?;
@@ -331,6 +336,21 @@ async fn refresh(input: &InstallInput, git_env: &BTreeMap<String, String>) -> Re
     let refreshes = repos.iter().map(|repo| async move {
         let dest = resolve_inside(&input.root, &repo.path)
             .map_err(|e| InstallFailure::new(Stage::Refresh, Cause::InvalidRun, format!("repo path: {e}")))?;
+        if let Some(snapshot) = input.checkouts.get(&repo.path)
+            && repo.expected_sha.as_deref() == Some(snapshot.sha())
+        {
+            let (snapshot, dest) = (snapshot.clone(), dest.clone());
+            match tokio::task::spawn_blocking(move || snapshot.still_clean(&dest)).await {
+                Ok(Ok(())) => {
+                    tracing::debug!(path = repo.path, "repo already at expected_sha and clean: no git");
+                    return Ok(());
+                }
+                Ok(Err(why)) => {
+                    tracing::debug!(path = repo.path, %why, "the clone changed since preparation: git checks it out")
+                }
+                Err(_) => {}
+            }
+        }
         let sha = tokio::time::timeout_at(input.deadline, crate::git::refresh(repo, &dest, git_env))
             .await
             .map_err(|_| {

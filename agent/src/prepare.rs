@@ -6,6 +6,7 @@
 //! the same workspace (same spec) skips straight past the slow part, and one
 //! that crashed half-way, or was given another spec, starts over.
 
+use std::collections::BTreeMap;
 use std::io;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -36,6 +37,11 @@ pub struct PreparedWorkspace {
     /// Whether an earlier, completed preparation was found and clone and
     /// setup were skipped.
     pub skipped: bool,
+    /// Each fresh clone as this preparation left it, by repo path, so the
+    /// run's refresh to the same commit can skip git (see
+    /// [`git::Snapshot`]). Empty when preparation was skipped: an earlier
+    /// turn may have staged changes the snapshot cannot see.
+    pub checkouts: BTreeMap<String, git::Snapshot>,
 }
 
 /// Why preparation failed; each names the repo, step or path involved.
@@ -102,7 +108,7 @@ pub async fn prepare(root: &Path, workspace: &Workspace) -> Result<PreparedWorks
         if state.fingerprint == fingerprint {
             if clones_present(root, workspace).await {
                 info!(%fingerprint, "workspace already prepared: clone and setup are skipped");
-                return Ok(PreparedWorkspace { fingerprint, skipped: true });
+                return Ok(PreparedWorkspace { fingerprint, skipped: true, checkouts: BTreeMap::new() });
             }
             info!("workspace was prepared, but a clone is missing: preparing again");
         } else {
@@ -137,6 +143,7 @@ pub async fn prepare(root: &Path, workspace: &Workspace) -> Result<PreparedWorks
         run_step(root, step, &log).await?;
     }
     refresh_indexes(root, workspace, cloned_at).await;
+    let checkouts = snapshots(root, workspace);
 
     let state = State {
         fingerprint: fingerprint.clone(),
@@ -149,7 +156,7 @@ pub async fn prepare(root: &Path, workspace: &Workspace) -> Result<PreparedWorks
     write_atomic(&state_path, &bytes, 0o644)
         .await
         .map_err(PrepareError::io("cannot write the preparation record", &state_path))?;
-    Ok(PreparedWorkspace { fingerprint, skipped: false })
+    Ok(PreparedWorkspace { fingerprint, skipped: false, checkouts })
 }
 
 /// Refreshes every clone's index (see [`git::refresh_index`]) if the clock
@@ -169,6 +176,18 @@ async fn refresh_indexes(root: &Path, workspace: &Workspace, cloned_at: Instant)
             warn!(path = repo.path, %error, "refreshing the index failed; the run's checkout will read every file");
         }
     }
+}
+
+/// Every clone of `workspace` that [`git::Snapshot::take`] can record.
+fn snapshots(root: &Path, workspace: &Workspace) -> BTreeMap<String, git::Snapshot> {
+    workspace
+        .repos
+        .iter()
+        .filter_map(|repo| {
+            let dest = resolve_inside(root, &repo.path).ok()?;
+            Some((repo.path.clone(), git::Snapshot::take(&dest)?))
+        })
+        .collect()
 }
 
 /// The fingerprint recorded by a completed preparation of `root`, if any.
@@ -404,11 +423,13 @@ mod tests {
         let upstream = Upstream::new();
         let root = tempfile::tempdir().expect("a temporary directory");
         let ws = workspace(vec![upstream.repo("app", Some("main"))], vec![step("slow", "sleep 1.2")]);
-        prepare(root.path(), &ws).await.expect("prepared");
+        let prepared = prepare(root.path(), &ws).await.expect("prepared");
         let app = root.path().join("app");
         let index = std::fs::metadata(app.join(".git/index")).expect("an index").mtime();
         let readme = std::fs::metadata(app.join("README")).expect("a tracked file").mtime();
         assert!(index > readme, "index written at {index}, README at {readme}: racy");
+        let snapshot = prepared.checkouts.get("app").expect("the fresh clone is recorded");
+        assert_eq!(snapshot.still_clean(&app), Ok(()), "the run's refresh needs no git");
     }
 
     #[tokio::test]
@@ -419,6 +440,7 @@ mod tests {
         assert!(!prepare(root.path(), &ws).await.expect("first").skipped);
         let again = prepare(root.path(), &ws).await.expect("second");
         assert!(again.skipped);
+        assert!(again.checkouts.is_empty(), "an earlier turn may have staged changes: git decides");
         assert_eq!(again.fingerprint, fingerprint(&ws));
         assert_eq!(read(&root.path().join("runs")), "run\n");
     }

@@ -114,8 +114,20 @@ pub async fn socket(cluster: Cluster, leader: String, epoch: u64, request: axum:
     })
 }
 
+/// The headers a relayed socket re-dials with. They carry the agent's
+/// credential, held for the socket's whole life: the value is marked
+/// sensitive and `Debug` names the headers only, so no log can print it.
+#[derive(Clone)]
+struct UpstreamHeaders(HeaderMap);
+
+impl std::fmt::Debug for UpstreamHeaders {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list().entries(self.0.keys()).finish()
+    }
+}
+
 /// The agent's headers but those of its own connection and handshake.
-fn upstream_headers(headers: &HeaderMap, me: &str) -> HeaderMap {
+fn upstream_headers(headers: &HeaderMap, me: &str) -> UpstreamHeaders {
     let mut kept = HeaderMap::new();
     for (name, value) in headers {
         let own = name == header::HOST
@@ -124,13 +136,15 @@ fn upstream_headers(headers: &HeaderMap, me: &str) -> HeaderMap {
             || name == header::CONTENT_LENGTH
             || name.as_str().starts_with("sec-websocket-");
         if !own {
-            kept.append(name.clone(), value.clone());
+            let mut value = value.clone();
+            value.set_sensitive(name == header::AUTHORIZATION || value.is_sensitive());
+            kept.append(name.clone(), value);
         }
     }
     if let Ok(value) = HeaderValue::from_str(me) {
         kept.insert(FORWARDED_BY, value);
     }
-    kept
+    UpstreamHeaders(kept)
 }
 
 enum Dial {
@@ -139,7 +153,7 @@ enum Dial {
     Failed(String),
 }
 
-async fn dial(leader: &str, headers: &HeaderMap) -> Result<Leader, Dial> {
+async fn dial(leader: &str, headers: &UpstreamHeaders) -> Result<Leader, Dial> {
     let Some(rest) = leader.strip_prefix("http://") else {
         return Err(Dial::Failed(format!("the leader's URL `{leader}` is not http://: only plain HTTP is relayed")));
     };
@@ -148,7 +162,7 @@ async fn dial(leader: &str, headers: &HeaderMap) -> Result<Leader, Dial> {
         .as_str()
         .into_client_request()
         .map_err(|error| Dial::Failed(format!("the leader's socket URL `{url}` is not usable: {error}")))?;
-    request.headers_mut().extend(headers.clone());
+    request.headers_mut().extend(headers.0.clone());
     match tokio_tungstenite::connect_async(request).await {
         Ok((socket, _)) => Ok(socket),
         Err(tungstenite::Error::Http(answer)) => {
@@ -168,7 +182,7 @@ async fn dial(leader: &str, headers: &HeaderMap) -> Result<Leader, Dial> {
 /// One relayed socket: this task alone writes to both sides.
 struct Relay {
     cluster: Cluster,
-    headers: HeaderMap,
+    headers: UpstreamHeaders,
     /// The epoch of the leader dialled last.
     epoch: u64,
     /// The agent's last heartbeat frame, replayed to a new leader.
@@ -340,6 +354,19 @@ mod tests {
         assert_eq!(after_upstream(Ending::Closed(Some(1012))), Then::Redial);
         for code in [None, Some(1000), Some(1008), Some(1011), Some(4001)] {
             assert_eq!(after_upstream(Ending::Closed(code)), Then::PassClose, "{code:?}");
+        }
+    }
+
+    #[test]
+    fn the_relayed_credential_never_prints() {
+        let mut agent = HeaderMap::new();
+        agent.insert(header::AUTHORIZATION, HeaderValue::from_static("Bearer sb_live_hunter2"));
+        agent.insert(header::HOST, HeaderValue::from_static("replica-1"));
+        let kept = upstream_headers(&agent, "r1");
+        assert!(kept.0[header::AUTHORIZATION].is_sensitive());
+        assert!(!kept.0.contains_key(header::HOST), "the agent's own connection's");
+        for printed in [format!("{kept:?}"), format!("{:?}", kept.0)] {
+            assert!(!printed.contains("hunter2"), "{printed}");
         }
     }
 
