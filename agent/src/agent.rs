@@ -30,10 +30,6 @@ use crate::redact::Redactor;
 use crate::shell::{IdleShell, RunGroup, ShellError};
 use crate::{prepare, process, reaper, time};
 
-/// How long the agent waits for the log shipper once the run has exited: a
-/// backstop behind the shipper's own drain bound, which starts when the
-/// output ends (at most 2 s after the run's exit).
-const LOG_DRAIN_BOUND: Duration = Duration::from_secs(35);
 /// Grace for stray children at exit.
 const CHILD_GRACE: Duration = Duration::from_secs(2);
 
@@ -387,7 +383,7 @@ impl Driver {
         let started_event = tokio::spawn({
             let (api, id, timeout) = (self.api.clone(), execution_id.clone(), self.config.event_timeout);
             async move {
-                if let Err(e) = report(&api, &credential, &id, EventKind::Started, timeout).await {
+                if let Err(e) = report(&api, &credential, &id, EventKind::Started, 0, timeout).await {
                     tracing::warn!(execution_id = id, error = %e, "`started` was not acknowledged");
                 }
             }
@@ -422,6 +418,7 @@ impl Driver {
 
     /// The common end: report, stop everything this life started.
     async fn wind_down(&mut self, report_kind: Option<EventKind>) {
+        let mut log_lost = 0;
         if let Some((abort, task)) = self.install.take() {
             if let Some(abort) = abort {
                 let _ = abort.send(());
@@ -439,14 +436,23 @@ impl Driver {
                 let _ = exit.await;
             }
             let _ = started.started_event.await;
-            match tokio::time::timeout(LOG_DRAIN_BOUND, started.shipper).await {
-                Ok(Ok(shipped)) => tracing::info!(
-                    bytes = shipped.bytes,
-                    chunks = shipped.chunks,
-                    lost = shipped.lost_bytes,
-                    "run output shipped"
-                ),
-                _ => tracing::warn!("run output was not fully shipped"),
+            // No bound of its own here: the output ends at most 2 s after
+            // the run, and the shipper then gives up once its drain bound
+            // passes without progress, so waiting for its count is bounded,
+            // and a server that keeps taking the log gets all of it.
+            match started.shipper.await {
+                Ok(shipped) => {
+                    tracing::info!(
+                        bytes = shipped.bytes,
+                        chunks = shipped.chunks,
+                        lost = shipped.lost_bytes,
+                        "run output shipped"
+                    );
+                    log_lost = shipped.lost_bytes;
+                }
+                Err(error) => {
+                    tracing::error!(%error, "the log shipper failed; how much of the output was lost is unknown")
+                }
             }
         }
         if self.run_credential.is_some() {
@@ -455,7 +461,7 @@ impl Driver {
         }
         if let (Some(kind), Some((execution_id, credential))) = (report_kind, &self.run_credential) {
             let name = kind.name();
-            match report(&self.api, credential, execution_id, kind, self.config.event_timeout).await {
+            match report(&self.api, credential, execution_id, kind, log_lost, self.config.event_timeout).await {
                 Ok(()) => tracing::info!(execution_id, event = name, "reported"),
                 Err(e) => tracing::error!(execution_id, event = name, error = %e, "report was not acknowledged"),
             }
@@ -470,18 +476,37 @@ impl Driver {
 }
 
 /// Posts an event until it is acknowledged, keeping its `event_id` across
-/// retries, for at most `timeout`.
+/// retries, for at most `timeout`. A final event carries `log_lost`, the
+/// bytes of the run's output the shipper gave up on (contract 1.1 note 10).
+/// A try unanswered for [`logship::ATTEMPT_BOUND`] is made again on new
+/// connections ([`Api::fresh`]), as a log chunk is: pooled connections
+/// that died silently must not hold the run's end for minutes.
 async fn report(
     api: &Api,
     credential: &Secret,
     execution_id: &str,
     kind: EventKind,
+    log_lost: u64,
     timeout: Duration,
 ) -> Result<(), ApiError> {
-    let event = Event { event_id: format!("{execution_id}-{}-{:016x}", kind.name(), rand::random::<u64>()), kind };
+    let event = Event::new(format!("{execution_id}-{}-{:016x}", kind.name(), rand::random::<u64>()), kind)
+        .with_log_lost(log_lost);
     let path = paths::events(execution_id);
+    let call = format!("POST {path}");
     let deadline = time::after(Instant::now(), timeout);
-    retry(&format!("POST {path}"), deadline, call_backoff(), || api.post(credential, &path, &event)).await
+    let api = std::sync::Mutex::new(api.clone());
+    let lock = || api.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    retry(&call, deadline, call_backoff(), || async {
+        let attempt_api = lock().clone();
+        match tokio::time::timeout(logship::ATTEMPT_BOUND, attempt_api.post(credential, &path, &event)).await {
+            Ok(result) => result,
+            Err(_) => {
+                *lock() = attempt_api.fresh();
+                Err(ApiError::Unanswered { call: call.clone(), bound: logship::ATTEMPT_BOUND })
+            }
+        }
+    })
+    .await
 }
 
 /// Loads the spec, prepares the workspace, starts the MCP servers and opens

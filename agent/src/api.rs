@@ -41,6 +41,9 @@ pub(crate) enum ApiError {
     Refused { call: String, problem: String },
     #[error("{call}: gave up after {attempts} attempts: {last}")]
     Exhausted { call: String, attempts: u32, last: Box<ApiError> },
+    /// No answer within the caller's bound for one attempt.
+    #[error("{call}: no answer within {}", humantime::format_duration(*bound))]
+    Unanswered { call: String, bound: Duration },
 }
 
 impl ApiError {
@@ -50,7 +53,7 @@ impl ApiError {
     pub(crate) fn answer(&self) -> Answer {
         match self {
             Self::Status { status, .. } => Answer::of(status.as_u16()),
-            Self::Transport { .. } => Answer::Transient,
+            Self::Transport { .. } | Self::Unanswered { .. } => Answer::Transient,
             Self::Decode { .. } | Self::TooLarge { .. } | Self::Refused { .. } => Answer::Fatal,
             Self::Exhausted { last, .. } => last.answer(),
         }
@@ -146,6 +149,8 @@ pub(crate) struct Api {
     base: String,
     server: Url,
     insecure: bool,
+    /// The trust store the client was built with, for [`Api::fresh`].
+    tls: Option<Arc<rustls::ClientConfig>>,
 }
 
 impl Api {
@@ -169,15 +174,34 @@ impl Api {
             .read_timeout(Duration::from_secs(60))
             .redirect(redirect_policy())
             .user_agent(concat!("standby/", env!("CARGO_PKG_VERSION")));
-        if let Some(tls) = tls {
-            builder = builder.tls_backend_preconfigured(rustls::ClientConfig::clone(&tls));
+        if let Some(tls) = &tls {
+            builder = builder.tls_backend_preconfigured(rustls::ClientConfig::clone(tls));
         }
         Ok(Self {
             client: builder.build()?,
             base: base.as_str().trim_end_matches('/').to_owned(),
             server: base.clone(),
             insecure,
+            tls,
         })
+    }
+
+    /// The same client with a connection pool of its own, for a call that
+    /// went unanswered: its next try must not wait on another idle
+    /// connection of the same pool. A sandbox cut from its network and
+    /// connected again (a container's `docker network disconnect`) keeps
+    /// its pooled connections, and their packets are silently dropped from
+    /// then on; each try on one of them costs a whole attempt bound, and a
+    /// pool of them outlasted the log's drain bound (the Docker soak lost
+    /// the end of a log that way, and a final event waited on them).
+    pub(crate) fn fresh(&self) -> Self {
+        match Self::build(&self.server, self.tls.clone(), self.insecure) {
+            Ok(fresh) => fresh,
+            Err(error) => {
+                tracing::warn!(%error, "cannot build a new HTTP client; the old one's connections are reused");
+                self.clone()
+            }
+        }
     }
 
     /// The server's base URL.

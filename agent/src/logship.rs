@@ -17,16 +17,23 @@
 //! - `401`/`403`/`410`: the credential was revoked; nothing more is sent.
 //! - Any other refusal: that chunk is given up; the next reports it as
 //!   `dropped`.
-//! - Once the output has ended, the sender has `drain` (default
-//!   [`DRAIN_BOUND`], 30 s) to get the rest acknowledged; then it gives up,
-//!   so a dead log endpoint cannot hold the run's final event forever.
+//! - Once the output has ended, the sender gives up when `drain` (default
+//!   [`DRAIN_BOUND`], 30 s) passes without progress (a chunk acknowledged,
+//!   or a `409` telling the server's count; [`drain::Drain`]): a dead log
+//!   endpoint cannot hold the run's final event forever, and a server that
+//!   restarts (even twice) while the rest drains still gets the whole log.
+//!   What was never acknowledged is counted in the report's `lost_bytes`,
+//!   which the final event carries as `log_lost`.
 //! - A chunk unanswered for `attempt` (default [`ATTEMPT_BOUND`], 10 s) is
-//!   sent again on a new connection: one that died without a reset (the
+//!   sent again on a new connection (a client with a pool of its own,
+//!   [`Api::fresh`]: another idle connection of the old pool may be as
+//!   dead): one that died without a reset (the
 //!   sandbox's network was cut and came back, as a container's can) would
 //!   otherwise hold it until the client's read timeout, past the drain
 //!   bound, and the end of the output would be lost though the server is
 //!   reachable again.
 
+mod drain;
 mod ledger;
 mod store;
 
@@ -39,6 +46,7 @@ use standby_protocol::{Answer, LogChunk, LogReceived, Secret, paths};
 use tokio::sync::{Notify, mpsc};
 use tokio::time::Instant;
 
+use self::drain::Drain;
 use self::ledger::{Chunk, Ledger};
 use self::store::Store;
 use crate::api::{self, Api};
@@ -56,8 +64,9 @@ pub const FLUSH_AFTER: Duration = Duration::from_millis(100);
 /// is dropped (and reported as `dropped`).
 pub const SPOOL_BOUND: u64 = 64 * 1024 * 1024;
 
-/// Default time the sender has, once the output ended, to get the rest
-/// acknowledged before the run's final event is reported anyway.
+/// Default time the sender may go without progress, once the output
+/// ended, before it gives up on the rest and the run's final event is
+/// reported anyway.
 pub const DRAIN_BOUND: Duration = Duration::from_secs(30);
 
 /// Default time one chunk's request may go unanswered before the chunk is
@@ -209,15 +218,17 @@ struct Sender {
 }
 
 impl Sender {
-    async fn run(&self, drain: Duration, attempt_bound: Duration) -> ShipReport {
+    async fn run(&self, drain_bound: Duration, attempt_bound: Duration) -> ShipReport {
         let mut report = ShipReport::default();
         let mut gaps = 0;
         let mut delays = api::call_backoff().build();
-        let mut drain_by = None;
+        let mut drain = Drain::new(drain_bound);
         let mut revoked = false;
+        // Replaced by one with a pool of its own after an unanswered try.
+        let mut api = self.api.clone();
         let execution_id = self.execution_id.as_str();
         loop {
-            let step = self.step(revoked, drain, &mut drain_by);
+            let step = self.step(revoked, &mut drain);
             let (chunk, data) = match step {
                 Step::Done => break,
                 Step::Wait(at) => {
@@ -230,12 +241,15 @@ impl Sender {
                 Step::Send(chunk, data) => (chunk, data),
             };
             let body = LogChunk::after_gap(chunk.offset, chunk.dropped, &data);
-            let attempt = self.api.post_or_conflict::<_, LogReceived>(&self.credential, &self.path, &body);
-            let Some(answered) = within(drain_by, tokio::time::timeout(attempt_bound, attempt)).await else { break };
+            let attempt = api.post_or_conflict::<_, LogReceived>(&self.credential, &self.path, &body);
+            let Some(answered) = within(drain.deadline(), tokio::time::timeout(attempt_bound, attempt)).await else {
+                break;
+            };
             // Dropping the request closes its connection: the next try
             // opens another.
             let Ok(result) = answered else {
                 tracing::info!(execution_id, offset = chunk.offset, bound = ?attempt_bound, "a log chunk was not answered in time; sent again");
+                api = api.fresh();
                 continue;
             };
             match result {
@@ -245,6 +259,8 @@ impl Sender {
                     if spool.ledger.next(1).is_none() {
                         spool.pending_since = None;
                     }
+                    drop(spool);
+                    drain.progressed(Instant::now());
                     report.chunks += 1;
                     report.bytes += chunk.len;
                     gaps += chunk.dropped;
@@ -268,13 +284,14 @@ impl Sender {
                         "the server holds another part of the log; resuming from its count"
                     );
                     self.shared.lock().ledger.resync(received);
+                    drain.progressed(Instant::now());
                     report.resyncs += 1;
                 }
                 Err(error) => match error.answer() {
                     Answer::Transient => {
                         let delay = delays.next().unwrap_or(Duration::from_secs(5));
                         tracing::debug!(execution_id, offset = chunk.offset, %error, ?delay, "log chunk not acknowledged; retrying");
-                        if within(drain_by, tokio::time::sleep(delay)).await.is_none() {
+                        if within(drain.deadline(), tokio::time::sleep(delay)).await.is_none() {
                             break;
                         }
                     }
@@ -295,8 +312,8 @@ impl Sender {
             tracing::warn!(
                 execution_id,
                 unsent = ledger.outstanding(),
-                ?drain,
-                "the log was not fully acknowledged within the drain bound"
+                bound = ?drain_bound,
+                "the log made no progress for the drain bound; the rest is given up"
             );
         }
         tracing::debug!(
@@ -311,11 +328,11 @@ impl Sender {
     }
 
     /// Decides the next step under the lock; reads a due chunk's bytes.
-    fn step(&self, revoked: bool, drain: Duration, drain_by: &mut Option<Instant>) -> Step {
+    fn step(&self, revoked: bool, drain: &mut Drain) -> Step {
         let mut spool = self.shared.lock();
         let now = Instant::now();
-        if spool.closed && drain_by.is_none() {
-            *drain_by = Some(crate::time::after(now, drain));
+        if spool.closed {
+            drain.output_ended(now);
         }
         if revoked {
             return if spool.closed { Step::Done } else { Step::Wait(None) };
@@ -356,11 +373,13 @@ async fn sleep_until(at: Option<Instant>) {
 
 #[cfg(test)]
 mod tests {
+    use std::collections::HashSet;
+    use std::net::SocketAddr;
     use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
     use std::sync::{Arc, Mutex};
 
     use axum::Json;
-    use axum::extract::{Path, State};
+    use axum::extract::{ConnectInfo, Path, State};
     use axum::http::{HeaderMap, StatusCode, header};
     use axum::response::{IntoResponse, Response};
     use standby_protocol::log_ledger::{self, Verdict};
@@ -391,23 +410,47 @@ mod tests {
         malformed: usize,
     }
 
+    /// Whether request number `n` (from 0, every arrival counted) is left
+    /// unanswered forever (a dead connection).
+    type Stall = dyn Fn(usize) -> bool + Send + Sync;
+
     #[derive(Clone)]
     struct Server {
         received: Arc<Mutex<Received>>,
         fault: Arc<Fault>,
-        /// Requests left to leave unanswered forever (a dead connection).
-        stalls: Arc<AtomicUsize>,
+        stall: Arc<Stall>,
+        /// Requests that arrived, stalled ones included.
+        arrivals: Arc<AtomicUsize>,
+        /// Every client connection seen, and those whose requests go
+        /// unanswered from now on (a connection whose packets are dropped).
+        peers: Arc<Mutex<HashSet<SocketAddr>>>,
+        dead: Arc<Mutex<HashSet<SocketAddr>>>,
+        /// Empty chunks at offset 0 wait here until `WARM` of them are in,
+        /// so each holds a pooled connection of its own.
+        warm: Arc<tokio::sync::Barrier>,
     }
+
+    /// Connections [`warm_pool`] leaves idle in the client's pool.
+    const WARM: usize = 6;
 
     /// The contract's log endpoint: every chunk judged by the ledger rule
     /// every server shares (`log_ledger::accept`, amendment 6).
     async fn receive(
         State(server): State<Server>,
+        ConnectInfo(peer): ConnectInfo<SocketAddr>,
         Path(execution): Path<String>,
         headers: HeaderMap,
         Json(chunk): Json<LogChunk>,
     ) -> Response {
-        if server.stalls.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |left| left.checked_sub(1)).is_ok() {
+        server.peers.lock().expect("lock is not poisoned").insert(peer);
+        if server.dead.lock().expect("lock is not poisoned").contains(&peer) {
+            return std::future::pending().await;
+        }
+        if chunk.offset == 0 && chunk.data.is_empty() {
+            server.warm.wait().await;
+            return StatusCode::OK.into_response();
+        }
+        if (server.stall)(server.arrivals.fetch_add(1, Ordering::SeqCst)) {
             return std::future::pending().await;
         }
         let mut received = server.received.lock().expect("lock is not poisoned");
@@ -443,17 +486,39 @@ mod tests {
 
     /// A log endpoint on 127.0.0.1, and an `Api` pointing at it.
     async fn serve(fault: impl Fn(usize, &LogChunk) -> Option<StatusCode> + Send + Sync + 'static) -> (Api, Server) {
+        serve_stalling(fault, |_| false).await
+    }
+
+    /// [`serve`], leaving the requests `stall` picks unanswered.
+    async fn serve_stalling(
+        fault: impl Fn(usize, &LogChunk) -> Option<StatusCode> + Send + Sync + 'static,
+        stall: impl Fn(usize) -> bool + Send + Sync + 'static,
+    ) -> (Api, Server) {
         // reqwest is built without a default crypto provider; the agent's
         // main installs one, tests do it here (a second install is refused,
         // which is fine).
         crate::api::install_tls_provider();
-        let server = Server { received: Arc::default(), fault: Arc::new(fault), stalls: Arc::default() };
+        let server = Server {
+            received: Arc::default(),
+            fault: Arc::new(fault),
+            stall: Arc::new(stall),
+            arrivals: Arc::default(),
+            peers: Arc::default(),
+            dead: Arc::default(),
+            warm: Arc::new(tokio::sync::Barrier::new(WARM)),
+        };
         let app = axum::Router::new().route(paths::LOG_ROUTE, axum::routing::post(receive)).with_state(server.clone());
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind a loopback port");
         let address = listener.local_addr().expect("bound address");
-        tokio::spawn(async move { axum::serve(listener, app).await });
+        tokio::spawn(
+            async move { axum::serve(listener, app.into_make_service_with_connect_info::<SocketAddr>()).await },
+        );
         let base = reqwest::Url::parse(&format!("http://{address}")).expect("a valid URL");
-        (Api::new(&base).expect("an HTTP client"), server)
+        // The agent's own trust store, built once: a fresh client (after an
+        // unanswered try) reuses it, as in the agent, instead of loading the
+        // system's roots again.
+        let tls = crate::tls::client_config(None).expect("the system's trust store");
+        (Api::with_tls(&base, tls, false).expect("an HTTP client"), server)
     }
 
     /// Feeds `items` into an output channel holding at most one item, as
@@ -571,13 +636,68 @@ mod tests {
 
     #[tokio::test]
     async fn a_chunk_left_unanswered_is_sent_again_and_the_log_arrives_whole_within_the_drain_bound() {
-        let (api, server) = serve(|_, _| None).await;
-        server.stalls.store(1, Ordering::SeqCst);
+        let (api, server) = serve_stalling(|_, _| None, |n| n == 0).await;
         let dir = tempdir();
         let items = vec![b"first line\n".to_vec(), b"second line\n".to_vec()];
         // Without the attempt bound the first request would hold the chunk
         // until the drain bound ended the shipping, the output lost.
         let config = ShipConfig { attempt: Duration::from_millis(200), ..config(&dir, SPOOL_BOUND, DRAIN_BOUND) };
+        let report = ship_items(api, items.clone(), &[], config).await;
+        assert!(received(&server).log == items.concat(), "the whole output arrived");
+        assert_eq!(report.lost_bytes, 0);
+    }
+
+    /// A server that goes away twice while the rest of the log drains (a
+    /// restart, a short success, another restart), for longer in all than
+    /// the drain bound but each time for less, still gets the whole log:
+    /// the bound counts time without progress. Each outage is `STALLS`
+    /// requests left unanswered for the attempt bound: at least 1.2 s,
+    /// 2.4 s in all, past the 2 s bound.
+    #[tokio::test]
+    async fn two_outages_longer_in_all_than_the_drain_bound_lose_nothing() {
+        const STALLS: usize = 6;
+        // Requests 0..6 stall, 6 is answered (the first chunk), 7..13
+        // stall, the rest are answered.
+        let (api, server) =
+            serve_stalling(|_, _| None, |n| n < STALLS || (STALLS + 1..2 * STALLS + 1).contains(&n)).await;
+        let dir = tempdir();
+        let items = vec![vec![b'a'; MAX_BATCH], vec![b'b'; MAX_BATCH], b"the end\n".to_vec()];
+        let config =
+            ShipConfig { attempt: Duration::from_millis(200), ..config(&dir, SPOOL_BOUND, Duration::from_secs(2)) };
+        let report = ship_items(api, items.clone(), &[], config).await;
+        assert!(server.arrivals.load(Ordering::SeqCst) > 2 * STALLS + 1, "both outages were sat out");
+        assert!(received(&server).log == items.concat(), "the whole output arrived");
+        assert_eq!(report.lost_bytes, 0);
+    }
+
+    /// Leaves [`WARM`] idle connections in `api`'s pool (requests held
+    /// until all of them arrived, so none is reused by another).
+    async fn warm_pool(api: &Api) {
+        let empty = LogChunk::new(0, b"");
+        let (path, token) = (paths::log(EXECUTION), Secret::new(TOKEN));
+        let posts = (0..WARM).map(|_| api.post_or_conflict::<_, LogReceived>(&token, &path, &empty));
+        for answer in futures::future::join_all(posts).await {
+            answer.expect("a warm-up request is answered");
+        }
+    }
+
+    /// The client's idle pooled connections all die silently (a sandbox
+    /// cut from its network and connected again): more of them than the
+    /// drain bound has attempt bounds. The chunk unanswered on the first is
+    /// sent again on a new connection, not on the next dead one, and the
+    /// whole log arrives.
+    #[tokio::test]
+    async fn a_pool_of_dead_connections_costs_one_attempt_not_the_log() {
+        let (api, server) = serve(|_, _| None).await;
+        warm_pool(&api).await;
+        let peers = server.peers.lock().expect("lock is not poisoned").clone();
+        assert_eq!(peers.len(), WARM, "one connection per warm-up request");
+        *server.dead.lock().expect("lock is not poisoned") = peers;
+        let dir = tempdir();
+        let items = vec![b"first line\n".to_vec(), b"second line\n".to_vec()];
+        // Six dead connections at 300 ms each outlast the 1 s bound.
+        let config =
+            ShipConfig { attempt: Duration::from_millis(300), ..config(&dir, SPOOL_BOUND, Duration::from_secs(1)) };
         let report = ship_items(api, items.clone(), &[], config).await;
         assert!(received(&server).log == items.concat(), "the whole output arrived");
         assert_eq!(report.lost_bytes, 0);

@@ -181,7 +181,7 @@ fn ms(duration: Duration) -> f64 {
 
 /// Opens `connections` kept-alive HTTP connections, so the burst reuses
 /// them rather than paying for its handshakes.
-async fn warm_up(http: &reqwest::Client, url: &str, connections: usize) -> Result<()> {
+pub async fn warm_up(http: &reqwest::Client, url: &str, connections: usize) -> Result<()> {
     let mut calls = JoinSet::new();
     for _ in 0..connections {
         let (http, url) = (http.clone(), format!("{url}/healthz"));

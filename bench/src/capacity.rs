@@ -110,9 +110,18 @@ impl Shared {
         heartbeat: Duration,
         assignments: mpsc::UnboundedSender<(String, Instant)>,
     ) -> Result<Self> {
+        Self::for_url(&server.url, heartbeat, assignments)
+    }
+
+    /// For standbys of the server at `url` (its `http://` base).
+    pub fn for_url(
+        url: &str,
+        heartbeat: Duration,
+        assignments: mpsc::UnboundedSender<(String, Instant)>,
+    ) -> Result<Self> {
         Ok(Self {
-            ws_url: format!("{}{}", server.url.replacen("http", "ws", 1), standby_protocol::SOCKET_PATH),
-            base_url: server.url.clone(),
+            ws_url: format!("{}{}", url.replacen("http", "ws", 1), standby_protocol::SOCKET_PATH),
+            base_url: url.to_owned(),
             heartbeat,
             http: http_client()?,
             handshakes: Semaphore::new(64),
@@ -131,6 +140,11 @@ impl Shared {
     /// Standbys whose upgrade failed.
     pub fn failed(&self) -> usize {
         self.failed.load(Ordering::Relaxed)
+    }
+
+    /// Standbys the server closed before an assignment.
+    pub fn lost(&self) -> usize {
+        self.lost.load(Ordering::Relaxed)
     }
 }
 
@@ -166,7 +180,7 @@ fn heartbeat(state: AgentState, execution_id: Option<&str>) -> Message {
 
 /// One standby: connect, heartbeat until an assignment (then act the run
 /// out) or until the server ends the connection.
-async fn standby(shared: Arc<Shared>, credential: String) {
+pub async fn standby(shared: Arc<Shared>, credential: String) {
     let socket = {
         let Ok(_permit) = shared.handshakes.acquire().await else { return };
         match connect(&shared, &credential).await {

@@ -15,9 +15,13 @@ mod followups;
 mod idle;
 mod latency;
 mod procfs;
+mod replicas;
 mod report;
 mod server;
+mod spread;
+mod spread_capacity;
 mod stats;
+mod worker;
 
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
@@ -63,6 +67,20 @@ struct Cli {
     /// Connection counts of the capacity test (default 1000,5000,10000, quick 1000).
     #[arg(long, value_delimiter = ',', value_name = "N")]
     connections: Option<Vec<usize>>,
+    /// Spread the capacity test's standbys round-robin over this many
+    /// replicas on one PostgreSQL schema (`--store`, else
+    /// `STANDBY_TEST_POSTGRES`) and over load-generator processes.
+    #[arg(long, value_name = "N")]
+    replicas: Option<usize>,
+    /// Load-generator processes of the spread capacity test (default: as
+    /// few as hold the connections under each one's open-files limit).
+    #[arg(long, value_name = "N")]
+    workers: Option<usize>,
+    /// The spread capacity test's store: a `postgres://` URL (a fresh
+    /// schema is made on it and dropped after); one replica without it runs
+    /// on SQLite.
+    #[arg(long, value_name = "URL")]
+    store: Option<String>,
     /// Runs submitted per connection count (default 200, quick 50).
     #[arg(long, value_name = "N")]
     dispatches: Option<usize>,
@@ -121,7 +139,6 @@ async fn run(cli: Cli) -> Result<()> {
     } else {
         cli.only.clone()
     };
-    let standby = binary(&cli.bin_dir, "standby")?;
     let server = binary(&cli.bin_dir, "standby-server")?;
     std::fs::create_dir_all(&cli.out).with_context(|| format!("creating {}", cli.out.display()))?;
     let out = std::path::absolute(&cli.out).context("resolving the output directory")?;
@@ -147,6 +164,7 @@ async fn run(cli: Cli) -> Result<()> {
         follow_ups: None,
         idle: None,
         capacity: None,
+        spread: None,
         burst: None,
         compare: None,
     };
@@ -157,6 +175,8 @@ async fn run(cli: Cli) -> Result<()> {
         let setup = if light { SetupKind::Light } else { SetupKind::Full };
         say(&format!("generating the workspace ({} files, {setup:?} setup)", size.files));
         results.meta.setup = Some(format!("{setup:?}"));
+        // Only the fixture needs the agent: the capacity parts run without it.
+        let standby = binary(&cli.bin_dir, "standby")?;
         Some(fixture::generate(&work.join("fixture"), size, setup, &standby)?)
     } else {
         None
@@ -187,7 +207,27 @@ async fn run(cli: Cli) -> Result<()> {
         say(&format!("idle footprint ({} s)", window.as_secs()));
         results.idle = Some(idle::run(fixture, &server, &work, window).await?);
     }
-    if parts.contains(&Part::Capacity) {
+    let spread = cli.replicas.is_some() || cli.workers.is_some() || cli.store.is_some();
+    if parts.contains(&Part::Capacity) && spread {
+        let replicas = cli.replicas.unwrap_or(1).max(1);
+        let store = cli.store.clone().or_else(|| {
+            (replicas > 1).then(|| std::env::var("STANDBY_TEST_POSTGRES").ok()).flatten().filter(|url| !url.is_empty())
+        });
+        let options = spread_capacity::SpreadOptions {
+            levels: cli.connections.clone().unwrap_or(if cli.quick { vec![1000] } else { vec![10000] }),
+            replicas,
+            workers: cli.workers,
+            store,
+            dispatches: cli.dispatches.unwrap_or(if cli.quick { 50 } else { 200 }),
+            burst_runs: cli.burst_runs.unwrap_or(if cli.quick { 200 } else { 1000 }),
+            burst_concurrency: cli.burst_concurrency,
+            heartbeat: Duration::from_secs(10),
+            cpu_window: Duration::from_secs(if cli.quick { 10 } else { 30 }),
+            dispatch_budget: Duration::from_secs(if cli.quick { 30 } else { 300 }),
+        };
+        say(&format!("server capacity over {replicas} replica(s)"));
+        results.spread = Some(spread_capacity::run(&options, &server, &work).await?);
+    } else if parts.contains(&Part::Capacity) {
         let options = capacity::CapacityOptions {
             levels: cli.connections.clone().unwrap_or(if cli.quick { vec![1000] } else { vec![1000, 5000, 10000] }),
             dispatches: cli.dispatches.unwrap_or(if cli.quick { 50 } else { 200 }),
@@ -250,10 +290,28 @@ fn say(line: &str) {
     let _ = writeln!(std::io::stderr(), "standby-bench: {line}");
 }
 
+/// A load-generator worker of the spread capacity test
+/// (`standby-bench capacity-worker HEARTBEAT_MS`, started by the bench).
+fn worker_main(heartbeat_ms: Option<&str>) -> Result<()> {
+    let heartbeat_ms: u64 = heartbeat_ms.unwrap_or_default().parse().context("the heartbeat in ms")?;
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("the async runtime")?;
+    runtime.block_on(worker::run(Duration::from_millis(heartbeat_ms)))
+}
+
 fn main() -> ExitCode {
-    let cli = Cli::parse();
     // reqwest is built with rustls and no default provider.
     let _ = rustls::crypto::ring::default_provider().install_default();
+    let mut args = std::env::args().skip(1);
+    if args.next().as_deref() == Some(worker::SUBCOMMAND) {
+        return match worker_main(args.next().as_deref()) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(error) => {
+                say(&format!("worker failed: {error:#}"));
+                ExitCode::FAILURE
+            }
+        };
+    }
+    let cli = Cli::parse();
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(runtime) => runtime,
         Err(error) => {

@@ -142,3 +142,34 @@ pub fn count_entries(dir: &Path, suffix: &str) -> usize {
         .map(|entries| entries.flatten().filter(|e| e.file_name().to_string_lossy().ends_with(suffix)).count())
         .unwrap_or(0)
 }
+
+/// Open file descriptors of a process (`/proc/<pid>/fd`): its sockets,
+/// what the open-files limit counts.
+pub fn open_fds(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd")).map(|entries| entries.count()).unwrap_or(0)
+}
+
+/// Now on `CLOCK_MONOTONIC` in nanoseconds: one clock for every process of
+/// the machine, so instants taken in two processes subtract.
+pub fn monotonic_ns() -> u64 {
+    nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC)
+        .map_or(0, |now| now.tv_sec() as u64 * 1_000_000_000 + now.tv_nsec() as u64)
+}
+
+/// Raises this process's soft open-files limit to its hard limit (a load
+/// generator holds thousands of sockets); returns the soft limit now.
+pub fn raise_open_files_limit() -> u64 {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    match getrlimit(Resource::RLIMIT_NOFILE) {
+        Ok((soft, hard)) if soft < hard => setrlimit(Resource::RLIMIT_NOFILE, hard, hard).map_or(soft, |()| hard),
+        Ok((soft, _)) => soft,
+        Err(_) => 1024,
+    }
+}
+
+/// Whether the process runs: it exists and is not a zombie awaiting its
+/// parent.
+pub fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .is_ok_and(|status| status.lines().any(|line| line.starts_with("State:") && !line.contains("zombie")))
+}

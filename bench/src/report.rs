@@ -11,6 +11,7 @@ use crate::compare::CompareResults;
 use crate::followups::FollowUpResults;
 use crate::idle::IdleResults;
 use crate::latency::{LatencyResults, Path3};
+use crate::spread_capacity::SpreadResults;
 use crate::stats::Summary;
 
 /// Everything one run of `standby-bench` measured.
@@ -21,6 +22,7 @@ pub struct Results {
     pub follow_ups: Option<FollowUpResults>,
     pub idle: Option<IdleResults>,
     pub capacity: Option<CapacityResults>,
+    pub spread: Option<SpreadResults>,
     pub burst: Option<BurstResults>,
     pub compare: Option<CompareResults>,
 }
@@ -93,6 +95,9 @@ pub fn markdown(results: &Results) -> String {
     }
     if let Some(capacity) = &results.capacity {
         capacity_table(&mut out, capacity, &mut targets);
+    }
+    if let Some(spread) = &results.spread {
+        spread_tables(&mut out, spread);
     }
     if let Some(compare) = &results.compare {
         compare_table(&mut out, compare);
@@ -334,6 +339,76 @@ fn idle_table(out: &mut String, idle: &IdleResults, targets: &mut Vec<Target>) {
         measured: format!("{:.4} %", idle.cpu_percent_of_core),
         met: Some(idle.cpu_percent_of_core < 0.1),
     });
+}
+
+fn spread_tables(out: &mut String, spread: &SpreadResults) {
+    let _ = writeln!(
+        out,
+        "## Server capacity over replicas\n\nStandbys spread round-robin over the replicas and over load-generator \
+         processes (open-files limit {} each), heartbeat every {:.0} s. Dispatch: runs one at a time through the \
+         replicas in turn, `POST /v1/runs` sent → assignment frame read. Burst: runs at once through every \
+         replica, runs over first request → last frame.\n\n\
+         | connections | replicas | store | workers | connect time | dispatch p50 | p99 | dispatches | burst runs/s | burst p50 | burst p99 | load average |\n\
+         |---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        spread.open_files_limit, spread.heartbeat_s,
+    );
+    for level in &spread.levels {
+        let (dispatch, burst) = (level.dispatch_ms, level.burst_submit_to_frame_ms);
+        let _ = writeln!(
+            out,
+            "| {} | {} | {} | {} | {:.1} s | {} ms | {} ms | {} | {} | {} ms | {} ms | {:.2} {:.2} {:.2} |",
+            level.connections,
+            level.replicas,
+            level.store,
+            level.workers,
+            level.connect_s,
+            or_dash(dispatch.map(|d| ms(d.median))),
+            or_dash(dispatch.map(|d| ms(d.p99))),
+            level.dispatches,
+            or_dash(level.burst_runs_per_s.map(|r| format!("{r:.0} ({} runs)", level.burst_assigned))),
+            or_dash(burst.map(|d| ms(d.median))),
+            or_dash(burst.map(|d| ms(d.p99))),
+            level.load_average[0],
+            level.load_average[1],
+            level.load_average[2],
+        );
+    }
+    let _ = writeln!(
+        out,
+        "\nPer replica (KiB / connection = (RSS connected − RSS minted) / standbys dialled there; per socket: over \
+         the descriptors added, which on the leader include one per relayed socket):\n\n\
+         | connections | replica | role | standbys dialled | RSS minted | RSS connected | KiB / connection | open fds | KiB / socket | threads | idle CPU (one core) |\n\
+         |---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"
+    );
+    for level in &spread.levels {
+        for server in &level.servers {
+            let _ = writeln!(
+                out,
+                "| {} | {} | {} | {} | {} MiB | {} MiB | {:.1} | {} → {} | {:.1} | {} | {:.2} % |",
+                level.connections,
+                server.id,
+                server.role,
+                server.standbys,
+                mib(server.rss_minted_kib as f64),
+                mib(server.rss_connected_kib.map_or(0.0, |s| s.median)),
+                server.kib_per_connection,
+                server.fds_minted,
+                server.fds_connected,
+                server.kib_per_socket,
+                server.threads,
+                server.idle_cpu_percent_of_core,
+            );
+        }
+    }
+    out.push('\n');
+    for level in &spread.levels {
+        if let Some(error) = &level.error {
+            let _ = writeln!(out, "- {} connections: {}", level.connections, error.replace('\n', " "));
+        }
+    }
+    if spread.levels.iter().any(|level| level.error.is_some()) {
+        out.push('\n');
+    }
 }
 
 fn capacity_table(out: &mut String, capacity: &CapacityResults, targets: &mut Vec<Target>) {

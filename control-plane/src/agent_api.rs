@@ -34,6 +34,26 @@ const MAX_MESSAGE: usize = 64 * 1024;
 /// A peer that stops reading cannot make the server buffer more than this.
 const MAX_WRITE_BUFFER: usize = 256 * 1024;
 
+/// An agent's socket as the server holds it: the buffers and bounds above.
+/// The follower relay holds agents' sockets the same way.
+pub(crate) fn agent_socket(upgrade: WebSocketUpgrade) -> WebSocketUpgrade {
+    upgrade
+        .read_buffer_size(READ_BUFFER)
+        .write_buffer_size(0)
+        .max_write_buffer_size(MAX_WRITE_BUFFER)
+        .max_message_size(MAX_MESSAGE)
+        .max_frame_size(MAX_MESSAGE)
+}
+
+/// The relay's own socket to the leader: as small as an agent's, but open
+/// to anything the leader sends (an assignment's inline attachments).
+pub(crate) fn leader_socket_config() -> tokio_tungstenite::tungstenite::protocol::WebSocketConfig {
+    tokio_tungstenite::tungstenite::protocol::WebSocketConfig::default()
+        .read_buffer_size(READ_BUFFER)
+        .write_buffer_size(0)
+        .max_write_buffer_size(MAX_WRITE_BUFFER)
+}
+
 fn check_protocol(headers: &HeaderMap) -> Result<(), ApiError> {
     match headers.get(standby_protocol::PROTOCOL_HEADER) {
         Some(value) if value.as_bytes() != standby_protocol::PROTOCOL_VERSION.as_bytes() => Err(ApiError::new(
@@ -174,20 +194,14 @@ pub(crate) async fn socket(
         Err(gone) => return ApiError::from(gone).into_response(),
     };
     let mut claim = Claim { engine: state.engine.clone(), conn, armed: true };
-    upgrade
-        .read_buffer_size(READ_BUFFER)
-        .write_buffer_size(0)
-        .max_write_buffer_size(MAX_WRITE_BUFFER)
-        .max_message_size(MAX_MESSAGE)
-        .max_frame_size(MAX_MESSAGE)
-        .on_upgrade(move |socket| {
-            claim.disarm();
-            async move {
-                // The socket keeps its connection's place under the cap.
-                let _slot = slot;
-                connection(state, socket, conn, admission, Secret::new(token)).await;
-            }
-        })
+    agent_socket(upgrade).on_upgrade(move |socket| {
+        claim.disarm();
+        async move {
+            // The socket keeps its connection's place under the cap.
+            let _slot = slot;
+            connection(state, socket, conn, admission, Secret::new(token)).await;
+        }
+    })
 }
 
 /// One task per socket: it alone writes to it (frames the engine queued)

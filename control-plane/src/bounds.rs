@@ -204,9 +204,8 @@ mod tests {
 
     #[test]
     fn events_are_bounded() {
-        let event = |id: &str, message: &str| Event {
-            event_id: id.into(),
-            kind: EventKind::install_failed(Stage::Secrets, Cause::Network, message),
+        let event = |id: &str, message: &str| {
+            Event::new(id, EventKind::install_failed(Stage::Secrets, Cause::Network, message))
         };
         assert_eq!(bound_event(event(&"x".repeat(129), "m")).map_err(|e| e.field), Err("event_id"));
         assert_eq!(bound_event(event("", "m")).map_err(|e| e.field), Err("event_id"));

@@ -112,6 +112,13 @@ pub struct DispatchConfig {
     pub max_attempts: u32,
     /// How long a launched sandbox may take to connect the first time.
     pub launch_timeout: Duration,
+    /// How long a sandbox whose run's delivery was confirmed may go
+    /// unheard before its agent is taken for dead. A live agent reconnects
+    /// long before (its backoff is capped at 30 s); without this bound a run
+    /// whose agent died where no provider reports exits (an adopted sandbox
+    /// after a restart or a failover, the spool provider) stays running
+    /// for good.
+    pub run_silence: Duration,
     /// How long a sandbox told to stop (finished, cancelled, retired) has to
     /// exit on its own before the provider stops it.
     pub linger: Duration,

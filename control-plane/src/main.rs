@@ -108,6 +108,12 @@ struct Serve {
     /// How long a new sandbox may take to connect.
     #[arg(long, env = "STANDBY_SERVER_LAUNCH_TIMEOUT", default_value = "2m", value_parser = parse_duration, value_name = "DURATION")]
     launch_timeout: Duration,
+    /// How long a sandbox running a run may go unheard (no socket, no
+    /// heartbeat) before its agent is taken for dead: the run fails, it is
+    /// not run again, and the sandbox is stopped and deleted. Far longer
+    /// than a live agent's reconnect (at most about a minute).
+    #[arg(long, env = "STANDBY_SERVER_RUN_LOST_AFTER", default_value = "5m", value_parser = parse_duration, value_name = "DURATION")]
+    run_lost_after: Duration,
     /// How long a finished, cancelled or retired sandbox may take to exit by itself.
     #[arg(long, env = "STANDBY_SERVER_LINGER", default_value = "30s", value_parser = parse_duration, value_name = "DURATION")]
     linger: Duration,
@@ -523,6 +529,7 @@ async fn serve(args: Serve) -> anyhow::Result<()> {
     config.heartbeat_interval = args.heartbeat_interval;
     config.max_attempts = args.max_attempts.max(1);
     config.launch_timeout = args.launch_timeout;
+    config.run_silence = args.run_lost_after;
     config.linger = args.linger;
     config.stop_grace = args.stop_grace;
     config.agent_log = args.agent_log;

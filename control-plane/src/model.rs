@@ -197,6 +197,12 @@ pub struct RunRecord {
     /// The resume of its thread's parked sandbox, when one was tried.
     #[serde(default)]
     pub resume: Option<Resume>,
+    /// What its agent's final event (`exited`, `cancelled`) said of the
+    /// log: bytes of output it gave up on, 0 when it delivered all of it;
+    /// `None` while the run has not ended, or when it ended without that
+    /// event (contract 1.1 note 10).
+    #[serde(default)]
+    pub log_lost: Option<u64>,
 }
 
 /// Why an unbound run cannot be bound yet.

@@ -57,6 +57,9 @@ pub struct ServerConfig {
     pub heartbeat_interval: Duration,
     pub max_attempts: u32,
     pub launch_timeout: Duration,
+    /// How long a running run's sandbox may go unheard before the run is
+    /// failed and the sandbox written off (see [`DispatchConfig::run_silence`]).
+    pub run_silence: Duration,
     pub linger: Duration,
     pub stop_grace: Duration,
     pub agent_log: String,
@@ -86,6 +89,7 @@ impl ServerConfig {
             heartbeat_interval: Duration::from_secs(15),
             max_attempts: 3,
             launch_timeout: Duration::from_secs(120),
+            run_silence: Duration::from_secs(300),
             linger: Duration::from_secs(30),
             stop_grace: Duration::from_secs(10),
             agent_log: "info".into(),
@@ -315,6 +319,7 @@ impl<P: SandboxProvider> Launch<P> {
             pool_size: config.pool_size,
             max_attempts: config.max_attempts,
             launch_timeout: config.launch_timeout,
+            run_silence: config.run_silence,
             linger: config.linger,
             pool_workspace: config.spec.workspace.clone(),
             pool_fingerprint: fingerprint(&config.spec.workspace),

@@ -375,7 +375,8 @@ async fn warm_path_over_the_socket_with_every_execution_call() {
     assert_eq!(harness.agent(post.clone(), &log, &run_token, Some(chunk(6, b"[REDACTED]\n"))).await.0, 200);
     let (status, gap) = harness.agent(post.clone(), &log, &run_token, Some(chunk(100, b"x"))).await;
     assert_eq!((status, gap["field"].as_str()), (409, Some("offset")));
-    let exited = json!({"event_id": "e2", "type": "exited", "code": 3});
+    // The agent gave up on 5 bytes of output (contract 1.1 note 10).
+    let exited = json!({"event_id": "e2", "type": "exited", "code": 3, "log_lost": 5});
     assert_eq!(harness.agent(post.clone(), &format!("{exe}/events"), &run_token, Some(exited)).await.0, 200);
 
     let run = harness.run(&run_id).await;
@@ -383,6 +384,7 @@ async fn warm_path_over_the_socket_with_every_execution_call() {
         (run["state"].as_str(), run["exit_code"].as_i64(), run["path"].as_str()),
         (Some("exited"), Some(3), Some("warm"))
     );
+    assert_eq!((&run["log_complete"], &run["log_lost_bytes"]), (&json!(false), &json!(5)), "{run}");
     for stamp in ["submitted", "committed", "assignment_sent", "delivery_confirmed", "started", "exited"] {
         assert!(run["timestamps"][stamp].is_string(), "{stamp} missing: {run}");
     }

@@ -55,6 +55,42 @@ pub struct Event {
     pub event_id: String,
     #[serde(flatten)]
     pub kind: EventKind,
+    /// **(1.1, note 10)** On the run's final event (`exited`, `cancelled`):
+    /// bytes of the run's (redacted) output the server's log lacks because
+    /// the agent gave up on them: never acknowledged when shipping ended,
+    /// plus those already reported as `dropped`. Absent when nothing was
+    /// lost, so a log is complete exactly when its run's final event has
+    /// none. A server ignores it on other events. Sent with the event rather
+    /// than inferred from the log, because only the agent knows how long the
+    /// output was: without it a log cut short looks like a short log.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub log_lost: Option<u64>,
+}
+
+impl Event {
+    /// An event that says nothing of the log.
+    pub fn new(event_id: impl Into<String>, kind: EventKind) -> Self {
+        Self { event_id: event_id.into(), kind, log_lost: None }
+    }
+
+    /// The event carrying `lost` bytes of the run's output given up on,
+    /// under the rule of [`Event::log_lost`]: only a final event carries
+    /// it, and only when some was lost.
+    #[must_use]
+    pub fn with_log_lost(self, lost: u64) -> Self {
+        let carries = matches!(self.kind, EventKind::Exited { .. } | EventKind::Cancelled) && lost > 0;
+        Self { log_lost: carries.then_some(lost), ..self }
+    }
+
+    /// What a server records of the run's log when this event ends the run:
+    /// `Some(bytes lost)` (0: the agent delivered all the output there was)
+    /// for a final event (`exited`, `cancelled`), `None` for any other.
+    pub fn log_outcome(&self) -> Option<u64> {
+        match self.kind {
+            EventKind::Exited { .. } | EventKind::Cancelled => Some(self.log_lost.unwrap_or(0)),
+            EventKind::Started | EventKind::InstallFailed { .. } => None,
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
@@ -188,5 +224,35 @@ mod tests {
         for end in [exited.clone(), EventKind::Cancelled, failed.clone()] {
             assert_eq!(EventKind::Cancelled.may_follow([&EventKind::Started, &end]), Err(OutOfOrder::AfterEnd));
         }
+    }
+
+    #[test]
+    fn only_a_final_event_carries_log_lost_and_only_when_some_was_lost() {
+        let exited = || Event::new("e", EventKind::Exited { code: 0 });
+        assert_eq!(exited().with_log_lost(0).log_lost, None);
+        assert_eq!(exited().with_log_lost(7).log_lost, Some(7));
+        assert_eq!(Event::new("e", EventKind::Cancelled).with_log_lost(7).log_lost, Some(7));
+        assert_eq!(Event::new("e", EventKind::Started).with_log_lost(7).log_lost, None);
+        let failed = EventKind::InstallFailed { requeueable: false, stage: "secrets".into(), message: "x".into() };
+        assert_eq!(Event::new("e", failed.clone()).with_log_lost(7).log_lost, None);
+
+        assert_eq!(exited().log_outcome(), Some(0), "a final event without it: nothing lost");
+        assert_eq!(exited().with_log_lost(7).log_outcome(), Some(7));
+        let stray = Event { log_lost: Some(7), ..Event::new("e", EventKind::Started) };
+        assert_eq!(stray.log_outcome(), None, "ignored on other events");
+        assert_eq!(Event::new("e", failed).log_outcome(), None);
+    }
+
+    #[test]
+    fn log_lost_is_on_the_wire_only_when_set() {
+        let encoded = |event: &Event| serde_json::to_value(event).expect("an event encodes");
+        let plain = Event::new("e", EventKind::Exited { code: 3 });
+        assert_eq!(encoded(&plain), serde_json::json!({"event_id": "e", "type": "exited", "code": 3}));
+        let lost = plain.with_log_lost(9);
+        assert_eq!(encoded(&lost), serde_json::json!({"event_id": "e", "type": "exited", "code": 3, "log_lost": 9}));
+        let decoded: Event = serde_json::from_value(encoded(&lost)).expect("decodes");
+        assert_eq!(decoded, lost);
+        let old: Event = serde_json::from_str(r#"{"event_id":"e","type":"cancelled"}"#).expect("decodes");
+        assert_eq!(old.log_lost, None, "an older agent's event decodes");
     }
 }

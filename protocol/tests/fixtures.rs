@@ -37,6 +37,8 @@ fn every_fixture_round_trips() {
     round_trip::<CloudCredentialsResponse>("cloud_credentials_response.json");
     round_trip::<Event>("event_started.json");
     round_trip::<Event>("event_exited.json");
+    let lost = round_trip::<Event>("event_exited_log_lost.json");
+    assert_eq!((lost.log_lost, lost.log_outcome()), (Some(4096), Some(4096)));
     round_trip::<Event>("event_cancelled.json");
     round_trip::<Event>("event_install_failed.json");
     round_trip::<serde_json::Value>("metadata.json");

@@ -13,8 +13,16 @@ use std::process::Command;
 
 use crate::harness::standby_bin;
 
-/// The image the tests build and run.
+/// The image the tests build and run, unless `STANDBY_E2E_IMAGE` names
+/// another ([`image`]).
 pub const IMAGE: &str = "standby-sandbox:e2e";
+
+/// The image the tests build and run: `STANDBY_E2E_IMAGE`, else [`IMAGE`].
+/// Worktrees sharing one engine each set their own, so that one's build
+/// never replaces the agent in the image another's test is running.
+pub fn image() -> String {
+    std::env::var("STANDBY_E2E_IMAGE").ok().filter(|tag| !tag.is_empty()).unwrap_or_else(|| IMAGE.to_owned())
+}
 
 fn in_ci() -> bool {
     std::env::var("CI").is_ok_and(|value| value == "true")
@@ -49,7 +57,7 @@ pub fn available(test: &str) -> bool {
     let output = Command::new("flock")
         .arg(root.join("target/image/.lock"))
         .arg(root.join("scripts/build-image"))
-        .arg(IMAGE)
+        .arg(image())
         .env("IMAGE_AGENT_BIN", standby_bin())
         .output();
     match output {
@@ -127,14 +135,15 @@ cat > "$copy"
 exec /usr/local/bin/standby.real "$@" < "$copy"
 "#;
 
-const SPY_DOCKERFILE: &str = "FROM standby-sandbox:e2e
+const SPY_DOCKERFILE: &str = "ARG BASE
+FROM $BASE
 USER 0
 RUN mv /usr/local/bin/standby /usr/local/bin/standby.real
 COPY standby-spy /usr/local/bin/standby
 USER 10001:10001
 ";
 
-/// [`available`], then [`SPY_IMAGE`] built on the fresh [`IMAGE`].
+/// [`available`], then [`SPY_IMAGE`] built on the fresh [`image`].
 pub fn spy_available(test: &str) -> bool {
     if !available(test) {
         return false;
@@ -147,7 +156,7 @@ pub fn spy_available(test: &str) -> bool {
     let lock = repo_root().join("target/image/.lock");
     let output = Command::new("flock")
         .arg(lock)
-        .args(["docker", "build", "-q", "-t", SPY_IMAGE])
+        .args(["docker", "build", "-q", "--build-arg", &format!("BASE={}", image()), "-t", SPY_IMAGE])
         .arg(context.path())
         .output()
         .expect("run docker build");

@@ -3,6 +3,7 @@
 //! protocol crate's rules, and [`harness`], which runs the real binary
 //! against it with real processes, git repos and sockets.
 
+pub mod cluster;
 pub mod docker;
 pub mod harness;
 pub mod postgres;

@@ -9,7 +9,7 @@ use std::hash::{BuildHasher, RandomState};
 use std::process::Stdio;
 use std::time::Duration;
 
-use standby_e2e::docker::{self, IMAGE};
+use standby_e2e::docker;
 use standby_e2e::harness::standby_bin;
 use standby_e2e::server_process::server_bin;
 
@@ -20,7 +20,16 @@ async fn the_demo_on_docker_shows_every_path_on_containers_and_removes_them() {
     }
     let network = format!("standby-demo-e2e-{:08x}", RandomState::new().hash_one(std::process::id()) as u32);
     let output = tokio::process::Command::new(server_bin())
-        .args(["demo", "--provider", "docker", "--image", IMAGE, "--docker-network", &network, "--agent-bin"])
+        .args([
+            "demo",
+            "--provider",
+            "docker",
+            "--image",
+            &docker::image(),
+            "--docker-network",
+            &network,
+            "--agent-bin",
+        ])
         .arg(standby_bin())
         .env_remove("RUST_LOG")
         .stdin(Stdio::null())

@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use nix::sys::signal::Signal;
 use serde_json::{Value, json};
-use standby_e2e::docker::{self, Cleanup, IMAGE, SPY_IMAGE, inspect, spied_credentials};
+use standby_e2e::docker::{self, Cleanup, SPY_IMAGE, inspect, spied_credentials};
 use standby_e2e::harness::write_json;
 use standby_e2e::server_process::{ServerBuilder, ServerProcess, free_fixed_port};
 use standby_protocol::{PROTOCOL_HEADER, PROTOCOL_VERSION, SPEC_PATH};
@@ -56,7 +56,7 @@ impl Server {
         if !docker::available(test) {
             return None;
         }
-        Some(Self::start_on(IMAGE, args).await)
+        Some(Self::start_on(&docker::image(), args).await)
     }
 
     /// A server whose sandboxes are containers of `image`, built already.
@@ -297,7 +297,7 @@ async fn a_restarted_server_adopts_its_live_containers_and_removes_its_orphans()
         &format!("standby.instance={instance}"),
         "--label",
         &format!("standby.sandbox={orphan_id}"),
-        IMAGE,
+        &docker::image(),
         "hold",
     ])
     .expect("an orphan container");
@@ -310,7 +310,7 @@ async fn a_restarted_server_adopts_its_live_containers_and_removes_its_orphans()
         "standby.instance=someone-else",
         "--label",
         &test_label,
-        IMAGE,
+        &docker::image(),
         "hold",
     ])
     .expect("a foreign container");

@@ -11,19 +11,15 @@
 //! test gets a schema of its own; under `CI=true` a missing one fails it.
 
 use std::collections::{BTreeMap, HashSet};
-use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use serde_json::{Value, json};
-use standby_e2e::harness::{AgentBuilder, AgentProcess};
+use standby_e2e::cluster::{Balancer, SpooledAgents};
 use standby_e2e::postgres::TestSchema;
 use standby_e2e::server_process::{API_KEY, ServerBuilder, ServerProcess, free_addr, tail};
-use tokio::net::{TcpListener, TcpStream};
 
 const WAIT: Duration = Duration::from_secs(90);
 /// Short enough for a quick failover, long enough for two loaded cores.
@@ -31,106 +27,12 @@ const LEASE_TTL: &str = "3s";
 /// The deposed leader's exit code (`standby-server serve --help`).
 const DEPOSED: i32 = 3;
 
-/// A TCP balancer on 127.0.0.1: each connection goes to the next replica
-/// that accepts it (a dead one is skipped), as a load balancer would.
-struct Balancer {
-    addr: SocketAddr,
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl Balancer {
-    async fn start(targets: Vec<SocketAddr>) -> Self {
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind the balancer");
-        let addr = listener.local_addr().expect("an address");
-        let next = Arc::new(AtomicUsize::new(0));
-        let task = tokio::spawn(async move {
-            while let Ok((mut client, _)) = listener.accept().await {
-                let (targets, next) = (targets.clone(), Arc::clone(&next));
-                tokio::spawn(async move {
-                    for _ in 0..targets.len() {
-                        let target = targets[next.fetch_add(1, Ordering::Relaxed) % targets.len()];
-                        let connect = tokio::time::timeout(Duration::from_secs(1), TcpStream::connect(target)).await;
-                        if let Ok(Ok(mut server)) = connect {
-                            let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
-                            return;
-                        }
-                    }
-                });
-            }
-        });
-        Self { addr, task }
-    }
-
-    fn url(&self) -> String {
-        format!("http://{}", self.addr)
-    }
-}
-
-impl Drop for Balancer {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
-}
-
-/// Starts an agent for each credential the leader spools, through the
-/// balancer (or the URL a test pins, once it set one); keeps them until
-/// dropped.
-struct Agents {
-    task: tokio::task::JoinHandle<()>,
-    started: Arc<Mutex<Vec<AgentProcess>>>,
-    url: Arc<Mutex<Option<String>>>,
-}
-
-impl Agents {
-    fn start(spool: PathBuf, server_url: Option<String>) -> Self {
-        let started = Arc::new(Mutex::new(Vec::new()));
-        let url = Arc::new(Mutex::new(server_url));
-        let (agents, pinned) = (Arc::clone(&started), Arc::clone(&url));
-        let task = tokio::spawn(async move {
-            let mut seen = HashSet::new();
-            loop {
-                let server_url = pinned.lock().unwrap_or_else(PoisonError::into_inner).clone();
-                for entry in std::fs::read_dir(&spool).into_iter().flatten().flatten() {
-                    let Some(server_url) = &server_url else { break };
-                    let path = entry.path();
-                    if path.extension().is_none_or(|ext| ext != "token") || !seen.insert(path.clone()) {
-                        continue;
-                    }
-                    let Ok(token) = std::fs::read_to_string(&path) else { continue };
-                    let agent = AgentBuilder::new(server_url, token.trim()).heartbeat_interval("500ms").spawn();
-                    agents.lock().unwrap_or_else(PoisonError::into_inner).push(agent);
-                }
-                // The spool is files another process writes: polled.
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-        });
-        Self { task, started, url }
-    }
-
-    /// The agents started from now on dial `url`.
-    fn pin(&self, url: &str) {
-        *self.url.lock().unwrap_or_else(PoisonError::into_inner) = Some(url.to_owned());
-    }
-
-    /// The output of the first agent started, once there is one.
-    fn first_output(&self) -> Option<String> {
-        self.started.lock().unwrap_or_else(PoisonError::into_inner).first().map(AgentProcess::output)
-    }
-}
-
-impl Drop for Agents {
-    fn drop(&mut self) {
-        self.task.abort();
-        self.started.lock().unwrap_or_else(PoisonError::into_inner).clear();
-    }
-}
-
 struct Cluster {
     replicas: Vec<Option<ServerProcess>>,
     logs: Vec<PathBuf>,
     builders: Vec<ServerBuilder>,
     marks: PathBuf,
-    agents: Agents,
+    agents: SpooledAgents,
     _balancer: Balancer,
     _dir: tempfile::TempDir,
     schema: TestSchema,
@@ -153,7 +55,7 @@ impl Cluster {
     }
 
     /// `balanced`: agents go through the balancer; else they wait for the
-    /// test to [`Agents::pin`] a URL.
+    /// test to [`SpooledAgents::pin`] a URL.
     async fn start_agents(test: &str, pool_size: usize, balanced: bool) -> Option<Self> {
         let schema = TestSchema::create(&format!("replicas::{test}"))?;
         let dir = tempfile::Builder::new().prefix("standby-replicas-").tempdir().expect("a temp dir");
@@ -190,7 +92,7 @@ impl Cluster {
             replicas.push(Some(builder.start().await));
         }
         let balancer = Balancer::start(replicas.iter().flatten().map(ServerProcess::addr).collect()).await;
-        let agents = Agents::start(spool, balanced.then(|| balancer.url()));
+        let agents = SpooledAgents::start(spool, balanced.then(|| balancer.url()), "500ms");
         let marks = dir.path().join("marks");
         Some(Self { replicas, logs, builders, marks, agents, _balancer: balancer, _dir: dir, schema })
     }

@@ -267,7 +267,7 @@ async fn closed_by_server(socket: &mut Socket) {
 
 /// The body of a `POST …/events` reporting `kind`.
 fn event_body(kind: EventKind) -> String {
-    serde_json::to_string(&Event { event_id: format!("e-{}", kind.name()), kind }).expect("an event serializes")
+    serde_json::to_string(&Event::new(format!("e-{}", kind.name()), kind)).expect("an event serializes")
 }
 
 /// Every call the run credential makes, with a body where it is a `POST`.

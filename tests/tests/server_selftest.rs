@@ -111,7 +111,7 @@ async fn get_json(server: &TestServer, path: &str, credential: &str) -> (u16, Va
 }
 
 async fn post_event(server: &TestServer, execution_id: &str, credential: &str, kind: EventKind) -> u16 {
-    let body = json!(Event { event_id: format!("e-{}", kind.name()), kind });
+    let body = json!(Event::new(format!("e-{}", kind.name()), kind));
     call(server, reqwest::Method::POST, &paths::events(execution_id), credential, Some(body)).await.0
 }
 
@@ -363,7 +363,7 @@ async fn events_are_deduplicated_by_event_id() {
     next_assignment(&mut run).await;
     let path = paths::events(&id);
     let post = |body: Value| call(&server, reqwest::Method::POST, &path, &credential, Some(body));
-    let event = |event_id: &str, kind| json!(Event { event_id: event_id.into(), kind });
+    let event = |event_id: &str, kind| json!(Event::new(event_id, kind));
     assert_eq!(post(event("a", EventKind::Started)).await.0, 202);
     assert_eq!(post(event("a", EventKind::Started)).await.0, 202);
     assert_eq!(post(event("b", EventKind::Exited { code: 3 })).await.0, 202);

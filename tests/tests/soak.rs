@@ -48,7 +48,7 @@ use tokio_tungstenite::tungstenite::{self, Message, client::IntoClientRequest};
 mod soak_shared;
 use soak_shared::{
     Current, Journal, SeedGuard, TERMINAL, check_credentials, check_runs, current, lock, maybe_cancel, outcomes,
-    settle, watcher,
+    settle, sqlite_credentials, watcher,
 };
 
 // ---- the soak's size ---------------------------------------------------------
@@ -403,7 +403,7 @@ async fn soak_with_faults_kills_and_restarts_loses_nothing_and_runs_nothing_twic
     let final_server = Arc::try_unwrap(final_server).expect("no other holder of the server");
     let status = final_server.stop(Signal::SIGTERM).await;
     assert!(status.success(), "standby-server exited {status} on SIGTERM");
-    let requeues = check_credentials(&mut verdict, &data.join("standby.db"));
+    let requeues = check_credentials(&mut verdict, &sqlite_credentials(&data.join("standby.db")));
     // No ghost: nothing the servers started is still running.
     if let Err(left) = ServerProcess::wait_no_marked(&mark, Duration::from_secs(30)).await {
         verdict.problems.push(format!("processes left running after the server stopped: {}", describe(&left)));

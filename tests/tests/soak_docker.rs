@@ -27,7 +27,7 @@ use std::time::Duration;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use serde_json::json;
-use standby_e2e::docker::{self, Cleanup, IMAGE};
+use standby_e2e::docker::{self, Cleanup};
 use standby_e2e::harness::write_json;
 use standby_e2e::proxy::{Rng, seed_from_env};
 use standby_e2e::server_process::{API_KEY, ServerBuilder, free_fixed_port, wait_bindable};
@@ -35,7 +35,8 @@ use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
 mod soak_shared;
 use soak_shared::{
-    Current, Journal, SeedGuard, check_credentials, check_runs, current, lock, maybe_cancel, outcomes, settle, watcher,
+    Current, Journal, SeedGuard, check_credentials, check_runs, current, lock, maybe_cancel, outcomes, settle,
+    sqlite_credentials, watcher,
 };
 
 /// Runs submitted, over how long, and how many faults of each kind: sized
@@ -172,13 +173,18 @@ fn lines_about(log: &std::path::Path, verdict: &soak_shared::Verdict) -> String 
     about.collect::<Vec<_>>().join("\n")
 }
 
-/// Quarantined: it finds a product weakness not yet fixed. A run whose
-/// end falls into two server restarts (seed 16551899802935713672) exits 0
-/// with the end of its log lost: the agent's log shipping gives up at the
-/// 30 s drain bound and the server is not told the log is incomplete.
-/// Another seed left a run `running` 60 s after the last submission.
+/// Quarantined: it still finds product weaknesses not yet fixed. Log loss
+/// across server restarts and network cuts is fixed (the agent's drain
+/// bound counts time without progress, an unanswered try goes out on a new
+/// connection pool) and now also checked by the run's `log_lost`; what is
+/// left: a container still running after the server's clean stop (seed
+/// 4018657372120271267: `stop_all` stops the containers running when it
+/// lists them, not one whose launch is in flight), and a run whose marker
+/// connection falls into a network cut exits 3 unreported (the command's
+/// own check: the cut passes, the run is not retried; seeds 9135697549409858208
+/// and 4896729091736762794).
 /// Run it with `cargo nextest run --run-ignored all --test soak_docker`.
-#[ignore = "finds log loss across two server restarts within a run's drain bound (not fixed yet)"]
+#[ignore = "a container launched during the clean stop is left running (not fixed yet)"]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn soak_on_docker_with_killed_paused_and_disconnected_containers_and_restarts_loses_nothing() {
     if !docker::available("soak-docker") {
@@ -208,7 +214,7 @@ async fn soak_on_docker_with_killed_paused_and_disconnected_containers_and_resta
     let heartbeat = format!("{}ms", HEARTBEAT.as_millis());
     let builder = ServerBuilder::new(&data, &dir.path().join("server.log"), &format!("soak-docker-{seed:016x}"))
         .listen(listen)
-        .args(&["--provider", "docker", "--image", IMAGE, "--docker-network", &network])
+        .args(&["--provider", "docker", "--image", &docker::image(), "--docker-network", &network])
         .args(&["--spec", &spec.display().to_string(), "--pool-size", "4", "--running-cap", "8"])
         .args(&["--heartbeat-interval", &heartbeat, "--max-attempts", "6", "--launch-timeout", "30s"])
         .args(&[
@@ -272,7 +278,7 @@ async fn soak_on_docker_with_killed_paused_and_disconnected_containers_and_resta
     let status = final_server.stop(Signal::SIGTERM).await;
     assert!(status.success(), "standby-server exited {status} on SIGTERM");
     marker_task.abort();
-    let requeues = check_credentials(&mut verdict, &data.join("standby.db"));
+    let requeues = check_credentials(&mut verdict, &sqlite_credentials(&data.join("standby.db")));
     // A clean stop leaves none of the server's containers running.
     let filter = format!("label=standby.instance={}", cleanup.instance());
     let running = docker::docker(&["ps", "-q", "--filter", &filter]).unwrap_or_default();

@@ -105,7 +105,9 @@ pub async fn socket(cluster: Cluster, leader: String, epoch: u64, request: axum:
         Ok(upgrade) => upgrade,
         Err(rejection) => return rejection.into_response(),
     };
-    upgrade.on_upgrade(move |agent| async move {
+    // Held as the leader holds a direct agent's: small buffers, not the
+    // defaults' 128 KiB each way (measured: 292 KiB per relayed socket).
+    crate::agent_api::agent_socket(upgrade).on_upgrade(move |agent| async move {
         cluster.stats.relayed_sockets.fetch_add(1, Ordering::Relaxed);
         // A socket stream each way and a dial: boxed, not on the task's stack.
         let relay = Relay { cluster: cluster.clone(), headers, epoch, heartbeat: None };
@@ -163,7 +165,9 @@ async fn dial(leader: &str, headers: &UpstreamHeaders) -> Result<Leader, Dial> {
         .into_client_request()
         .map_err(|error| Dial::Failed(format!("the leader's socket URL `{url}` is not usable: {error}")))?;
     request.headers_mut().extend(headers.0.clone());
-    match tokio_tungstenite::connect_async(request).await {
+    match tokio_tungstenite::connect_async_with_config(request, Some(crate::agent_api::leader_socket_config()), true)
+        .await
+    {
         Ok((socket, _)) => Ok(socket),
         Err(tungstenite::Error::Http(answer)) => {
             let (parts, body) = answer.into_parts();

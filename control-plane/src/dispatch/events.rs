@@ -45,6 +45,7 @@ impl Dispatch {
             return step;
         };
         let current = run.current().is_some_and(|a| a.number == attempt);
+        let log_lost = event.log_outcome();
         let state = run.state;
         let sandbox_id = run.current().map(|a| a.sandbox_id.clone());
         if !current || state.is_terminal() {
@@ -63,6 +64,7 @@ impl Dispatch {
                 });
             }
             EventKind::Exited { code } => {
+                self.record_log_lost(run_id, log_lost);
                 self.finish_attempt(now, &mut step, run_id, AttemptOutcome::Finished, format!("exited {code}"));
                 if let Some(sandbox_id) = sandbox_id {
                     self.end_turn(now, &mut step, run_id, &sandbox_id, "its run finished");
@@ -70,6 +72,7 @@ impl Dispatch {
                 self.end_run(now, &mut step, run_id, RunState::Exited, Some(code), None);
             }
             EventKind::Cancelled => {
+                self.record_log_lost(run_id, log_lost);
                 let outcome = if state.is_pre_start() { AttemptOutcome::Cancelled } else { AttemptOutcome::Finished };
                 self.finish_attempt(now, &mut step, run_id, outcome, "cancelled".into());
                 if let Some(sandbox_id) = sandbox_id {
@@ -88,6 +91,17 @@ impl Dispatch {
         }
         self.place_and_top_up(now, &mut step);
         step
+    }
+
+    /// Keeps what the final event said of the log on the run; it is
+    /// written with the run's end, which follows in the same step.
+    fn record_log_lost(&mut self, run_id: &str, log_lost: Option<u64>) {
+        if let Some(run) = self.runs.get_mut(run_id) {
+            run.log_lost = log_lost;
+        }
+        if let Some(lost) = log_lost.filter(|&lost| lost > 0) {
+            tracing::warn!(run_id, lost, "the run's agent gave up on part of its log");
+        }
     }
 
     /// Records the event `event_id` of `run_id` as seen; `false` when the

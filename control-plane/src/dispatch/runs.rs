@@ -92,6 +92,7 @@ impl Dispatch {
             thread_generation: None,
             wait: None,
             resume: None,
+            log_lost: None,
         };
         step.writes.push(Write::NewRun(Box::new(record.clone()), Box::new(request)));
         self.runs.insert(id.clone(), record);

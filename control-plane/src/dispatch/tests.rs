@@ -18,6 +18,7 @@ fn config(pool_size: usize) -> DispatchConfig {
         pool_size,
         max_attempts: 3,
         launch_timeout: Duration::from_secs(10),
+        run_silence: Duration::from_secs(120),
         linger: Duration::from_secs(5),
         pool_workspace: Workspace::default(),
         pool_fingerprint: fingerprint(&Workspace::default()),
@@ -173,7 +174,7 @@ impl World {
 
     fn event(&mut self, run_id: &str, id: &str, kind: EventKind) -> Step {
         let attempt = self.run(run_id).attempts.len() as u32;
-        let step = self.machine.event(self.now, run_id, attempt, Event { event_id: id.to_owned(), kind });
+        let step = self.machine.event(self.now, run_id, attempt, Event::new(id, kind));
         self.keep(step)
     }
 

@@ -43,8 +43,9 @@ impl Dispatch {
     /// Whether `live` went silent: a standby (with its agent running) not
     /// heard from within the silence limit, or a sandbox bound to a run
     /// whose delivery is unconfirmed not heard from within it since the
-    /// commit. A confirmed run is never written off for silence: its agent
-    /// may be busy starting it.
+    /// commit. A confirmed run is written off only after the far longer
+    /// [`super::DispatchConfig::run_silence`]: its agent may be busy
+    /// starting it, or reconnecting.
     fn silent(&self, now: Millis, live: &Live) -> Option<Silent> {
         let record = &live.record;
         let silence = self.config.silence();
@@ -68,8 +69,18 @@ impl Dispatch {
                     Some(heartbeat) => now > heartbeat.at.max(committed_at).plus(silence),
                     None => now > connect_by.max(committed_at.plus(self.config.launch_timeout)),
                 };
-                (unconfirmed && silent)
-                    .then(|| Silent { run_id: record.run_id.clone(), ..lost("stopped heartbeating") })
+                let heard_at = live.heartbeat.as_ref().map_or(live.launched_at, |h| h.at.max(live.launched_at));
+                let lost_for_good = !unconfirmed && run.is_some() && now > heard_at.plus(self.config.run_silence);
+                if unconfirmed && silent {
+                    Some(Silent { run_id: record.run_id.clone(), ..lost("stopped heartbeating") })
+                } else if lost_for_good && !live.exited {
+                    Some(Silent {
+                        run_id: record.run_id.clone(),
+                        ..lost("unheard for longer than the run silence bound")
+                    })
+                } else {
+                    None
+                }
             }
         }
     }

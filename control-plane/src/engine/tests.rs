@@ -112,6 +112,7 @@ fn setup(held: bool, fail: bool) -> Setup {
         pool_size: 0,
         max_attempts: 1,
         launch_timeout: Duration::from_secs(10),
+        run_silence: Duration::from_secs(120),
         linger: Duration::from_secs(1),
         pool_workspace: Workspace::default(),
         pool_fingerprint: fingerprint(&Workspace::default()),

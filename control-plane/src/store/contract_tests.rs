@@ -153,6 +153,7 @@ pub(super) fn run(id: &str) -> RunRecord {
         thread_generation: None,
         wait: None,
         resume: None,
+        log_lost: None,
     }
 }
 
@@ -189,12 +190,7 @@ pub(super) fn request() -> RunRequest {
 }
 
 fn event(run_id: &str, event_id: &str, kind: EventKind) -> StoredEvent {
-    StoredEvent {
-        run_id: run_id.into(),
-        attempt: 1,
-        received_at: Millis(9),
-        event: Event { event_id: event_id.into(), kind },
-    }
+    StoredEvent { run_id: run_id.into(), attempt: 1, received_at: Millis(9), event: Event::new(event_id, kind) }
 }
 
 fn log(run_id: &str, offset: u64, data: &[u8], received: u64, held: u64) -> Write {
@@ -254,6 +250,7 @@ fn records_survive_reopening_and_finished_runs_are_only_counted(backend: &dyn Ba
         updated.state = RunState::Running;
         let mut finished = run("exe_2");
         finished.state = RunState::Exited;
+        finished.log_lost = Some(7);
         let mut warm = run("exe_3");
         warm.state = RunState::Exited;
         warm.attempts.push(attempt(RunPath::Warm));
@@ -283,7 +280,11 @@ fn records_survive_reopening_and_finished_runs_are_only_counted(backend: &dyn Ba
     let mut finished = snapshot.finished.clone();
     finished.sort();
     assert_eq!(finished, [((RunState::Exited, None), 1), ((RunState::Exited, Some(RunPath::Warm)), 1)], "counted");
-    assert_eq!(store.run("exe_2").expect("run").map(|run| run.state), Some(RunState::Exited));
+    assert_eq!(
+        store.run("exe_2").expect("run").map(|run| (run.state, run.log_lost)),
+        Some((RunState::Exited, Some(7))),
+        "with what its agent said of its log"
+    );
     assert_eq!(snapshot.credentials, [credential]);
     assert_eq!(snapshot.event_ids, [("exe_1".to_owned(), "e1".to_owned())], "once, and only the live run's");
     assert_eq!(snapshot.logs, [("exe_1".to_owned(), LogLedger { received: 5, held: 5, over_cap: 0 })]);

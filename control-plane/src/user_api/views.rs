@@ -132,6 +132,14 @@ pub(crate) struct RunView {
     attempts: Vec<AttemptView>,
     exit_code: Option<i32>,
     error: Option<String>,
+    /// Whether the log holds all of the run's output, by its agent's final
+    /// event (contract 1.1 note 10); `null` until the run has ended, and
+    /// when it ended without that event.
+    log_complete: Option<bool>,
+    /// Bytes of output the agent gave up on, dropped ones included (the
+    /// log shows a marker where a gap is known); `null` when none were.
+    #[schema(minimum = 1)]
+    log_lost_bytes: Option<u64>,
     timestamps: Timestamps,
     durations_ms: Durations,
 }
@@ -162,6 +170,8 @@ pub(crate) fn view(run: &RunRecord) -> RunView {
         attempts: run.attempts.iter().map(AttemptView::from).collect(),
         exit_code: run.exit_code,
         error: run.error.clone(),
+        log_complete: run.log_lost.map(|lost| lost == 0),
+        log_lost_bytes: run.log_lost.filter(|&lost| lost > 0),
         timestamps: Timestamps {
             submitted: run.submitted_at.rfc3339(),
             committed: committed.map(Millis::rfc3339),

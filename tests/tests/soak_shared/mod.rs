@@ -1,9 +1,11 @@
 //! What the soak tests (`soak.rs`: the local provider behind a fault
 //! proxy; `soak_docker.rs`: real containers killed, paused and cut from
-//! their network) share: the journal of what the test did, the watcher of
-//! terminal states, and the invariants checked at the end. Each soak's
-//! runs report one marker line `<label> <run id> <sandbox>` when their
-//! command starts, by whatever way its sandboxes can reach the test.
+//! their network; `soak_replicas.rs`: three replicas on PostgreSQL, the
+//! leader and a follower killed) share: the journal of what the test did,
+//! the watcher of terminal states, and the invariants checked at the end.
+//! Each soak's runs report one marker line `<label> <run id> <sandbox>`
+//! when their command starts, by whatever way its sandboxes can reach the
+//! test.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
@@ -190,6 +192,14 @@ pub async fn check_runs(
         if state == "exited" && run["exit_code"].is_null() {
             problems.push(format!("run {id} exited without an exit code"));
         }
+        // The agent's own word on the log (contract 1.1 note 10): no run
+        // gave up on any output, and every exit says so.
+        if !run["log_lost_bytes"].is_null() || (state == "exited" && run["log_complete"] != true) {
+            problems.push(format!(
+                "run {id} ({state}) says log_complete {} log_lost_bytes {}",
+                run["log_complete"], run["log_lost_bytes"]
+            ));
+        }
     }
     // Events: at most one start and one end per run.
     let mut started_attempts: HashMap<String, Vec<u64>> = HashMap::new();
@@ -269,26 +279,24 @@ pub async fn check_runs(
     Verdict { runs, problems, started_attempts, marker_lines: markers.lines().count() }
 }
 
-/// Reads credential records from the store file (read-only).
-fn store_credentials(path: &Path) -> HashMap<String, Value> {
+/// Reads credential records from a SQLite store file (read-only).
+#[allow(dead_code, reason = "soak_replicas reads its credentials from PostgreSQL")]
+pub fn sqlite_credentials(path: &Path) -> Vec<Value> {
     let connection = rusqlite::Connection::open_with_flags(path, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)
         .unwrap_or_else(|error| panic!("open the store {} read-only: {error}", path.display()));
-    let mut statement = connection.prepare("SELECT id, doc FROM credentials").expect("query credentials");
+    let mut statement = connection.prepare("SELECT doc FROM credentials").expect("query credentials");
     statement
-        .query_map([], |row| Ok((row.get::<_, String>(0)?, row.get::<_, String>(1)?)))
+        .query_map([], |row| row.get::<_, String>(0))
         .expect("read credentials")
-        .map(|row| {
-            let (id, doc) = row.expect("a credential row");
-            (id, serde_json::from_str(&doc).expect("a credential document"))
-        })
+        .map(|doc| serde_json::from_str(&doc.expect("a credential row")).expect("a credential document"))
         .collect()
 }
 
-/// From the store, after a clean stop: every requeued (or otherwise ended
-/// before the start) attempt's run credential is revoked, and no such
-/// attempt started. The number of requeues.
-pub fn check_credentials(verdict: &mut Verdict, store: &Path) -> u64 {
-    let credentials = store_credentials(store);
+/// From the store's credential records (read after the servers stopped):
+/// every requeued (or otherwise ended before the start) attempt's run
+/// credential is revoked, and no such attempt started. The number of
+/// requeues.
+pub fn check_credentials(verdict: &mut Verdict, credentials: &[Value]) -> u64 {
     let mut requeues = 0;
     for (id, run) in &verdict.runs {
         for attempt in run["attempts"].as_array().into_iter().flatten() {
@@ -304,13 +312,13 @@ pub fn check_credentials(verdict: &mut Verdict, store: &Path) -> u64 {
             }
             requeues += u64::from(outcome == "requeued");
             let number = attempt["number"].as_u64().unwrap_or_default();
-            let revoked = credentials.values().any(|credential| {
+            let revoked = credentials.iter().any(|credential| {
                 credential["run_id"] == id.as_str()
                     && credential["attempt"] == number
                     && credential["kind"] == "run"
                     && credential["state"] != "active"
             });
-            let active = credentials.values().any(|credential| {
+            let active = credentials.iter().any(|credential| {
                 credential["run_id"] == id.as_str()
                     && credential["attempt"] == number
                     && credential["state"] == "active"

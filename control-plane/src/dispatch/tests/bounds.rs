@@ -93,7 +93,7 @@ fn finished_runs_leave_memory_after_the_retention_window_and_stay_counted() {
     assert_eq!(metrics.runs.get(&(RunState::Exited, Some(RunPath::Warm))), Some(&1));
     assert_eq!(metrics.runs_in_memory, 0);
     // Its agent's late calls are acknowledged and dropped: nothing grows.
-    let late = Event { event_id: "late".into(), kind: EventKind::Started };
+    let late = Event::new("late", EventKind::Started);
     assert!(world.machine.event(world.now, &run_id, 1, late).is_empty());
     let (step, received) = world.machine.log(&run_id, 3, 0, b"late").expect("acknowledged");
     assert_eq!((received, step.writes.len()), (7, 0));

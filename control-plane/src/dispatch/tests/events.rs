@@ -17,6 +17,35 @@ fn events_are_deduplicated_by_event_id() {
     assert_eq!(world.run(&run_id).exit_code, Some(7));
 }
 
+/// Contract 1.1 note 10: the final event's `log_lost` is kept on the run,
+/// 0 when it has none; a run that ends without that event keeps nothing.
+#[test]
+fn the_final_event_s_log_lost_is_kept_on_the_run() {
+    let mut world = World::new(3);
+    world.ready_pool();
+    let (lost, _) = world.submit(run("a"));
+    world.event(&lost, "s", EventKind::Started);
+    let step =
+        world.machine.event(world.now, &lost, 1, Event::new("x", EventKind::Exited { code: 0 }).with_log_lost(42));
+    let written = step.writes.iter().rev().find_map(|w| match w {
+        Write::Run(run) if run.id == lost => Some(run.log_lost),
+        _ => None,
+    });
+    assert_eq!(written, Some(Some(42)), "written with the run's end");
+    world.keep(step);
+    assert_eq!(world.run(&lost).log_lost, Some(42));
+
+    let (whole, _) = world.submit(run("b"));
+    world.event(&whole, "s", EventKind::Started);
+    assert_eq!(world.run(&whole).log_lost, None, "not known before the end");
+    world.event(&whole, "x", EventKind::Exited { code: 0 });
+    assert_eq!(world.run(&whole).log_lost, Some(0));
+
+    let (failed, _) = world.submit(run("c"));
+    world.event(&failed, "f", EventKind::install_failed(Stage::Secrets, Cause::InvalidRun, "no"));
+    assert_eq!(world.run(&failed).log_lost, None, "no final report of a log");
+}
+
 #[test]
 fn a_run_whose_workspace_differs_is_tried_warm_then_cold_on_that_workspace() {
     let mut world = World::new(1);

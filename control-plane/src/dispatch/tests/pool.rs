@@ -128,7 +128,7 @@ impl Sim {
                     let attempt = self.world.run(&run_id).attempts.len() as u32;
                     let sandbox_id = self.world.run(&run_id).current().expect("bound").sandbox_id.clone();
                     for (n, kind) in [EventKind::Started, EventKind::Exited { code: 0 }].into_iter().enumerate() {
-                        let event = Event { event_id: format!("{run_id}-{n}"), kind };
+                        let event = Event::new(format!("{run_id}-{n}"), kind);
                         let step = self.world.machine.event(self.world.now, &run_id, attempt, event);
                         self.step(step);
                     }

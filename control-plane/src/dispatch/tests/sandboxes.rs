@@ -81,7 +81,7 @@ fn a_restart_probes_sandboxes_and_resumes_stopped_standbys_with_a_new_credential
     assert!(step.effects.iter().any(|e| matches!(e, Effect::Launch { provision: Provision::Start, .. })));
     assert!(matches!(machine.authenticate(relaunch.token.expose()), Ok(Admission::Standby { .. })));
     // Events survive: a retried event from before the restart is a duplicate.
-    let again = machine.event(world.now, &done, 1, Event { event_id: "x".into(), kind: EventKind::Exited { code: 0 } });
+    let again = machine.event(world.now, &done, 1, Event::new("x", EventKind::Exited { code: 0 }));
     assert!(again.is_empty());
 }
 

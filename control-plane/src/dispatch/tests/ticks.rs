@@ -53,3 +53,47 @@ fn a_confirmed_run_is_not_written_off_for_silence() {
     world.tick();
     assert_eq!(world.run(&run_id).state, RunState::Confirmed);
 }
+
+#[test]
+fn a_running_run_unheard_past_the_run_silence_is_failed_and_its_sandbox_written_off() {
+    let mut world = World::new(1);
+    let Warm { standby, run_id, assignment, .. } = world.warm_run();
+    let (_, run_conn, _) = world.connect(&assignment.run_credential);
+    world.event(&run_id, "started", EventKind::Started);
+    world.heartbeat(run_conn, AgentState::Running);
+    world.machine.disconnected(run_conn);
+    world.advance(120 * SECOND);
+    world.tick();
+    assert_eq!(world.run(&run_id).state, RunState::Running, "within the bound: the agent may be reconnecting");
+    world.advance(1);
+    let step = world.tick();
+    assert_eq!(world.run(&run_id).state, RunState::Failed);
+    assert!(
+        world.run(&run_id).error.as_deref().is_some_and(|e| e.contains("run silence")),
+        "{:?}",
+        world.run(&run_id).error
+    );
+    assert!(retires(&step).contains(&standby.sandbox_id), "its sandbox is stopped and deleted");
+    assert_eq!(world.run(&run_id).attempts.len(), 1, "never run again");
+}
+
+/// After a restart no provider watches an adopted sandbox's agent: a
+/// confirmed run whose agent died while the server was down is failed
+/// once the bound has passed since the restart, not left running.
+#[test]
+fn after_a_restart_a_confirmed_run_whose_agent_never_returns_is_failed() {
+    let mut world = World::new(1);
+    let Warm { run_id, assignment, .. } = world.warm_run();
+    world.connect(&assignment.run_credential);
+    assert_eq!(world.run(&run_id).state, RunState::Confirmed);
+    world.advance(500 * SECOND);
+    let (mut machine, _) =
+        Dispatch::restore(config(1), Box::new(CountingMint::starting_at(1000)), world.snapshot(), world.now);
+    let restarted = world.now;
+    let sandbox_id = world.run(&run_id).current().map(|a| a.sandbox_id.clone()).expect("an attempt");
+    machine.probed(restarted, &sandbox_id, Found::Running);
+    machine.tick(restarted.plus(Duration::from_secs(120)));
+    assert_eq!(machine.run(&run_id).map(|r| r.state), Some(RunState::Confirmed));
+    machine.tick(restarted.plus(Duration::from_secs(121)));
+    assert_eq!(machine.run(&run_id).map(|r| r.state), Some(RunState::Failed));
+}

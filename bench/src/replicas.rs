@@ -1,0 +1,181 @@
+//! The servers of the spread capacity test: one `standby-server serve`
+//! on its SQLite file, or one or more replicas on one PostgreSQL schema
+//! made fresh for the test (and dropped after it), all on one spool
+//! directory (the leader spools the credentials; any replica takes the
+//! agents' sockets and relays them to the leader).
+
+use std::ffi::OsString;
+use std::path::Path;
+use std::time::Duration;
+
+use anyhow::{Context as _, Result, anyhow};
+use serde_json::Value;
+use tokio_postgres::NoTls;
+
+use crate::capacity::{spool_args, wait_for};
+use crate::procfs;
+use crate::server::{API_KEY, ServerProc, http_client};
+
+/// The lease of the replicas. Failover is not measured here, and on a
+/// loaded machine a claim may outlast the default 10 s lease's bound (a
+/// replica deposed at start ends the level), so a longer one.
+const LEASE_TTL: &str = "30s";
+
+/// A schema of the bench's own on the PostgreSQL database.
+struct Schema {
+    base: String,
+    name: String,
+}
+
+impl Schema {
+    async fn create(base: &str) -> Result<Self> {
+        let name = format!("bench_{}_{}", std::process::id(), jiff::Timestamp::now().as_second());
+        execute(base, &format!("CREATE SCHEMA {name}")).await?;
+        Ok(Self { base: base.to_owned(), name })
+    }
+
+    /// The URL whose tables live in this schema (its `search_path`).
+    fn url(&self) -> String {
+        let separator = if self.base.contains('?') { '&' } else { '?' };
+        format!("{}{separator}options=-csearch_path%3D{}", self.base, self.name)
+    }
+
+    async fn drop(self) -> Result<()> {
+        execute(&self.base, &format!("DROP SCHEMA {} CASCADE", self.name)).await
+    }
+}
+
+async fn execute(url: &str, sql: &str) -> Result<()> {
+    let (client, connection) = tokio_postgres::connect(url, NoTls).await.context("connecting to PostgreSQL")?;
+    let driver = tokio::spawn(connection);
+    client.batch_execute(sql).await.with_context(|| format!("PostgreSQL: {sql}"))?;
+    drop(client);
+    let _ = driver.await;
+    Ok(())
+}
+
+/// The servers of one level.
+pub struct Replicas {
+    pub servers: Vec<ServerProc>,
+    schema: Option<Schema>,
+}
+
+impl Replicas {
+    /// `count` servers spooling `pool` credentials into `spool`; on
+    /// `store` (a `postgres://` URL) when given, else (one server only) on
+    /// SQLite. Returns once exactly one leads and the others follow it.
+    pub async fn start(
+        count: usize,
+        store: Option<&str>,
+        server_bin: &Path,
+        dir: &Path,
+        pool: usize,
+        heartbeat: Duration,
+    ) -> Result<Self> {
+        let spool = dir.join("spool");
+        let schema = match store {
+            Some(base) => Some(Schema::create(base).await?),
+            None if count > 1 => return Err(anyhow!("{count} replicas need a PostgreSQL store (--store)")),
+            None => None,
+        };
+        let mut servers = Vec::with_capacity(count);
+        for index in 0..count {
+            let mut args = spool_args(pool, heartbeat, &spool);
+            if let Some(schema) = &schema {
+                for (flag, value) in [
+                    ("--store", OsString::from(schema.url())),
+                    ("--replica-id", format!("r{index}").into()),
+                    ("--lease-ttl", LEASE_TTL.into()),
+                    // Every replica opens what any of them sealed.
+                    ("--secret-key-file", dir.join("secret.key").into_os_string()),
+                ] {
+                    args.push(flag.into());
+                    args.push(value);
+                }
+            }
+            let started =
+                ServerProc::start(&format!("r{index}"), server_bin, &dir.join(format!("r{index}")), &args).await;
+            match started {
+                Ok(server) => servers.push(server),
+                Err(error) => {
+                    let replicas = Self { servers, schema };
+                    let _ = replicas.stop().await;
+                    return Err(error);
+                }
+            }
+        }
+        let replicas = Self { servers, schema };
+        if replicas.schema.is_some() {
+            let settled = wait_for("one leader and its followers", Duration::from_secs(60), async || {
+                replicas.check_alive()?;
+                let roles = replicas.roles().await?;
+                Ok(roles.iter().filter(|role| *role == "leader").count() == 1
+                    && roles.iter().all(|role| role == "leader" || role == "follower"))
+            })
+            .await;
+            if let Err(error) = settled {
+                let _ = replicas.stop().await;
+                return Err(error);
+            }
+        }
+        Ok(replicas)
+    }
+
+    /// Fails, with its log's end, if a server has exited (a deposed
+    /// replica exits): the waits of a level end at once instead of timing out.
+    pub fn check_alive(&self) -> Result<()> {
+        match self.servers.iter().find(|server| !procfs::alive(server.pid)) {
+            Some(server) => Err(anyhow!("the server {} exited:\n{}", server.name, server.log_tail(10))),
+            None => Ok(()),
+        }
+    }
+
+    /// Each server's role (`GET /v1/cluster`); `single` on SQLite.
+    pub async fn roles(&self) -> Result<Vec<String>> {
+        if self.schema.is_none() {
+            return Ok(vec!["single".to_owned(); self.servers.len()]);
+        }
+        let http = http_client()?;
+        let mut roles = Vec::with_capacity(self.servers.len());
+        for server in &self.servers {
+            let answer: Value = http
+                .get(format!("{}/v1/cluster", server.url))
+                .bearer_auth(API_KEY)
+                .send()
+                .await
+                .and_then(reqwest::Response::error_for_status)
+                .with_context(|| format!("GET /v1/cluster on {}", server.name))?
+                .json()
+                .await
+                .with_context(|| format!("GET /v1/cluster on {}", server.name))?;
+            roles.push(answer["role"].as_str().unwrap_or("unknown").to_owned());
+        }
+        Ok(roles)
+    }
+
+    /// The server the others relay to (the only one on SQLite).
+    pub async fn leader(&self) -> Result<usize> {
+        let roles = self.roles().await?;
+        roles
+            .iter()
+            .position(|role| role == "leader" || role == "single")
+            .ok_or_else(|| anyhow!("no replica leads: {roles:?}"))
+    }
+
+    /// Stops every server and drops the schema; the first error is
+    /// returned once everything was tried.
+    pub async fn stop(self) -> Result<()> {
+        let mut first_error = None;
+        for server in self.servers.into_iter().rev() {
+            if let Err(error) = server.stop(Duration::from_secs(60)).await {
+                first_error.get_or_insert(error);
+            }
+        }
+        if let Some(schema) = self.schema
+            && let Err(error) = schema.drop().await
+        {
+            first_error.get_or_insert(error);
+        }
+        first_error.map_or(Ok(()), Err)
+    }
+}

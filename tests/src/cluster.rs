@@ -1,0 +1,134 @@
+//! What the replicated tests (`replicas.rs`, `soak_replicas.rs`) put in
+//! front of and behind `standby-server serve` replicas sharing one store:
+//! a [`Balancer`] spreading TCP connections over them, and
+//! [`SpooledAgents`], real `standby` agents started by the test for every
+//! standby credential the leader spools (the `spool` provider launches
+//! nothing), so that agents outlive any replica that is killed.
+
+use std::collections::HashSet;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use tokio::net::{TcpListener, TcpStream};
+
+use crate::harness::{AgentBuilder, AgentProcess};
+
+/// A TCP balancer on 127.0.0.1: each connection goes to the next replica
+/// that accepts it (a dead one is skipped), as a load balancer would.
+#[derive(Debug)]
+pub struct Balancer {
+    addr: SocketAddr,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Balancer {
+    pub async fn start(targets: Vec<SocketAddr>) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind the balancer");
+        let addr = listener.local_addr().expect("an address");
+        let next = Arc::new(AtomicUsize::new(0));
+        let task = tokio::spawn(async move {
+            while let Ok((mut client, _)) = listener.accept().await {
+                let (targets, next) = (targets.clone(), Arc::clone(&next));
+                tokio::spawn(async move {
+                    for _ in 0..targets.len() {
+                        let target = targets[next.fetch_add(1, Ordering::Relaxed) % targets.len()];
+                        let connect = tokio::time::timeout(Duration::from_secs(1), TcpStream::connect(target)).await;
+                        if let Ok(Ok(mut server)) = connect {
+                            let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        Self { addr, task }
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+}
+
+impl Drop for Balancer {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// The agents started so far, by sandbox id (the spooled file's stem), in
+/// the order they were started.
+type Started = Arc<Mutex<Vec<(String, AgentProcess)>>>;
+
+/// Starts an agent for each credential the leader spools, dialing the URL
+/// given (or the one a test pins, once it set one); keeps them until
+/// dropped.
+#[derive(Debug)]
+pub struct SpooledAgents {
+    task: tokio::task::JoinHandle<()>,
+    started: Started,
+    url: Arc<Mutex<Option<String>>>,
+}
+
+impl SpooledAgents {
+    /// Agents heartbeating every `heartbeat` (an agent flag value).
+    pub fn start(spool: PathBuf, server_url: Option<String>, heartbeat: &str) -> Self {
+        let started: Started = Arc::new(Mutex::new(Vec::new()));
+        let url = Arc::new(Mutex::new(server_url));
+        let (agents, pinned, heartbeat) = (Arc::clone(&started), Arc::clone(&url), heartbeat.to_owned());
+        let task = tokio::spawn(async move {
+            let mut seen = HashSet::new();
+            loop {
+                let server_url = pinned.lock().unwrap_or_else(PoisonError::into_inner).clone();
+                for entry in std::fs::read_dir(&spool).into_iter().flatten().flatten() {
+                    let Some(server_url) = &server_url else { break };
+                    let path = entry.path();
+                    if path.extension().is_none_or(|ext| ext != "token") || !seen.insert(path.clone()) {
+                        continue;
+                    }
+                    let Ok(token) = std::fs::read_to_string(&path) else { continue };
+                    let sandbox = path.file_stem().map(|stem| stem.to_string_lossy().into_owned()).unwrap_or_default();
+                    let agent = AgentBuilder::new(server_url, token.trim()).heartbeat_interval(&heartbeat).spawn();
+                    agents.lock().unwrap_or_else(PoisonError::into_inner).push((sandbox, agent));
+                }
+                // The spool is files another process writes: polled.
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        });
+        Self { task, started, url }
+    }
+
+    /// The agents started from now on dial `url`.
+    pub fn pin(&self, url: &str) {
+        *self.url.lock().unwrap_or_else(PoisonError::into_inner) = Some(url.to_owned());
+    }
+
+    /// The output of the first agent started, once there is one.
+    pub fn first_output(&self) -> Option<String> {
+        self.started.lock().unwrap_or_else(PoisonError::into_inner).first().map(|(_, agent)| agent.output())
+    }
+
+    /// The pid of the agent holding sandbox `id`'s credential, once started.
+    pub fn pid(&self, sandbox: &str) -> Option<i32> {
+        let started = self.started.lock().unwrap_or_else(PoisonError::into_inner);
+        started.iter().find(|(id, _)| id == sandbox).map(|(_, agent)| agent.pid())
+    }
+
+    /// How many agents were started.
+    pub fn count(&self) -> usize {
+        self.started.lock().unwrap_or_else(PoisonError::into_inner).len()
+    }
+}
+
+impl Drop for SpooledAgents {
+    fn drop(&mut self) {
+        self.task.abort();
+        self.started.lock().unwrap_or_else(PoisonError::into_inner).clear();
+    }
+}
