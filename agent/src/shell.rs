@@ -642,13 +642,29 @@ fn command_line<'a>(
             return Err(ShellError::Cwd { path: cwd.to_path_buf(), source });
         }
     }
-    let mut command = CommandBuilder::from_argv(argv.iter().map(OsString::from).collect());
+    let mut words: Vec<OsString> = argv.iter().map(OsString::from).collect();
+    if let Some(path) = in_cwd(program, cwd) {
+        words[0] = path.into_os_string();
+    }
+    let mut command = CommandBuilder::from_argv(words);
     command.env_clear();
     for (name, value) in env {
         command.env(name, value);
     }
     command.cwd(cwd);
     Ok((command, program))
+}
+
+/// The path a relative program with a slash (`.venv/bin/python`) names in
+/// `cwd`, as a shell's exec would find it. portable-pty resolves only
+/// `./`- and `../`-prefixed programs against the working directory and
+/// looks any other relative one up in `PATH` ("No viable candidates found
+/// in PATH"), so the agent joins it itself; the program then sees that
+/// absolute path as its `argv[0]`. A bare name (no slash) stays a `PATH`
+/// lookup.
+fn in_cwd(program: &str, cwd: &Path) -> Option<PathBuf> {
+    let path = Path::new(program);
+    (path.is_relative() && program.contains('/')).then(|| cwd.join(path))
 }
 
 fn pid_i32(pid: u32) -> i32 {
@@ -816,6 +832,33 @@ mod tests {
                 cwd.display()
             )
         );
+    }
+
+    #[test]
+    fn only_a_relative_program_with_a_slash_is_joined_to_the_cwd() {
+        let cwd = Path::new("/workspace/app");
+        assert_eq!(in_cwd(".venv/bin/python", cwd), Some(PathBuf::from("/workspace/app/.venv/bin/python")));
+        assert_eq!(in_cwd("./run.sh", cwd), Some(PathBuf::from("/workspace/app/./run.sh")));
+        assert_eq!(in_cwd("../tool", cwd), Some(PathBuf::from("/workspace/app/../tool")));
+        assert_eq!(in_cwd("python3", cwd), None);
+        assert_eq!(in_cwd("/usr/bin/env", cwd), None);
+    }
+
+    #[tokio::test]
+    async fn a_relative_program_path_runs_from_the_working_directory() {
+        let dir = tempdir();
+        let bin = dir.path().join(".venv/bin");
+        std::fs::create_dir_all(&bin).expect("creates the directory");
+        // A link, not a script written here: a fork elsewhere in the test
+        // process could still hold a script's write descriptor (ETXTBSY).
+        std::os::unix::fs::symlink("/bin/sh", bin.join("sh")).expect("links the program");
+        let shell = IdleShell::open(&argv(&["sh"]), dir.path(), &env()).expect("opens");
+        let run_argv = argv(&[".venv/bin/sh", "-c", "echo \"$0 in $(pwd)\""]);
+        let mut run = shell.replace(&run_argv, dir.path(), &env()).expect("replaces");
+        let text = text_of(&mut run).await;
+        assert_eq!(run.wait().await, 0);
+        let cwd = dir.path().canonicalize().expect("the directory exists");
+        assert_eq!(text, format!("{}/.venv/bin/sh in {}\n", dir.path().display(), cwd.display()));
     }
 
     #[tokio::test]
