@@ -124,7 +124,8 @@ struct DockerInner {
     /// `true` once [`SandboxProvider::stop_all`] began. Held for reading by
     /// every create and start, for writing by `stop_all`: it waits for the
     /// containers being started, then no new one starts, so a clean stop
-    /// leaves no container of this server running.
+    /// leaves no container of this server running. A provider serves one
+    /// server's life: a server started after it connects its own.
     closed: tokio::sync::RwLock<bool>,
     sweeper: std::sync::Once,
 }

@@ -55,7 +55,7 @@ async fn demo(
     instance: &str,
     out: &mut impl Write,
 ) -> Result<Vec<DemoRow>, DemoError> {
-    let provider = DockerProvider::connect(DockerOptions {
+    let options_for_docker = DockerOptions {
         image: image.to_owned(),
         network: network.to_owned(),
         instance: instance.to_owned(),
@@ -65,8 +65,8 @@ async fn demo(
         auto_archive: 0,
         auto_delete: 0,
         stop_grace: Duration::from_secs(5),
-    })
-    .await?;
+    };
+    let provider = DockerProvider::connect(options_for_docker.clone()).await?;
     let gateway = provider.gateway();
     let repo = RepoServer::start(scene, gateway).await?;
     let provider = Arc::new(provider);
@@ -93,6 +93,10 @@ async fn demo(
         humantime::format_duration(DEMO_WARM_IDLE)
     )
     .map_err(wrote)?;
+    // A provider is one server's: its clean stop closes it to new
+    // containers. The second server gets its own, on the same containers.
+    drop(provider);
+    let provider = Arc::new(DockerProvider::connect(options_for_docker).await?);
     let serve = Serve { pool_size: 0, heartbeat: Duration::from_millis(250), listen };
     with_server(scene, provider, serve, park_threads, async |server, key| {
         let threads = Threads { title: "follow-up turns of a thread", rounds: 1, paths: &PATHS };
