@@ -132,3 +132,22 @@ impl Drop for SpooledAgents {
         self.started.lock().unwrap_or_else(PoisonError::into_inner).clear();
     }
 }
+
+/// `POST /v1/runs` of `body` to the replica at `url` under `key`, once:
+/// the new run's id on `201`, `None` on any other answer or none (a
+/// replica in an election answers `503`; the caller tries again with the
+/// same key).
+pub async fn submit_once(url: &str, key: &str, body: &serde_json::Value) -> Option<String> {
+    let response = reqwest::Client::new()
+        .post(format!("{url}/v1/runs"))
+        .bearer_auth(crate::server_process::API_KEY)
+        .header("Idempotency-Key", key)
+        .json(body)
+        .timeout(Duration::from_secs(10))
+        .send()
+        .await
+        .ok()
+        .filter(|response| response.status().as_u16() == 201)?;
+    let created = response.json::<serde_json::Value>().await.ok()?;
+    created["id"].as_str().map(str::to_owned)
+}

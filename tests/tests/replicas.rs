@@ -17,7 +17,7 @@ use std::time::Duration;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use serde_json::{Value, json};
-use standby_e2e::cluster::{Balancer, SpooledAgents};
+use standby_e2e::cluster::{Balancer, SpooledAgents, submit_once};
 use standby_e2e::postgres::TestSchema;
 use standby_e2e::server_process::{API_KEY, ServerBuilder, ServerProcess, free_addr, tail};
 
@@ -153,19 +153,8 @@ impl Cluster {
             let first = live.iter().position(|(at, _)| *at >= index).unwrap_or(0);
             for offset in 0..live.len() {
                 let (_, replica) = live[(first + offset) % live.len()];
-                let response = reqwest::Client::new()
-                    .post(format!("{}/v1/runs", replica.url()))
-                    .bearer_auth(API_KEY)
-                    .header("Idempotency-Key", key)
-                    .json(body)
-                    .timeout(Duration::from_secs(10))
-                    .send()
-                    .await;
-                if let Ok(response) = response
-                    && response.status().as_u16() == 201
-                    && let Ok(created) = response.json::<Value>().await
-                {
-                    return created["id"].as_str().map(str::to_owned);
+                if let Some(id) = submit_once(&replica.url(), key, body).await {
+                    return Some(id);
                 }
             }
             None

@@ -29,7 +29,7 @@ use std::time::Duration;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use serde_json::{Value, json};
-use standby_e2e::cluster::{Balancer, SpooledAgents};
+use standby_e2e::cluster::{Balancer, SpooledAgents, submit_once};
 use standby_e2e::harness::process_alive;
 use standby_e2e::postgres::TestSchema;
 use standby_e2e::proxy::{ConnInfo, Direction, Fault, FaultPolicy, FaultProxy, RandomFaults, Rng, seed_from_env};
@@ -187,20 +187,8 @@ impl Replicas {
         loop {
             let live = self.live();
             let (_, replica) = &live[rng.below(live.len() as u64) as usize];
-            let response = reqwest::Client::new()
-                .post(format!("{}/v1/runs", replica.url()))
-                .bearer_auth(API_KEY)
-                .header("Idempotency-Key", key)
-                .json(body)
-                .timeout(Duration::from_secs(10))
-                .send()
-                .await;
-            if let Ok(response) = response
-                && response.status().as_u16() == 201
-                && let Ok(created) = response.json::<Value>().await
-                && let Some(id) = created["id"].as_str()
-            {
-                return (id.to_owned(), retries);
+            if let Some(id) = submit_once(&replica.url(), key, body).await {
+                return (id, retries);
             }
             assert!(Instant::now() < deadline, "submission {key} not accepted within {WAIT:?}");
             retries += 1;
