@@ -10,6 +10,7 @@
 //! store, so the engine stops and the server shuts down; the next start
 //! rebuilds everything from what was committed.
 
+mod adopted;
 mod batch;
 #[cfg(test)]
 mod tests;
@@ -33,6 +34,7 @@ use crate::policy::raised_auto_stop;
 use crate::provider::{AgentLaunch, Details, Launched, SandboxProvider};
 use crate::store::{Store, StoreError};
 
+use self::adopted::Adopted;
 use self::batch::{After, Batch, reply};
 
 /// Bound on setting a sandbox's auto-stop: it is best effort, and never
@@ -134,6 +136,10 @@ enum Command {
     Exited {
         sandbox_id: String,
         code: Option<i32>,
+    },
+    /// An agent this process did not start ([`adopted`]) no longer runs.
+    AdoptedExited {
+        sandbox_id: String,
     },
     LaunchFailed {
         sandbox_id: String,
@@ -337,6 +343,7 @@ pub struct Engine<P> {
     /// resume, retire) run one after another in the order the machine
     /// emitted them.
     ops: HashMap<String, mpsc::UnboundedSender<Op>>,
+    adopted: Adopted,
     rx: mpsc::Receiver<Command>,
     handle: EngineHandle,
 }
@@ -390,7 +397,17 @@ impl<P: SandboxProvider> Engine<P> {
         config: EngineConfig,
     ) -> Self {
         let Mailbox { rx, handle } = mailbox;
-        Self { machine, store, provider, config, conns: HashMap::new(), ops: HashMap::new(), rx, handle }
+        Self {
+            machine,
+            store,
+            provider,
+            config,
+            conns: HashMap::new(),
+            ops: HashMap::new(),
+            adopted: Adopted::default(),
+            rx,
+            handle,
+        }
     }
 
     /// Runs until stopped or until the store fails; `fatal` is set on a
@@ -530,7 +547,20 @@ impl<P: SandboxProvider> Engine<P> {
             Command::ResumeFailed { sandbox_id, failure } => {
                 batch.stage(self.machine.resume_failed(now, &sandbox_id, &failure));
             }
-            Command::Probed { sandbox_id, found } => batch.stage(self.machine.probed(now, &sandbox_id, found)),
+            Command::AdoptedExited { sandbox_id } => {
+                if self.adopted.ended(&sandbox_id) {
+                    batch.stage(self.machine.sandbox_exited(now, &sandbox_id, None));
+                }
+            }
+            Command::Probed { sandbox_id, found } => {
+                if found == Found::Running {
+                    let handle = self.handle.clone();
+                    self.adopted.watch(Arc::clone(&self.provider), sandbox_id.clone(), |sandbox_id| async move {
+                        handle.tell(Command::AdoptedExited { sandbox_id }).await;
+                    });
+                }
+                batch.stage(self.machine.probed(now, &sandbox_id, found));
+            }
             Command::Drain { reply: to } => {
                 self.machine.shutdown();
                 batch.then(reply(to, ()));
@@ -622,6 +652,7 @@ impl<P: SandboxProvider> Engine<P> {
                 }
             }
             Effect::Launch { sandbox_id, token, provision, auto_stop } => {
+                self.adopted.forget(&sandbox_id);
                 let provider = Arc::clone(&self.provider);
                 let handle = self.handle.clone();
                 let launch = self.agent_launch(token);
@@ -648,6 +679,7 @@ impl<P: SandboxProvider> Engine<P> {
                 });
             }
             Effect::Resume { sandbox_id, token, auto_stop } => {
+                self.adopted.forget(&sandbox_id);
                 let provider = Arc::clone(&self.provider);
                 let handle = self.handle.clone();
                 let launch = self.agent_launch(token);
@@ -692,6 +724,7 @@ impl<P: SandboxProvider> Engine<P> {
             }
             Effect::Touch { sandbox_id } => self.provider.touch(&sandbox_id),
             Effect::Retire { sandbox_id, linger } => {
+                self.adopted.forget(&sandbox_id);
                 let provider = Arc::clone(&self.provider);
                 let grace = self.config.stop_grace;
                 let id = sandbox_id.clone();

@@ -328,6 +328,32 @@ async fn a_restarted_server_adopts_its_live_containers_and_removes_its_orphans()
     server.stop().await;
 }
 
+/// An adopted agent's end comes through no exec this server started: its
+/// container killed under a run must still fail the run at once, not
+/// after the run silence bound (five minutes here, past the wait).
+#[tokio::test]
+async fn a_run_on_an_adopted_container_that_is_killed_fails_without_waiting_out_the_silence_bound() {
+    let Some(mut server) = Server::start("adopted-kill", &["--pool-size", "1", "--run-lost-after", "5m"]).await else {
+        return;
+    };
+    let standby = server.ready_standby().await;
+    server.process.as_ref().expect("the server runs").crash().await;
+    server.process = Some(server.builder.start().await);
+    assert_eq!(server.ready_standby().await, standby, "the standby adopted\n{}", server.agent_logs());
+    let id = server.submit(&json!({"command": ["sleep", "300"]})).await;
+    server
+        .until("the run started on the adopted container", async || {
+            let run = server.run(&id).await;
+            (run["state"] == "running").then_some(())
+        })
+        .await;
+    docker::docker(&["kill", &format!("standby-{standby}")]).expect("docker kill");
+    let run = server.finished(&id, WAIT).await;
+    assert_eq!(run["state"], "failed", "{run}\n{}", server.agent_logs());
+    assert_eq!(sandbox_of(&run), standby, "{run}");
+    server.stop().await;
+}
+
 #[tokio::test]
 async fn the_auto_stop_floor_keeps_a_warm_container_running_through_its_window() {
     // One provider minute of 1 s: an auto-stop of two minutes alone would
