@@ -17,7 +17,7 @@
 //! 5. join the MCP restart: a failure degrades the run, or fails the install
 //!    under `strict_mcp`.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
@@ -26,8 +26,8 @@ use std::time::Duration;
 use standby_protocol::layout::StateDir;
 use standby_protocol::vars;
 use standby_protocol::{
-    Cause, CloudCredentialsResponse, Fingerprint, GitCredential, GitCredentialsResponse, Run, Secret, SecretsResponse,
-    Spec, Stage, fingerprint, paths,
+    Cause, CloudCredentialsResponse, Fingerprint, GitCredential, GitCredentialsResponse, Repo, Run, Secret,
+    SecretsResponse, Spec, Stage, fingerprint, paths,
 };
 use tokio::time::Instant;
 
@@ -99,7 +99,14 @@ impl Steps {
     async fn time<T>(&self, stage: Stage, step: impl Future<Output = T>) -> T {
         let start = Instant::now();
         let value = step.await;
-        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push((stage, start.elapsed()));
+        let took = start.elapsed();
+        let mut steps = self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        // A stage timed in parts (the refresh: its clean check, then git)
+        // is reported as their sum.
+        match steps.iter_mut().find(|(timed, _)| *timed == stage) {
+            Some((_, total)) => *total += took,
+            None => steps.push((stage, took)),
+        }
         value
     }
 
@@ -225,7 +232,7 @@ async fn fetch_parallel(input: &InstallInput, steps: &Steps) -> Result<Fetched, 
         steps.time(Stage::Attachments, crate::attachments::attachments(input)),
         steps.time(Stage::Metadata, metadata(input)),
         steps.time(Stage::CloudCredentials, cloud_credentials(input)),
-        git_then_refresh(input, steps),
+        git_then_refresh(input, steps, Overlap::CleanCheckWithCredentials),
     )?;
     Ok(Fetched { secrets, cloud, git_env, git_passwords })
 }
@@ -235,16 +242,35 @@ async fn fetch_sequential(input: &InstallInput, steps: &Steps) -> Result<Fetched
     steps.time(Stage::Attachments, crate::attachments::attachments(input)).await?;
     steps.time(Stage::Metadata, metadata(input)).await?;
     let cloud = steps.time(Stage::CloudCredentials, cloud_credentials(input)).await?;
-    let (git_env, git_passwords) = git_then_refresh(input, steps).await?;
+    let (git_env, git_passwords) = git_then_refresh(input, steps, Overlap::None).await?;
     Ok(Fetched { secrets, cloud, git_env, git_passwords })
+}
+
+/// Whether the refresh's clean check runs while the git credentials are
+/// fetched: it needs none, and on a warm run it is most of the refresh.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Overlap {
+    None,
+    CleanCheckWithCredentials,
 }
 
 async fn git_then_refresh(
     input: &InstallInput,
     steps: &Steps,
+    overlap: Overlap,
 ) -> Result<(BTreeMap<String, String>, Vec<Secret>), InstallFailure> {
-    let (git_env, passwords) = steps.time(Stage::GitCredentials, git_credentials(input)).await?;
-    steps.time(Stage::Refresh, refresh(input, &git_env)).await?;
+    let credentials = steps.time(Stage::GitCredentials, git_credentials(input));
+    let (credentials, clean) = match overlap {
+        Overlap::CleanCheckWithCredentials => {
+            futures::join!(credentials, steps.time(Stage::Refresh, still_clean(input)))
+        }
+        Overlap::None => {
+            let credentials = credentials.await?;
+            (Ok(credentials), steps.time(Stage::Refresh, still_clean(input)).await)
+        }
+    };
+    let (git_env, passwords) = credentials?;
+    steps.time(Stage::Refresh, refresh(input, &git_env, &clean)).await?;
     Ok((git_env, passwords))
 }
 
@@ -331,26 +357,47 @@ fn percent_encode(text: &str) -> String {
 
 /// Moves every repo to the commit the run needs: the assignment's workspace
 /// when it has one (it carries `expected_sha`), else the spec's.
-async fn refresh(input: &InstallInput, git_env: &BTreeMap<String, String>) -> Result<(), InstallFailure> {
-    let repos = input.run.workspace.as_ref().map_or(&input.spec.workspace.repos, |w| &w.repos);
-    let refreshes = repos.iter().map(|repo| async move {
-        let dest = resolve_inside(&input.root, &repo.path)
-            .map_err(|e| InstallFailure::new(Stage::Refresh, Cause::InvalidRun, format!("repo path: {e}")))?;
-        if let Some(snapshot) = input.checkouts.get(&repo.path)
-            && repo.expected_sha.as_deref() == Some(snapshot.sha())
-        {
-            let (snapshot, dest) = (snapshot.clone(), dest.clone());
+/// The repos of the run, as the run or the spec names them.
+fn repos(input: &InstallInput) -> &[Repo] {
+    input.run.workspace.as_ref().map_or(&input.spec.workspace.repos, |w| &w.repos)
+}
+
+/// The repos whose clone is still exactly as preparation left it, at the
+/// commit the run wants: their refresh needs no git (and no credential).
+async fn still_clean(input: &InstallInput) -> HashSet<String> {
+    let checks = repos(input).iter().filter_map(|repo| {
+        let snapshot = input.checkouts.get(&repo.path)?;
+        if repo.expected_sha.as_deref() != Some(snapshot.sha()) {
+            return None;
+        }
+        let dest = resolve_inside(&input.root, &repo.path).ok()?;
+        let (snapshot, path) = (snapshot.clone(), repo.path.clone());
+        Some(async move {
             match tokio::task::spawn_blocking(move || snapshot.still_clean(&dest)).await {
                 Ok(Ok(())) => {
-                    tracing::debug!(path = repo.path, "repo already at expected_sha and clean: no git");
-                    return Ok(());
+                    tracing::debug!(path, "repo already at expected_sha and clean: no git");
+                    Some(path)
                 }
                 Ok(Err(why)) => {
-                    tracing::debug!(path = repo.path, %why, "the clone changed since preparation: git checks it out")
+                    tracing::debug!(path, %why, "the clone changed since preparation: git checks it out");
+                    None
                 }
-                Err(_) => {}
+                Err(_) => None,
             }
-        }
+        })
+    });
+    futures::future::join_all(checks).await.into_iter().flatten().collect()
+}
+
+/// Brings every repo not known `clean` to the run's commit with git.
+async fn refresh(
+    input: &InstallInput,
+    git_env: &BTreeMap<String, String>,
+    clean: &HashSet<String>,
+) -> Result<(), InstallFailure> {
+    let refreshes = repos(input).iter().filter(|repo| !clean.contains(&repo.path)).map(|repo| async move {
+        let dest = resolve_inside(&input.root, &repo.path)
+            .map_err(|e| InstallFailure::new(Stage::Refresh, Cause::InvalidRun, format!("repo path: {e}")))?;
         let sha = tokio::time::timeout_at(input.deadline, crate::git::refresh(repo, &dest, git_env))
             .await
             .map_err(|_| {

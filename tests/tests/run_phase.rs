@@ -769,6 +769,39 @@ echo findings written"#,
     server.assert_no_violations();
 }
 
+/// A warm run at the commit the pool was prepared at skips git only while
+/// the clone is exactly as preparation left it: a tracked file changed
+/// since (a file of the image, a previous turn) is checked out again, and
+/// an untracked one is left, as `git checkout` would.
+#[tokio::test]
+async fn a_clone_changed_after_preparation_is_checked_out_again_at_the_prepared_commit() {
+    let server = TestServer::start().await;
+    let dir = scratch();
+    let ws = dir.path().join("workspace");
+    std::fs::create_dir(&ws).expect("create the workspace");
+    let origin = GitRepo::new(&[("README.md", "hello\n")]);
+    let cloned = origin.head();
+    let repo = |sha: Option<&str>| json!({"repos": [{"url": origin.url(), "path": "app", "ref": "main", "expected_sha": sha}]});
+    let token = server.add_standby();
+    let mut agent =
+        ready_agent(&server, &token, dir.path(), &json!({"workspace": repo(None)}), |agent| agent.workspace(&ws)).await;
+    std::fs::write(ws.join("app/README.md"), "HELLO\n").expect("change a tracked file");
+
+    let out = ws.join("findings");
+    let script = format!(
+        r#"out='{out}'; mkdir -p "$out"; cat README.md > "$out/readme"; git rev-parse HEAD > "$out/head""#,
+        out = out.display()
+    );
+    let execution = setup(&script).cwd("app").workspace(workspace(&repo(Some(&cloned))));
+    let execution_id = server.assign(&token, execution);
+    let code = agent.wait_exit(EXIT).await;
+    assert_exit(&agent, code, ExitCode::Success, "the run finished");
+    assert_eq!(event_kinds(&server, &execution_id), [EventKind::Started, EventKind::Exited { code: 0 }]);
+    assert_eq!(read(&out.join("head")).trim(), cloned, "the repo is at expected_sha");
+    assert_eq!(read(&out.join("readme")), "hello\n", "the changed file is the commit's again");
+    server.assert_no_violations();
+}
+
 // ---- redaction -----------------------------------------------------------
 
 fn percent_encode(text: &str, upper: bool) -> String {
