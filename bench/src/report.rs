@@ -57,6 +57,11 @@ fn mib(kib: f64) -> String {
     format!("{:.1}", kib / 1024.0)
 }
 
+/// Issue 18's targets: the warm start at 0 ms injected, and a Tier 1
+/// follow-up's submit → start.
+const WARM_TARGET_MS: f64 = 10.0;
+const TIER1_TARGET_MS: f64 = 150.0;
+
 /// A target and whether the measurement met it.
 struct Target {
     what: String,
@@ -88,7 +93,7 @@ pub fn markdown(results: &Results) -> String {
         latency_tables(&mut out, latency, meta.setup.as_deref(), &mut targets);
     }
     if let Some(follow_ups) = &results.follow_ups {
-        follow_up_table(&mut out, follow_ups);
+        follow_up_table(&mut out, follow_ups, &mut targets);
     }
     if let Some(idle) = &results.idle {
         idle_table(&mut out, idle, &mut targets);
@@ -199,6 +204,22 @@ fn latency_tables(out: &mut String, latency: &LatencyResults, setup: Option<&str
             measured: format!("{} / {} ms = {ratio:.2}×", ms(a.median), ms(b.median)),
             met: Some(ratio <= 1.25),
         });
+        if cell.latency_ms == 0 {
+            targets.push(Target {
+                what: format!("warm parallel p50 ≤ {WARM_TARGET_MS} ms at 0 ms"),
+                measured: format!("{} ms", ms(a.median)),
+                met: Some(a.median <= WARM_TARGET_MS),
+            });
+        } else if slowest.1 > 0.0 {
+            // One round trip: the slowest single network step (each is one
+            // call now that attachments come inline).
+            let per_call = a.median / slowest.1;
+            targets.push(Target {
+                what: format!("warm parallel p50 ≤ 1.1 × one call at {} ms", cell.latency_ms),
+                measured: format!("{} / {} ms ({}) = {per_call:.2}×", ms(a.median), ms(slowest.1), slowest.0),
+                met: Some(per_call <= 1.1),
+            });
+        }
     }
     let _ = writeln!(
         out,
@@ -269,7 +290,7 @@ fn latency_tables(out: &mut String, latency: &LatencyResults, setup: Option<&str
     }
 }
 
-fn follow_up_table(out: &mut String, follow_ups: &FollowUpResults) {
+fn follow_up_table(out: &mut String, follow_ups: &FollowUpResults, targets: &mut Vec<Target>) {
     let _ = writeln!(
         out,
         "## Follow-up turns\n\nThe next turn of a thread, {} turns per tier after a first (cold) turn, {} ms injected, \
@@ -291,6 +312,13 @@ fn follow_up_table(out: &mut String, follow_ups: &FollowUpResults) {
             or_dash(cell.assignment_to_start.map(|a| ms(a.median))),
             or_dash(cell.resume.map(|r| ms(r.median))),
         );
+        if cell.tier == crate::followups::TurnPath::Tier1Resume {
+            targets.push(Target {
+                what: format!("Tier 1 follow-up submit → start p50 ≤ {TIER1_TARGET_MS} ms"),
+                measured: format!("{} ms ({} ms injected)", ms(s.median), follow_ups.latency_ms),
+                met: Some(s.median <= TIER1_TARGET_MS),
+            });
+        }
     }
     for (name, ratio) in [("Tier 2", &follow_ups.cold_over_tier2), ("Tier 1", &follow_ups.cold_over_tier1)] {
         if let Some(ratio) = ratio {

@@ -87,3 +87,75 @@ impl Drop for Adopted {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use tokio::sync::mpsc;
+
+    use super::*;
+    use crate::provider::{AgentLaunch, Details, Launched, ProviderError};
+
+    /// A provider whose only answer is the state the test sets.
+    struct Answering(Mutex<Found>);
+
+    impl SandboxProvider for Answering {
+        async fn create(&self, _: &str) -> Result<(), ProviderError> {
+            Ok(())
+        }
+        async fn start(&self, _: &str) -> Result<(), ProviderError> {
+            Ok(())
+        }
+        async fn launch(&self, _: &str, _: AgentLaunch) -> Result<Launched, ProviderError> {
+            unreachable!("nothing is launched")
+        }
+        async fn stop(&self, _: &str, _: Duration) {}
+        async fn wait_exit(&self, _: &str, _: Duration) -> bool {
+            true
+        }
+        async fn delete(&self, _: &str) -> Result<(), ProviderError> {
+            Ok(())
+        }
+        async fn state(&self, _: &str) -> Result<Found, ProviderError> {
+            Ok(*self.0.lock().expect("the state"))
+        }
+        async fn stop_all(&self, _: Duration) {}
+        fn details(&self, _: &str) -> Details {
+            Details::default()
+        }
+    }
+
+    fn watched(adopted: &mut Adopted, provider: &Arc<Answering>) -> mpsc::UnboundedReceiver<String> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        adopted.watch(Arc::clone(provider), "sbx_a".to_owned(), move |id| async move {
+            let _ = tx.send(id);
+        });
+        rx
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_adopted_agent_that_stops_running_is_reported_once() {
+        let provider = Arc::new(Answering(Mutex::new(Found::Running)));
+        let mut adopted = Adopted::default();
+        let mut ended = watched(&mut adopted, &provider);
+        tokio::time::sleep(POLL * 3).await;
+        assert!(ended.try_recv().is_err(), "still running: nothing reported");
+        *provider.0.lock().expect("the state") = Found::Missing;
+        assert_eq!(ended.recv().await.as_deref(), Some("sbx_a"));
+        assert!(adopted.ended("sbx_a"), "the notice stands");
+        assert!(!adopted.ended("sbx_a"), "and only once");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_forgotten_watch_reports_nothing_and_its_late_notice_is_dropped() {
+        let provider = Arc::new(Answering(Mutex::new(Found::Running)));
+        let mut adopted = Adopted::default();
+        let mut ended = watched(&mut adopted, &provider);
+        // A new agent of this process's own: the adopted one's watch ends.
+        adopted.forget("sbx_a");
+        *provider.0.lock().expect("the state") = Found::Stopped;
+        assert_eq!(ended.recv().await, None, "the watch ended without a notice");
+        assert!(!adopted.ended("sbx_a"), "a notice after the forget is not taken");
+    }
+}
