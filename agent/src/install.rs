@@ -232,7 +232,7 @@ async fn fetch_parallel(input: &InstallInput, steps: &Steps) -> Result<Fetched, 
         steps.time(Stage::Attachments, crate::attachments::attachments(input)),
         steps.time(Stage::Metadata, metadata(input)),
         steps.time(Stage::CloudCredentials, cloud_credentials(input)),
-        git_then_refresh(input, steps, Overlap::CleanCheckWithCredentials),
+        git_then_refresh(input, steps),
     )?;
     Ok(Fetched { secrets, cloud, git_env, git_passwords })
 }
@@ -242,29 +242,21 @@ async fn fetch_sequential(input: &InstallInput, steps: &Steps) -> Result<Fetched
     steps.time(Stage::Attachments, crate::attachments::attachments(input)).await?;
     steps.time(Stage::Metadata, metadata(input)).await?;
     let cloud = steps.time(Stage::CloudCredentials, cloud_credentials(input)).await?;
-    let (git_env, git_passwords) = git_then_refresh(input, steps, Overlap::None).await?;
+    let (git_env, git_passwords) = git_then_refresh(input, steps).await?;
     Ok(Fetched { secrets, cloud, git_env, git_passwords })
 }
 
-/// Whether the refresh's clean check runs while the git credentials are
+/// The git credentials, and the repos brought to the run's commit. In the
+/// parallel plan the refresh's clean check runs while the credentials are
 /// fetched: it needs none, and on a warm run it is most of the refresh.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Overlap {
-    None,
-    CleanCheckWithCredentials,
-}
-
 async fn git_then_refresh(
     input: &InstallInput,
     steps: &Steps,
-    overlap: Overlap,
 ) -> Result<(BTreeMap<String, String>, Vec<Secret>), InstallFailure> {
     let credentials = steps.time(Stage::GitCredentials, git_credentials(input));
-    let (credentials, clean) = match overlap {
-        Overlap::CleanCheckWithCredentials => {
-            futures::join!(credentials, steps.time(Stage::Refresh, still_clean(input)))
-        }
-        Overlap::None => {
+    let (credentials, clean) = match input.plan {
+        InstallPlan::Parallel => futures::join!(credentials, steps.time(Stage::Refresh, still_clean(input))),
+        InstallPlan::Sequential => {
             let credentials = credentials.await?;
             (Ok(credentials), steps.time(Stage::Refresh, still_clean(input)).await)
         }

@@ -669,18 +669,39 @@ fn read(path: &Path) -> String {
     std::fs::read_to_string(path).unwrap_or_else(|error| panic!("read {}: {error}", path.display()))
 }
 
-#[tokio::test]
-async fn the_run_has_a_terminal_its_data_git_credentials_and_the_expected_commit() {
+/// A standby prepared with a clone of a one-file repository at `app`: its
+/// workspace, the repository, the commit cloned, and the ready agent.
+struct ClonedStandby {
+    server: TestServer,
+    dir: TempDir,
+    ws: std::path::PathBuf,
+    origin: GitRepo,
+    cloned: String,
+    token: String,
+    agent: AgentProcess,
+}
+
+/// The workspace naming the repository at `app`, pinned to `sha` if given.
+fn app_repo(origin: &GitRepo, sha: Option<&str>) -> Value {
+    json!({"repos": [{"url": origin.url(), "path": "app", "ref": "main", "expected_sha": sha}]})
+}
+
+async fn cloned_standby() -> ClonedStandby {
     let server = TestServer::start().await;
     let dir = scratch();
     let ws = dir.path().join("workspace");
     std::fs::create_dir(&ws).expect("create the workspace");
     let origin = GitRepo::new(&[("README.md", "hello\n")]);
     let cloned = origin.head();
-    let repo = |sha: Option<&str>| json!({"repos": [{"url": origin.url(), "path": "app", "ref": "main", "expected_sha": sha}]});
     let token = server.add_standby();
-    let mut agent =
-        ready_agent(&server, &token, dir.path(), &json!({"workspace": repo(None)}), |agent| agent.workspace(&ws)).await;
+    let spec = json!({"workspace": app_repo(&origin, None)});
+    let agent = ready_agent(&server, &token, dir.path(), &spec, |agent| agent.workspace(&ws)).await;
+    ClonedStandby { server, dir, ws, origin, cloned, token, agent }
+}
+
+#[tokio::test]
+async fn the_run_has_a_terminal_its_data_git_credentials_and_the_expected_commit() {
+    let ClonedStandby { server, dir: _dir, ws, origin, cloned, token, mut agent } = cloned_standby().await;
     // After the clone: the run needs the middle one of two new commits.
     let expected = origin.commit(&[("NEW.md", "new\n")]);
     let later = origin.commit(&[("LATER.md", "later\n")]);
@@ -707,7 +728,7 @@ echo findings written"#,
     let metadata = json!({"task": {"id": "t-1", "tags": ["a", "b"]}, "attempt": 3, "note": "caf\u{e9}"});
     let execution = setup(&script)
         .cwd("app")
-        .workspace(workspace(&repo(Some(&expected))))
+        .workspace(workspace(&app_repo(&origin, Some(&expected))))
         .env("TASK_ID", "t1")
         .env("GIT_TERMINAL_PROMPT", "0")
         .secret("API_KEY", "world-secret-81")
@@ -771,20 +792,10 @@ echo findings written"#,
 
 /// A warm run at the commit the pool was prepared at skips git only while
 /// the clone is exactly as preparation left it: a tracked file changed
-/// since (a file of the image, a previous turn) is checked out again, and
-/// an untracked one is left, as `git checkout` would.
+/// since (a file of the image, a previous turn) is checked out again.
 #[tokio::test]
 async fn a_clone_changed_after_preparation_is_checked_out_again_at_the_prepared_commit() {
-    let server = TestServer::start().await;
-    let dir = scratch();
-    let ws = dir.path().join("workspace");
-    std::fs::create_dir(&ws).expect("create the workspace");
-    let origin = GitRepo::new(&[("README.md", "hello\n")]);
-    let cloned = origin.head();
-    let repo = |sha: Option<&str>| json!({"repos": [{"url": origin.url(), "path": "app", "ref": "main", "expected_sha": sha}]});
-    let token = server.add_standby();
-    let mut agent =
-        ready_agent(&server, &token, dir.path(), &json!({"workspace": repo(None)}), |agent| agent.workspace(&ws)).await;
+    let ClonedStandby { server, dir: _dir, ws, origin, cloned, token, mut agent } = cloned_standby().await;
     std::fs::write(ws.join("app/README.md"), "HELLO\n").expect("change a tracked file");
 
     let out = ws.join("findings");
@@ -792,7 +803,7 @@ async fn a_clone_changed_after_preparation_is_checked_out_again_at_the_prepared_
         r#"out='{out}'; mkdir -p "$out"; cat README.md > "$out/readme"; git rev-parse HEAD > "$out/head""#,
         out = out.display()
     );
-    let execution = setup(&script).cwd("app").workspace(workspace(&repo(Some(&cloned))));
+    let execution = setup(&script).cwd("app").workspace(workspace(&app_repo(&origin, Some(&cloned))));
     let execution_id = server.assign(&token, execution);
     let code = agent.wait_exit(EXIT).await;
     assert_exit(&agent, code, ExitCode::Success, "the run finished");
