@@ -372,7 +372,13 @@ async fn the_auto_stop_floor_keeps_a_warm_container_running_through_its_window()
     let auto_stopped = log.lines().position(|l| l.contains("idle auto-stop") && l.contains(&sandbox_id));
     assert!(ended.is_some(), "the window ended first\n{}", server.agent_logs());
     assert!(auto_stopped.is_none_or(|at| Some(at) > ended), "the provider stopped it inside its window");
-    assert_eq!(inspect(&sandbox_id, "{{.State.Running}}").as_deref(), Some("false"));
+    // Parked stopped once its agent exited; the container's own stop (PID 1
+    // within the stop grace) completes after that.
+    server
+        .until("the container stopped", async || {
+            (inspect(&sandbox_id, "{{.State.Running}}").as_deref() == Some("false")).then_some(())
+        })
+        .await;
     server.stop().await;
 }
 
