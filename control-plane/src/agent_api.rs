@@ -448,5 +448,8 @@ pub(crate) async fn log(
             let body = serde_json::json!({ "received": received, "error": error.to_string(), "field": "offset" });
             Ok((StatusCode::CONFLICT, Json(body)).into_response())
         }
+        Err(error @ LogError::OutOfRange { field }) => {
+            Err(ApiError::new(StatusCode::BAD_REQUEST, error.to_string()).with_field(field))
+        }
     }
 }

@@ -160,14 +160,18 @@ pub enum OutOfOrder {
 /// retried chunk.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct LogChunk {
+    /// At most 2^63 − 1 with the chunk's length added
+    /// ([`crate::log_ledger::MAX_POSITION`]).
+    #[schemars(range(max = crate::log_ledger::MAX_POSITION))]
     pub offset: u64,
     /// Base64 (standard alphabet, padded).
     pub data: String,
     /// Bytes the agent had to drop just before this chunk because its
     /// spool bound was exceeded (amendment 6): `offset` is the true one,
     /// and the server accepts it when it equals its stored length plus
-    /// `dropped`, recording the gap.
+    /// `dropped`, recording the gap. At most 2^63 − 1.
     #[serde(default, skip_serializing_if = "is_zero")]
+    #[schemars(range(max = crate::log_ledger::MAX_POSITION))]
     pub dropped: u64,
 }
 

@@ -20,6 +20,30 @@
 //! exactly where the server's ledger ends, so a server never invents a gap
 //! and an agent that is told `409` resumes from `received` (with `dropped`
 //! set if it no longer has those bytes).
+//!
+//! Stream positions are at most [`MAX_POSITION`] (2^63 − 1, what a signed
+//! 64-bit column holds): [`in_range`] names the field of a chunk that would
+//! carry the ledger past it, and a server refuses such a chunk (`400`
+//! naming the field) before the ledger rule is applied. No agent gets near
+//! it (it is 8 EiB of output); a chunk that claims it is hostile.
+
+/// The largest stream position a chunk may reach: its `offset` plus its
+/// length, and `dropped`, are at most this.
+pub const MAX_POSITION: u64 = i64::MAX as u64;
+
+/// The field of a chunk of `len` bytes at `offset` after `dropped` bytes
+/// that goes past [`MAX_POSITION`], if one does: `dropped` when it alone
+/// does, else `offset` (its end, `offset + len`, is the position the chunk
+/// would reach).
+pub fn in_range(offset: u64, dropped: u64, len: u64) -> Result<(), &'static str> {
+    if dropped > MAX_POSITION {
+        return Err("dropped");
+    }
+    match offset.checked_add(len) {
+        Some(end) if end <= MAX_POSITION => Ok(()),
+        _ => Err("offset"),
+    }
+}
 
 /// What a server does with one log chunk.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -100,6 +124,17 @@ mod tests {
         assert_eq!(accept(10, 25, 15, 0), Verdict::Append { gap: 15, skip: 0, end: 25 }, "a gap with no bytes");
         // Its retry, once accepted, is a duplicate: the gap is not recorded twice.
         assert_eq!(accept(30, 25, 15, 5), Verdict::Duplicate);
+    }
+
+    #[test]
+    fn a_chunk_reaching_past_the_largest_position_names_its_field() {
+        assert_eq!(in_range(0, 0, 10), Ok(()));
+        assert_eq!(in_range(MAX_POSITION - 10, 0, 10), Ok(()), "ending exactly at the largest position");
+        assert_eq!(in_range(MAX_POSITION, MAX_POSITION, 0), Ok(()));
+        assert_eq!(in_range(MAX_POSITION - 9, 0, 10), Err("offset"), "its end is one past");
+        assert_eq!(in_range(1 << 63, 1 << 63, 1), Err("dropped"), "the attack's chunk");
+        assert_eq!(in_range(1 << 63, 0, 1), Err("offset"));
+        assert_eq!(in_range(u64::MAX, 0, 1), Err("offset"), "an end past u64::MAX");
     }
 
     #[test]

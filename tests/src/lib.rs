@@ -10,6 +10,7 @@ pub mod postgres;
 pub mod proxy;
 pub mod server;
 pub mod server_process;
+pub mod spooled;
 
 pub use harness::{AgentBuilder, AgentProcess, GitRepo, standby_bin};
 pub use server::TestServer;

@@ -3,7 +3,7 @@
 //! stops at the run's log cap ([`super::RunBounds::log_cap`]), past which
 //! chunks are acknowledged and counted.
 
-use standby_protocol::log_ledger::{Verdict, accept};
+use standby_protocol::log_ledger::{MAX_POSITION, Verdict, accept, in_range};
 
 use super::{Dispatch, Step, Write};
 
@@ -28,6 +28,12 @@ pub enum LogError {
         "log chunk at offset {offset} (after {dropped} dropped bytes) does not follow the {received} bytes received"
     )]
     Conflict { offset: u64, dropped: u64, received: u64 },
+    /// The chunk would carry the run's log past
+    /// [`MAX_POSITION`], more than the store can count (`400` naming
+    /// `field`): refused before anything of it is kept, so no input can
+    /// make the store refuse a write and stop the engine.
+    #[error("{field}: the chunk would carry the log past byte {max} of the stream", max = MAX_POSITION)]
+    OutOfRange { field: &'static str },
 }
 
 impl Dispatch {
@@ -40,6 +46,7 @@ impl Dispatch {
     pub fn log(&mut self, run_id: &str, offset: u64, dropped: u64, data: &[u8]) -> Result<(Step, u64), LogError> {
         let mut step = Step::default();
         let len = data.len() as u64;
+        in_range(offset, dropped, len).map_err(|field| LogError::OutOfRange { field })?;
         if !self.runs.contains_key(run_id) {
             tracing::debug!(run_id, offset, len, "log chunk for a run not in memory acknowledged and dropped");
             return Ok((step, offset.saturating_add(len)));

@@ -147,6 +147,10 @@ impl Inner {
                 return HttpAnswer::error(400, "malformed log chunk");
             }
         };
+        if let Err(field) = log_ledger::in_range(offset, dropped, bytes.len() as u64) {
+            self.violation(format!("log chunk of {execution_id} past the largest stream position ({field})"));
+            return HttpAnswer::error(400, field);
+        }
         let Some(record) = self.records.executions.get_mut(execution_id) else {
             return HttpAnswer::error(404, "no such execution");
         };

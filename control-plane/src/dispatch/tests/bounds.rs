@@ -2,6 +2,7 @@
 //! gaps, the events a run records, finished runs leaving memory.
 
 use super::*;
+use standby_protocol::log_ledger::MAX_POSITION;
 
 fn bounded(log_cap: u64, retention: Duration) -> World {
     let mut config = config(1);
@@ -61,6 +62,41 @@ fn a_declared_gap_is_accepted_and_recorded_and_an_undeclared_one_refused() {
     let (step, received) = world.machine.log(&run_id, 10, 7, b"def").expect("after exactly its gap");
     assert_eq!(received, 13);
     assert_eq!(stored(&step), [(10, b"def".to_vec(), LogLedger { received: 13, held: 6, over_cap: 0 })]);
+}
+
+/// Issue 25, finding 1: two chunks at 2^63 once stopped the engine (the
+/// store clamped both to the same key). Past the largest position nothing
+/// is kept and the ledger does not move; up to it, a chunk is kept.
+#[test]
+fn a_chunk_past_the_largest_stream_position_is_refused_and_changes_nothing() {
+    let mut world = bounded(1 << 20, Duration::from_secs(60));
+    let run_id = started(&mut world);
+    assert_eq!(
+        world.machine.log(&run_id, 1 << 63, 1 << 63, b"x").map(|(_, n)| n),
+        Err(LogError::OutOfRange { field: "dropped" })
+    );
+    assert_eq!(
+        world.machine.log(&run_id, MAX_POSITION, 0, b"x").map(|(_, n)| n),
+        Err(LogError::OutOfRange { field: "offset" })
+    );
+    assert_eq!(world.machine.log_ledger(&run_id), LogLedger::default(), "the ledger did not move");
+    let (step, received) =
+        world.machine.log(&run_id, MAX_POSITION - 1, MAX_POSITION - 1, b"x").expect("up to the largest");
+    assert_eq!(received, MAX_POSITION);
+    assert_eq!(
+        stored(&step),
+        [(MAX_POSITION - 1, b"x".to_vec(), LogLedger { received: MAX_POSITION, held: 1, over_cap: 0 })]
+    );
+    assert_eq!(
+        world.machine.log(&run_id, MAX_POSITION, 0, b"y").map(|(_, n)| n),
+        Err(LogError::OutOfRange { field: "offset" }),
+        "nothing goes past it"
+    );
+    assert_eq!(
+        world.machine.log(&run_id, MAX_POSITION, 0, b"").map(|(_, n)| n),
+        Ok(MAX_POSITION),
+        "an empty chunk at the end"
+    );
 }
 
 #[test]
