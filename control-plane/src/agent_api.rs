@@ -2,8 +2,7 @@
 //! and the per-execution calls made with the run credential.
 
 use axum::Json;
-use axum::body::Bytes;
-use axum::extract::rejection::BytesRejection;
+use axum::body::Body;
 use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade, rejection::WebSocketUpgradeRejection};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -18,8 +17,8 @@ use standby_protocol::{
 };
 use tokio::sync::mpsc;
 
-use crate::app::{ApiError, AppState, bearer, from_store, parse_json};
-use crate::bounds::bound_event;
+use crate::app::{ApiError, AppState, Unread, bearer, from_store, parse_json, read_body};
+use crate::bounds::{EVENT_BODY_MAX, LOG_BODY_MAX, bound_event};
 use crate::dispatch::{Admission, Call, ConnId, LogError, Refusal};
 use crate::engine::{EngineHandle, LogInput, Outbound};
 use crate::listener::ConnectionSlot;
@@ -375,16 +374,17 @@ fn event_field(value: &serde_json::Value) -> Option<&'static str> {
     }
 }
 
-/// A body over the route's limit is `413`, naming the limit.
-fn body(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
-    body.map_err(|rejection| {
-        let status = rejection.status();
-        let message = if status == StatusCode::PAYLOAD_TOO_LARGE {
-            "the request body is over this call's limit (see docs/operations.md, \"Per-run bounds\")".to_owned()
-        } else {
-            rejection.body_text()
+/// The body of an admitted call, of at most `limit` bytes: over it `413`,
+/// not whole within the body timeout `408` (field `body`).
+async fn body(body: Body, limit: usize) -> Result<axum::body::Bytes, ApiError> {
+    read_body(body, limit).await.map_err(|unread| {
+        let message = match unread {
+            Unread::TooLarge(_) => {
+                format!("{unread} (see docs/operations.md, \"Per-run bounds\")")
+            }
+            Unread::TimedOut | Unread::Broken => unread.to_string(),
         };
-        ApiError::new(status, message).with_field("body")
+        ApiError::new(unread.status(), message).with_field("body")
     })
 }
 
@@ -397,10 +397,10 @@ pub(crate) async fn events(
     State(state): State<AppState>,
     headers: HeaderMap,
     Path(id): Path<String>,
-    raw: Result<Bytes, BytesRejection>,
+    raw: Body,
 ) -> Result<Response, ApiError> {
     let (run_id, attempt) = admit_run(&state, &headers, &id, Call::Report).await?;
-    let body = body(raw)?;
+    let body = body(raw, EVENT_BODY_MAX).await?;
     let event: Event = match parse_json(&body) {
         Ok(event) => event,
         Err(error) => {
@@ -434,10 +434,10 @@ pub(crate) async fn log(
     State(state): State<AppState>,
     headers: HeaderMap,
     Path(id): Path<String>,
-    raw: Result<Bytes, BytesRejection>,
+    raw: Body,
 ) -> Result<Response, ApiError> {
     let (run_id, _) = admit_run(&state, &headers, &id, Call::Report).await?;
-    let chunk: LogChunk = parse_json(&body(raw)?)?;
+    let chunk: LogChunk = parse_json(&body(raw, LOG_BODY_MAX).await?)?;
     let data = chunk
         .bytes()
         .map_err(|_| ApiError::new(StatusCode::BAD_REQUEST, "data: not valid base64").with_field("data"))?;

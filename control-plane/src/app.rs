@@ -7,13 +7,16 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Json;
+use axum::body::{Body, Bytes};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
+use futures::StreamExt as _;
+use hyper::body::Body as _;
 use standby_protocol::Spec;
 
 use crate::credential::TokenHash;
 use crate::engine::{EngineGone, EngineHandle};
-use crate::listener::ListenerStats;
+use crate::listener::{BodyTimedOut, ListenerStats};
 use crate::store::{Store, StoreError};
 
 #[derive(Clone)]
@@ -125,6 +128,52 @@ pub(crate) fn bearer(headers: &HeaderMap) -> Option<&str> {
     let value = headers.get(header::AUTHORIZATION)?.to_str().ok()?;
     let (scheme, token) = value.split_once(' ')?;
     scheme.eq_ignore_ascii_case("bearer").then(|| token.trim()).filter(|token| !token.is_empty())
+}
+
+/// Why a request body was not read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum Unread {
+    #[error("the request body is over this call's limit of {0} bytes")]
+    TooLarge(usize),
+    #[error("the request body did not arrive whole within the body timeout")]
+    TimedOut,
+    #[error("the request body could not be read")]
+    Broken,
+}
+
+impl Unread {
+    pub(crate) fn status(self) -> StatusCode {
+        match self {
+            Self::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::TimedOut => StatusCode::REQUEST_TIMEOUT,
+            Self::Broken => StatusCode::BAD_REQUEST,
+        }
+    }
+}
+
+/// Reads a request's body of at most `limit` bytes. Handlers call it only
+/// once the request is authenticated from its head, so a client without a
+/// credential makes the server hold none of its body; one that declares
+/// more than `limit` is refused before a byte is read. The listener bounds
+/// how long the body may take (`listener::Deadline`).
+pub(crate) async fn read_body(body: Body, limit: usize) -> Result<Bytes, Unread> {
+    if body.size_hint().lower() > limit as u64 {
+        return Err(Unread::TooLarge(limit));
+    }
+    let mut stream = body.into_data_stream();
+    let mut read = Vec::new();
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk.map_err(|error| {
+            let timed_out = std::iter::successors(Some(&error as &(dyn std::error::Error + 'static)), |e| e.source())
+                .any(|e| e.is::<BodyTimedOut>());
+            if timed_out { Unread::TimedOut } else { Unread::Broken }
+        })?;
+        if read.len() + chunk.len() > limit {
+            return Err(Unread::TooLarge(limit));
+        }
+        read.extend_from_slice(&chunk);
+    }
+    Ok(Bytes::from(read))
 }
 
 /// A blocking store read, off the async threads.

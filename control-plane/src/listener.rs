@@ -10,18 +10,30 @@
 //! - until its first byte arrives a connection is only a socket: hyper (and
 //!   its 8 KiB read buffer) is given it once it is readable, so a flood of
 //!   silent connections costs little memory;
-//! - at most `max_connections` connections are open at once, upgraded
-//!   control sockets included. At the cap the loop stops accepting: newer
-//!   connections wait in the kernel's backlog (a client that waits is served
-//!   as soon as a slot frees) instead of being refused, and the process
-//!   never reaches its open-files limit.
+//! - a request's body must arrive whole within the body timeout of its
+//!   head ([`Deadline`]): a reader of it gets an error past that, answers,
+//!   and the connection closes, so a head that promises a body and sends
+//!   none holds nothing for long. Handlers authenticate a request from its
+//!   head before they read its body (`app::read_body`);
+//! - at most `max_connections` descriptors are held for connections at
+//!   once: one per connection, upgraded control sockets included, and one
+//!   more for each connection a call holds to another replica (a forwarded
+//!   call, a relayed socket: [`ConnectionSlot::outgoing`]). At the cap the
+//!   loop stops accepting: newer connections wait in the kernel's backlog (a
+//!   client that waits is served as soon as a slot frees) instead of being
+//!   refused, and the process never reaches its open-files limit.
 
+use std::future::Future as _;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, PoisonError};
+use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use axum::Router;
+use axum::body::Bytes;
+use hyper::body::{Body, Frame, SizeHint};
 use hyper::service::Service as _;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
@@ -44,7 +56,11 @@ pub struct ListenerLimits {
     /// A request head (and, on a kept-alive connection, the next one) must
     /// arrive within this.
     pub header_timeout: Duration,
-    /// Connections open at once, control sockets included.
+    /// A request's body must arrive whole within this of its head.
+    pub body_timeout: Duration,
+    /// Descriptors held for connections at once: every connection (control
+    /// sockets included), and every connection a call holds to another
+    /// replica.
     pub max_connections: usize,
     /// Control-socket upgrade requests being authenticated at once; more
     /// are answered `429` (`0`: every one is).
@@ -52,11 +68,12 @@ pub struct ListenerLimits {
 }
 
 impl ListenerLimits {
-    /// The defaults: a 10 s header timeout, the cap derived from the
-    /// open-files limit, 256 upgrades in flight.
+    /// The defaults: a 10 s header timeout, a 30 s body timeout, the cap
+    /// derived from the open-files limit, 256 upgrades in flight.
     pub fn for_open_files(limit: u64) -> Self {
         Self {
             header_timeout: Duration::from_secs(10),
+            body_timeout: Duration::from_secs(30),
             max_connections: default_max_connections(limit),
             max_pending_upgrades: 256,
         }
@@ -145,10 +162,17 @@ pub struct ListenerStats {
     pub cap_reached: AtomicU64,
     /// Connections closed for sending no complete request head in time.
     pub header_timeouts: AtomicU64,
+    /// Request bodies that did not arrive whole within the body timeout.
+    pub body_timeouts: AtomicU64,
+    /// Calls refused because no slot was left for their connection to
+    /// another replica.
+    pub outgoing_refused: AtomicU64,
     /// Upgrade requests answered `429` because too many were in flight.
     pub upgrades_refused: AtomicU64,
     /// Bounds the upgrade requests being authenticated.
     pub(crate) upgrades: Arc<Semaphore>,
+    /// One permit per descriptor a connection holds: the cap.
+    slots: Arc<Semaphore>,
     cap_log: RateLimit,
 }
 
@@ -159,8 +183,11 @@ impl ListenerStats {
             open: AtomicUsize::new(0),
             cap_reached: AtomicU64::new(0),
             header_timeouts: AtomicU64::new(0),
+            body_timeouts: AtomicU64::new(0),
+            outgoing_refused: AtomicU64::new(0),
             upgrades_refused: AtomicU64::new(0),
             upgrades: Arc::new(Semaphore::new(limits.max_pending_upgrades)),
+            slots: Arc::new(Semaphore::new(limits.max_connections.max(1))),
             cap_log: RateLimit::new(Duration::from_secs(10)),
         }
     }
@@ -171,7 +198,31 @@ impl ListenerStats {
 /// keeps the place until the socket closes.
 #[derive(Debug, Clone)]
 pub(crate) struct ConnectionSlot {
-    _held: Arc<Held>,
+    held: Arc<Held>,
+}
+
+impl ConnectionSlot {
+    /// A place under the cap for a connection this call opens to another
+    /// replica (a forwarded call, a relayed socket): it holds a descriptor
+    /// as the connection it came on does. `None` at the cap: the caller
+    /// answers `503` rather than wait, since the call already holds a slot
+    /// and waiting for another could deadlock the cap.
+    pub(crate) fn outgoing(&self) -> Option<OutgoingSlot> {
+        let stats = &self.held.stats;
+        match Arc::clone(&stats.slots).try_acquire_owned() {
+            Ok(permit) => Some(OutgoingSlot { _permit: permit }),
+            Err(_) => {
+                stats.outgoing_refused.fetch_add(1, Ordering::Relaxed);
+                None
+            }
+        }
+    }
+}
+
+/// A connection to another replica's place under the cap, freed on drop.
+#[derive(Debug)]
+pub(crate) struct OutgoingSlot {
+    _permit: OwnedSemaphorePermit,
 }
 
 /// Frees the place and counts the connection closed when the last clone
@@ -196,7 +247,7 @@ pub(crate) async fn serve(
     stats: Arc<ListenerStats>,
     mut shutdown: watch::Receiver<bool>,
 ) -> std::io::Result<()> {
-    let slots = Arc::new(Semaphore::new(stats.limits.max_connections.max(1)));
+    let slots = Arc::clone(&stats.slots);
     let accept_errors = RateLimit::new(Duration::from_secs(10));
     let mut connections = JoinSet::new();
     loop {
@@ -241,7 +292,7 @@ pub(crate) async fn serve(
             () = stopped(&mut shutdown) => break,
         };
         stats.open.fetch_add(1, Ordering::Relaxed);
-        let slot = ConnectionSlot { _held: Arc::new(Held { _permit: permit, stats: Arc::clone(&stats) }) };
+        let slot = ConnectionSlot { held: Arc::new(Held { _permit: permit, stats: Arc::clone(&stats) }) };
         connections.spawn(connection(stream, slot, app.clone(), Arc::clone(&stats), shutdown.clone()));
     }
     drop(listener);
@@ -287,9 +338,11 @@ async fn http(
     let header_timeout = stats.limits.header_timeout;
     let _ = stream.set_nodelay(true);
     let inner = TowerToHyperService::new(app);
-    let service = hyper::service::service_fn(move |mut request: hyper::Request<hyper::body::Incoming>| {
-        request.extensions_mut().insert(slot.clone());
-        inner.call(request)
+    let service = hyper::service::service_fn(move |request: hyper::Request<hyper::body::Incoming>| {
+        let (mut parts, body) = request.into_parts();
+        parts.extensions.insert(slot.clone());
+        let body = Deadline::new(body, Arc::clone(&slot.held.stats));
+        inner.call(hyper::Request::from_parts(parts, axum::body::Body::new(body)))
     });
     let mut builder = hyper::server::conn::http1::Builder::new();
     builder.timer(TokioTimer::new()).header_read_timeout(header_timeout);
@@ -308,6 +361,59 @@ async fn http(
         } else {
             tracing::debug!(%error, "connection ended with an error");
         }
+    }
+}
+
+/// A request body that must arrive whole within the body timeout of its
+/// head: past it, the reader gets [`BodyTimedOut`] (the handler answers
+/// `408` and hyper closes the connection, whose body was not read to its
+/// end). The timer starts when the head is complete, not when a handler
+/// first reads, so a handler that waits for the engine does not extend it.
+#[derive(Debug)]
+pub(crate) struct Deadline<B> {
+    inner: B,
+    expires: Pin<Box<tokio::time::Sleep>>,
+    stats: Arc<ListenerStats>,
+}
+
+/// What a reader of a [`Deadline`] body gets once the body timeout passed.
+#[derive(Debug, thiserror::Error)]
+#[error("the request body did not arrive within {0:?} of its head")]
+pub struct BodyTimedOut(pub Duration);
+
+impl<B> Deadline<B> {
+    fn new(inner: B, stats: Arc<ListenerStats>) -> Self {
+        let expires = Box::pin(tokio::time::sleep(stats.limits.body_timeout));
+        Self { inner, expires, stats }
+    }
+}
+
+impl<B> Body for Deadline<B>
+where
+    B: Body<Data = Bytes> + Unpin,
+    B::Error: Into<axum::BoxError>,
+{
+    type Data = Bytes;
+    type Error = axum::BoxError;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        let this = &mut *self;
+        if let Poll::Ready(frame) = Pin::new(&mut this.inner).poll_frame(cx) {
+            return Poll::Ready(frame.map(|frame| frame.map_err(Into::into)));
+        }
+        if this.expires.as_mut().poll(cx).is_ready() {
+            this.stats.body_timeouts.fetch_add(1, Ordering::Relaxed);
+            return Poll::Ready(Some(Err(BodyTimedOut(this.stats.limits.body_timeout).into())));
+        }
+        Poll::Pending
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
     }
 }
 

@@ -239,7 +239,13 @@ struct ListenerArgs {
     /// kept-alive connection its next one; else it is closed.
     #[arg(long, env = "STANDBY_SERVER_HEADER_TIMEOUT", default_value = "10s", value_parser = parse_duration, value_name = "DURATION")]
     header_timeout: Duration,
-    /// Connections open at once (control sockets included); more wait in
+    /// A request's body must arrive whole within this of its head; else it
+    /// is answered `408` and the connection closed.
+    #[arg(long, env = "STANDBY_SERVER_BODY_TIMEOUT", default_value = "30s", value_parser = parse_duration, value_name = "DURATION")]
+    body_timeout: Duration,
+    /// Descriptors held for connections at once: every connection (control
+    /// sockets included), and on a follower each connection a forwarded
+    /// call or relayed socket holds to the leader; more connections wait in
     /// the listen backlog. Default: the open-files limit (raised to its hard
     /// limit at start) minus a reserve of an eighth, at least 256.
     #[arg(long, env = "STANDBY_SERVER_MAX_CONNECTIONS", value_name = "N")]
@@ -255,9 +261,13 @@ impl ListenerArgs {
         if self.header_timeout.is_zero() {
             anyhow::bail!("--header-timeout must be longer than zero");
         }
+        if self.body_timeout.is_zero() {
+            anyhow::bail!("--body-timeout must be longer than zero");
+        }
         let open_files = listener::raise_open_files_limit();
         let mut limits = ListenerLimits::for_open_files(open_files);
         limits.header_timeout = self.header_timeout;
+        limits.body_timeout = self.body_timeout;
         limits.max_pending_upgrades = self.max_pending_upgrades.max(1);
         if let Some(max) = self.max_connections {
             if max == 0 {

@@ -159,6 +159,18 @@ fn render_server_into(out: &mut String, listener: &ListenerStats, containment: &
             listener.header_timeouts.load(Ordering::Relaxed),
         ),
         (
+            "standby_http_body_timeouts_total",
+            "counter",
+            "Request bodies that did not arrive whole within the body timeout of their head.",
+            listener.body_timeouts.load(Ordering::Relaxed),
+        ),
+        (
+            "standby_http_outgoing_refused_total",
+            "counter",
+            "Calls answered 503: no slot under the cap was left for their connection to the leader.",
+            listener.outgoing_refused.load(Ordering::Relaxed),
+        ),
+        (
             "standby_ws_upgrades_refused_total",
             "counter",
             "Control-socket upgrade requests answered 429: too many were being authenticated.",

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
-use axum::extract::{DefaultBodyLimit, State};
+use axum::extract::State;
 use axum::response::Response;
 use axum::routing::{get, post};
 use standby_protocol::{Secret, Spec, fingerprint, paths};
@@ -18,7 +18,6 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::app::AppState;
-use crate::bounds::{EVENT_BODY_MAX, LOG_BODY_MAX};
 use crate::cluster::{Cluster, ClusterConfig, ClusterView, Role};
 use crate::credential::{RandomMint, TokenHash};
 use crate::dispatch::{Dispatch, DispatchConfig, PoolPolicy, RunBounds};
@@ -140,8 +139,8 @@ fn router(state: AppState) -> Router {
         .route(paths::GIT_CREDENTIALS_ROUTE, post(agent_api::git_credentials))
         .route(paths::METADATA_ROUTE, get(agent_api::metadata))
         .route(paths::CLOUD_CREDENTIALS_ROUTE, post(agent_api::cloud_credentials))
-        .route(paths::EVENTS_ROUTE, post(agent_api::events).layer(DefaultBodyLimit::max(EVENT_BODY_MAX)))
-        .route(paths::LOG_ROUTE, post(agent_api::log).layer(DefaultBodyLimit::max(LOG_BODY_MAX)))
+        .route(paths::EVENTS_ROUTE, post(agent_api::events))
+        .route(paths::LOG_ROUTE, post(agent_api::log))
         .route("/v1/runs", post(user_api::submit).get(user_api::reads::list))
         .route("/v1/runs/{id}", get(user_api::get))
         .route("/v1/runs/{id}/log", get(user_api::reads::log))

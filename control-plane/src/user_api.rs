@@ -7,8 +7,8 @@
 use std::collections::{BTreeMap, HashSet};
 
 use axum::Json;
-use axum::body::Bytes;
-use axum::extract::rejection::{BytesRejection, PathRejection};
+use axum::body::Body;
+use axum::extract::rejection::PathRejection;
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
@@ -26,7 +26,7 @@ pub(crate) mod views;
 
 use self::problem::{PROBLEM_JSON, Problem};
 use self::views::{RunView, ThreadView, view};
-use crate::app::{ApiError, AppState, bad, bearer, from_store, parse_json};
+use crate::app::{ApiError, AppState, bad, bearer, from_store, parse_json, read_body};
 use crate::credential::hex;
 use crate::dispatch::{CancelError, IdempotencyKey, Submitted};
 use crate::model::{RunRecord, RunRequest, StoredAttachment, ThreadRecord};
@@ -281,10 +281,8 @@ fn idempotency_key(store: &dyn Store, headers: &HeaderMap, body: &[u8]) -> Resul
     Ok(Some(IdempotencyKey { key: key.to_owned(), request_hash: store.digest(canonical.as_bytes()) }))
 }
 
-/// A body the server would not read: too large, or not read whole.
-fn unread(rejection: &BytesRejection) -> Problem {
-    Problem::new(rejection.status(), format!("the request body could not be read: {}", rejection.body_text()))
-}
+/// The largest submission body: a run with its inline attachments.
+pub const SUBMIT_BODY_MAX: usize = 2 * 1024 * 1024;
 
 /// `POST /v1/runs`: queues a run and places it on a prepared sandbox at
 /// once when one is ready.
@@ -310,19 +308,17 @@ fn unread(rejection: &BytesRejection) -> Problem {
             )),
         (status = 400, description = "A field, the body or the `Idempotency-Key` is refused: `errors` names it", body = Problem, content_type = PROBLEM_JSON),
         (status = 401, description = "No API key, or not this server's", body = Problem, content_type = PROBLEM_JSON),
-        (status = 413, description = "The body is over the server's limit", body = Problem, content_type = PROBLEM_JSON),
+        (status = 408, description = "The body did not arrive whole within the body timeout", body = Problem, content_type = PROBLEM_JSON),
+        (status = 413, description = "The body is over the server's limit (2 MiB)", body = Problem, content_type = PROBLEM_JSON),
         (status = 422, description = "The `Idempotency-Key` was used with another body", body = Problem, content_type = PROBLEM_JSON),
         (status = 500, description = "The store failed", body = Problem, content_type = PROBLEM_JSON),
         (status = 503, description = "The server is shutting down", body = Problem, content_type = PROBLEM_JSON),
     ),
 )]
-pub(crate) async fn submit(
-    State(state): State<AppState>,
-    headers: HeaderMap,
-    body: Result<Bytes, BytesRejection>,
-) -> Result<Response, Problem> {
+pub(crate) async fn submit(State(state): State<AppState>, headers: HeaderMap, body: Body) -> Result<Response, Problem> {
     authorize(&state, &headers)?;
-    let body = body.map_err(|rejection| unread(&rejection))?;
+    let body =
+        read_body(body, SUBMIT_BODY_MAX).await.map_err(|unread| Problem::new(unread.status(), unread.to_string()))?;
     let submission: Submission = parse_json(&body)?;
     let key = idempotency_key(state.store.as_ref(), &headers, &body)?;
     let (run, request, thread_id) = submission.accept()?;
