@@ -422,13 +422,26 @@ fn agent_bin(given: Option<PathBuf>) -> anyhow::Result<PathBuf> {
     Ok(exe.with_file_name("standby"))
 }
 
-/// The user API key, from its file or as given; never empty.
+/// The user API key, from its file or as given; never empty. A key file
+/// that every local user can read is refused (the key is the whole user
+/// API); one its group can read is taken with a warning, as a mounted
+/// Kubernetes Secret with an `fsGroup` is.
 fn api_key(file: Option<&Path>, given: Option<String>) -> anyhow::Result<Secret> {
     let key = match (file, given) {
-        (Some(path), _) => std::fs::read_to_string(path)
-            .with_context(|| format!("cannot read the API key file {} (--api-key-file)", path.display()))?
-            .trim()
-            .to_owned(),
+        (Some(path), _) => {
+            let read = || format!("cannot read the API key file {} (--api-key-file)", path.display());
+            let mode = std::fs::metadata(path).with_context(read)?.permissions().mode() & 0o777;
+            if mode & 0o007 != 0 {
+                anyhow::bail!(
+                    "the API key file {} is readable by every user (mode {mode:o}): chmod 600 it (or 640 for its group)",
+                    path.display()
+                );
+            }
+            if mode & 0o070 != 0 {
+                tracing::warn!(path = %path.display(), mode = format!("{mode:o}"), "the API key file is readable by its group");
+            }
+            std::fs::read_to_string(path).with_context(read)?.trim().to_owned()
+        }
         (None, Some(key)) => key.trim().to_owned(),
         (None, None) => anyhow::bail!(
             "the user API needs a key: --api-key-file <FILE> (STANDBY_SERVER_API_KEY_FILE) or STANDBY_SERVER_API_KEY"

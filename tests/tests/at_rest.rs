@@ -139,6 +139,12 @@ async fn missing_or_malformed_key_files_stop_the_start_naming_the_file() {
     let data = dir.path().join("data");
     let api_key = dir.path().join("api.key");
     std::fs::write(&api_key, "k-1\n").expect("the API key file");
+    std::fs::set_permissions(&api_key, std::fs::Permissions::from_mode(0o644)).expect("chmod");
+    let world_readable = api_key.display().to_string();
+    // Issue 25, finding 12: a key file every user can read was taken silently.
+    let stderr = refused_start(&data, &["--api-key-file", &world_readable]).await;
+    assert!(stderr.contains(&world_readable) && stderr.contains("readable by every user"), "{stderr}");
+    std::fs::set_permissions(&api_key, std::fs::Permissions::from_mode(0o600)).expect("chmod");
     let api_key = api_key.display().to_string();
 
     let missing = dir.path().join("no-such.key").display().to_string();
