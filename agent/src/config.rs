@@ -20,8 +20,12 @@ use crate::urls::is_loopback;
 /// parallel groups, confirms delivery and starts the run on the prepared
 /// terminal. A failure before the run starts is reported as requeueable so
 /// the server can dispatch the run on a cold sandbox instead.
+/// What `standby --version` prints after the name: the version and the
+/// commit it was built from (`agent/build.rs`).
+pub const VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), " (commit ", env!("STANDBY_COMMIT"), ")");
+
 #[derive(Debug, Parser)]
-#[command(name = "standby", version, about, long_about, after_help = ExitCode::help_text())]
+#[command(name = "standby", version = VERSION, about, long_about, after_help = ExitCode::help_text())]
 pub struct Args {
     /// Base URL of the server, `http(s)://host:port[/prefix]`. The control
     /// socket is the same URL with `ws(s)` and `/ws` appended.

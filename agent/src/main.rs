@@ -55,7 +55,7 @@ fn main() -> ExitCode {
             return Exit::Internal.into();
         }
     };
-    tracing::info!(version = env!("CARGO_PKG_VERSION"), server = %config.server_url, workspace = %config.workspace.display(), "standby starting");
+    tracing::info!(version = standby_agent::config::VERSION, server = %config.server_url, workspace = %config.workspace.display(), "standby starting");
     runtime.block_on(agent::run(config, spec_source, tls)).into()
 }
 

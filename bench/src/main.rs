@@ -47,8 +47,9 @@ struct Cli {
     /// Where `results.json`, `summary.md` and the working files go.
     #[arg(long, default_value = "target/bench", value_name = "DIR")]
     out: PathBuf,
-    /// The directory holding the `standby` and `standby-server` binaries.
-    #[arg(long, default_value = "target/release", value_name = "DIR")]
+    /// The directory holding the `standby` and `standby-server` binaries
+    /// (`scripts/bench` builds the `dist` profile, what ships).
+    #[arg(long, default_value = "target/dist", value_name = "DIR")]
     bin_dir: PathBuf,
     /// The directory of a baseline build's `standby` and `standby-server`
     /// (e.g. a build of `main`), for `--only compare`.
