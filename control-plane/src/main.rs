@@ -26,7 +26,7 @@ use standby_control_plane::provider::{LocalOptions, LocalProvider, SandboxProvid
 use standby_control_plane::seal::SealKey;
 use standby_control_plane::server::{self, ServerConfig};
 use standby_control_plane::spool::SpoolProvider;
-use standby_control_plane::store::{Opened, StoreLocation};
+use standby_control_plane::store::{Opened, StoreError, StoreLocation};
 use standby_protocol::{Secret, Spec};
 use tokio::signal::unix::{SignalKind, signal};
 
@@ -51,6 +51,13 @@ enum Command {
     /// Show the whole system on this machine: a sample repository, two
     /// standbys, three runs (warm and cold), a table of what each took.
     Demo(DemoArgs),
+    /// Write a new secret key (64 hex digits, mode 0600) to FILE, for
+    /// `serve --secret-key-file`: replicas on one PostgreSQL store need
+    /// the same one, made once beforehand. Never overwrites a file.
+    Keygen {
+        #[arg(value_name = "FILE")]
+        path: PathBuf,
+    },
 }
 
 /// How `serve` ends, for a supervisor (`docs/operations.md`).
@@ -90,10 +97,12 @@ struct Serve {
     #[arg(long, env = "STANDBY_SERVER_API_KEY", hide_env_values = true, value_name = "KEY")]
     api_key: Option<String>,
     /// The key that seals what runs are submitted with (secrets, cloud
-    /// env, git passwords, attachments) in the store: 64 hex digits.
-    /// Generated (mode 0600) when the file does not exist; `<data
-    /// dir>/secret.key` when unset. Losing it loses only the requests of
-    /// runs not finished yet.
+    /// env, git passwords, attachments) in the store: 64 hex digits;
+    /// `<data dir>/secret.key` when unset. On SQLite it is generated (mode
+    /// 0600) when the file does not exist; on PostgreSQL every replica
+    /// needs the same one, so it must exist (`standby-server keygen FILE`)
+    /// and a key other than the store's is refused. Losing it loses only
+    /// the requests of runs not finished yet.
     #[arg(long, env = "STANDBY_SERVER_SECRET_KEY_FILE", value_name = "FILE")]
     secret_key_file: Option<PathBuf>,
     /// The `standby` agent binary; `standby` next to this executable when unset.
@@ -510,15 +519,27 @@ async fn serve(args: Serve) -> anyhow::Result<()> {
     }
     private_dir(&args.data_dir)?;
     let key_path = args.secret_key_file.unwrap_or_else(|| args.data_dir.join("secret.key"));
-    let (key, generated) = SealKey::load_or_generate(&key_path)?;
-    if generated {
-        tracing::info!(path = %key_path.display(), "generated the secret key that seals run requests at rest");
-    }
     let location = StoreLocation::from_arg(args.store, &args.data_dir);
+    // Replicas must share one key: theirs is made beforehand, never here.
+    let key = if matches!(location, StoreLocation::Postgres(_)) {
+        SealKey::load(&key_path)?
+    } else {
+        let (key, generated) = SealKey::load_or_generate(&key_path)?;
+        if generated {
+            tracing::info!(path = %key_path.display(), "generated the secret key that seals run requests at rest");
+        }
+        key
+    };
     tracing::info!(store = location.describe(), "opening the store");
     let store = tokio::task::spawn_blocking(move || location.open_replicated(&key))
         .await
-        .context("opening the store panicked")??;
+        .context("opening the store panicked")?
+        .map_err(|error| match error {
+            StoreError::SealKeyMismatch { .. } => {
+                anyhow::Error::new(error).context(format!("the secret key file {}", key_path.display()))
+            }
+            other => other.into(),
+        })?;
     let mut config = ServerConfig::new(api_key, spec);
     if store.lease.is_some() {
         config.cluster = Some(args.replica.cluster()?);
@@ -640,6 +661,13 @@ async fn run_server<P: SandboxProvider>(config: ServerConfig, store: Opened, pro
 #[error("deposed: this replica leads no longer: {0}")]
 struct Deposed(String);
 
+/// `standby-server keygen FILE`: the one key replicas share.
+fn keygen(path: &Path) -> anyhow::Result<()> {
+    SealKey::generate(path)?;
+    tracing::info!(path = %path.display(), "wrote a new secret key: give every replica this file (--secret-key-file)");
+    Ok(())
+}
+
 async fn run_demo(args: DemoArgs) -> anyhow::Result<()> {
     let sandboxes = match args.provider {
         DemoProvider::Local => Sandboxes::Local,
@@ -673,6 +701,7 @@ async fn main() -> ExitCode {
     let result = match cli.command {
         Command::Serve(args) => serve(*args).await,
         Command::Demo(args) => run_demo(args).await,
+        Command::Keygen { path } => keygen(&path),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -19,7 +19,7 @@ use nix::unistd::Pid;
 use serde_json::{Value, json};
 use standby_e2e::cluster::{Balancer, SpooledAgents, submit_once};
 use standby_e2e::postgres::TestSchema;
-use standby_e2e::server_process::{API_KEY, ServerBuilder, ServerProcess, free_addr, tail};
+use standby_e2e::server_process::{API_KEY, ServerBuilder, ServerProcess, free_addr, keygen, tail};
 
 const WAIT: Duration = Duration::from_secs(90);
 /// Short enough for a quick failover, long enough for two loaded cores.
@@ -62,6 +62,8 @@ impl Cluster {
         let spool = dir.path().join("spool");
         std::fs::create_dir_all(&spool).expect("the spool");
         let url = schema.url();
+        let key = dir.path().join("secret.key");
+        keygen(&key);
         let builders: Vec<ServerBuilder> = (0..3)
             .map(|index| {
                 let mark = format!("replicas-{}-{index}-{}", std::process::id(), schema.name());
@@ -75,7 +77,7 @@ impl Cluster {
                 .listen(free_addr())
                 .args(&["--lease-ttl", LEASE_TTL, "--replica-id", &format!("r{index}")])
                 // Every replica opens what any of them sealed.
-                .args(&["--secret-key-file", &dir.path().join("secret.key").display().to_string()])
+                .args(&["--secret-key-file", &key.display().to_string()])
                 .args(&[
                     "--pool-size",
                     &pool_size.to_string(),

@@ -139,7 +139,42 @@ impl PostgresStore {
             deposed: AtomicBool::new(false),
         };
         store.migrate()?;
+        store.check_seal_key()?;
         Ok(store)
+    }
+
+    /// Refuses a key other than the one this store's requests are sealed
+    /// with: replicas that each generated their own key opened nothing the
+    /// others sealed (a retried submit got `422`, an agent's secrets `500`).
+    /// The first server to open the store keeps its key's check; on a store
+    /// that had sealed requests before the check existed, that key must
+    /// open one of them first.
+    fn check_seal_key(&self) -> Result<(), StoreError> {
+        let ours = self.sealer.key_check();
+        self.driver.block_on(async {
+            let failed = self.failed("check the secret key");
+            let client = self.client().await?;
+            let kept = "SELECT key_check FROM seal_check WHERE id = 1";
+            if query(&client, kept, &[]).await.map_err(&failed)?.is_empty() {
+                let sample = "SELECT run_id, doc FROM run_requests LIMIT 1";
+                if let Some(row) = query(&client, sample, &[]).await.map_err(&failed)?.first() {
+                    let (run_id, sealed): (String, String) =
+                        (row.try_get(0).map_err(&failed)?, row.try_get(1).map_err(&failed)?);
+                    if self.sealer.open(&run_id, &sealed).is_err() {
+                        return Err(StoreError::SealKeyMismatch { store: self.name.clone() });
+                    }
+                }
+                // Two first servers at once: one row wins, the other compares.
+                let keep = "INSERT INTO seal_check (id, key_check) VALUES (1, $1) ON CONFLICT (id) DO NOTHING";
+                execute(&client, keep, &[&ours]).await.map_err(&failed)?;
+            }
+            let rows = query(&client, kept, &[]).await.map_err(&failed)?;
+            let theirs: Option<String> = rows.first().map(|row| row.try_get(0)).transpose().map_err(&failed)?;
+            match theirs {
+                Some(theirs) if theirs == ours => Ok(()),
+                _ => Err(StoreError::SealKeyMismatch { store: self.name.clone() }),
+            }
+        })
     }
 
     fn migrate(&self) -> Result<(), StoreError> {
@@ -919,6 +954,35 @@ mod tests {
         let error = store.apply(&[Write::NewRun(Box::new(run("exe_3")), Box::new(request()))]).expect_err("ending");
         assert!(matches!(error, StoreError::LeaseEnding { left, .. } if left < BOUND), "{error}");
         assert_eq!(backend.schema.query_text("SELECT id FROM runs"), ["exe_1"], "nothing after the lease");
+    }
+
+    /// Finding 8 of issue 25: replicas that each generated a key of their
+    /// own opened nothing the others sealed. The first key to open the
+    /// store is kept as a check; another is refused at connect, naming the
+    /// store; so is a key that cannot open the requests a store sealed
+    /// before it had the check.
+    #[test]
+    fn a_store_refuses_a_key_other_than_the_one_it_was_first_opened_with() {
+        let Some(backend) = backend("seal_check") else { return };
+        let store = connect(&backend);
+        store.apply(&[Write::NewRun(Box::new(run("exe_1")), Box::new(request()))]).expect("apply");
+        drop(store);
+        let url = Secret::new(backend.schema.url());
+        let error = PostgresStore::connect(&url, &SealKey::random()).expect_err("another key");
+        assert!(matches!(error, StoreError::SealKeyMismatch { .. }), "{error}");
+        assert!(
+            error.to_string().contains("[REDACTED]@") && error.to_string().contains("--secret-key-file"),
+            "{error}"
+        );
+        connect(&backend).request("exe_1").expect("the first key still opens it").expect("kept");
+
+        // A store from before the check: its sealed requests decide.
+        backend.schema.execute("DELETE FROM seal_check");
+        let error = PostgresStore::connect(&url, &SealKey::random()).expect_err("cannot open exe_1");
+        assert!(matches!(error, StoreError::SealKeyMismatch { .. }), "{error}");
+        assert!(backend.schema.query_text("SELECT key_check FROM seal_check").is_empty(), "no check kept for it");
+        drop(connect(&backend));
+        assert_eq!(backend.schema.query_text("SELECT key_check FROM seal_check"), [Sealer::new(&key()).key_check()]);
     }
 
     /// The engine's way: calls on the blocking pool of the server's runtime,
