@@ -462,21 +462,43 @@ fn private_dir(dir: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Dependencies that print frames and headers at `debug` and `trace`:
-/// assignment frames carry run credentials, requests carry bearer tokens.
-/// They stay at `info` whatever the filter says.
-const CAPPED_DEPENDENCIES: &[&str] =
-    &["tungstenite", "tokio_tungstenite", "hyper", "hyper_util", "reqwest", "h2", "rustls", "axum", "tower_http"];
+/// Dependencies that print frames, headers or SQL parameters at `debug`
+/// and `trace`: assignment frames carry run credentials, requests carry
+/// bearer tokens, and `tokio_postgres` prints every statement's parameters
+/// (run records with their env and command, log bytes, credential hashes:
+/// user data). They stay at `info` whatever the filter says.
+const CAPPED_DEPENDENCIES: &[&str] = &[
+    "tungstenite",
+    "tokio_tungstenite",
+    "hyper",
+    "hyper_util",
+    "reqwest",
+    "h2",
+    "rustls",
+    "axum",
+    "tower_http",
+    "tokio_postgres",
+    "postgres_protocol",
+    "deadpool",
+    "deadpool_postgres",
+];
 
+/// The caps are a filter of their own that every line must also pass, not
+/// directives added to the user's: an `EnvFilter` lets the most specific
+/// directive win, so `tokio_postgres::query=debug` would beat a
+/// `tokio_postgres=info` cap.
 fn init_logging(filter: Option<&str>) {
+    use tracing_subscriber::filter::{FilterExt as _, LevelFilter, Targets};
+    use tracing_subscriber::layer::{Layer as _, SubscriberExt as _};
+    use tracing_subscriber::util::SubscriberInitExt as _;
     let filter =
         filter.map(str::to_owned).or_else(|| std::env::var("RUST_LOG").ok()).unwrap_or_else(|| "info".to_owned());
-    let caps = CAPPED_DEPENDENCIES.iter().map(|target| format!("{target}=info"));
-    let directives = std::iter::once(filter).chain(caps).collect::<Vec<_>>().join(",");
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_new(&directives).unwrap_or_else(|_| "info".into()))
-        .with_writer(std::io::stderr)
-        .init();
+    let user = tracing_subscriber::EnvFilter::try_new(&filter).unwrap_or_else(|_| "info".into());
+    let caps = Targets::new()
+        .with_default(LevelFilter::TRACE)
+        .with_targets(CAPPED_DEPENDENCIES.iter().map(|target| (*target, LevelFilter::INFO)));
+    let layer = tracing_subscriber::fmt::layer().with_writer(std::io::stderr).with_filter(user.and(caps));
+    tracing_subscriber::registry().with(layer).init();
 }
 
 async fn serve(args: Serve) -> anyhow::Result<()> {

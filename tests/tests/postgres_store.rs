@@ -171,3 +171,48 @@ async fn a_server_on_postgres_generates_no_key_and_refuses_another_replicas_key(
     assert!(stderr.contains("[REDACTED]@"), "names the store: {stderr}");
     server.stop_leaving_nothing(Signal::SIGTERM).await;
 }
+
+/// Finding 11 of issue 25: at `debug`, `tokio_postgres` printed every
+/// statement's parameters: run records with their env and command (user
+/// data), log bytes, credential hashes. It is capped at `info` like the
+/// other dependencies, whatever the filter names, a more specific target
+/// included.
+#[tokio::test]
+async fn a_debug_log_holds_no_sql_parameters() {
+    let Some(schema) = TestSchema::create("postgres_store::a_debug_log_holds_no_sql_parameters") else { return };
+    let dir = tempfile::Builder::new().prefix("standby-pg-log-").tempdir().expect("a temp dir");
+    let key = dir.path().join("secret.key");
+    keygen(&key);
+    let mark = format!("{:016x}", RandomState::new().hash_one((std::process::id(), dir.path())));
+    let server = ServerBuilder::new(&dir.path().join("data"), &dir.path().join("server.log"), &mark)
+        .args(&["--provider", "spool", "--pool-size", "1", "--store", &schema.url()])
+        .args(&["--secret-key-file", &key.display().to_string(), "--lease-ttl", "1s"])
+        .args(&["--log", "debug,tokio_postgres::query=trace,deadpool_postgres=trace"])
+        .start()
+        .await;
+    leading(&server).await;
+    let body = json!({"command": ["echo", "command-value-41c7"], "env": {"RUN_ENV": "env-value-9f3a"}});
+    let id = server.submit(&body).await;
+    assert_eq!(schema.query_text(&format!("SELECT id FROM runs WHERE id = '{id}'")), [id], "written");
+    // A socket of the spooled standby: the server's own debug line shows
+    // the filter is at debug.
+    let spool = dir.path().join("data").join("spool");
+    let token = server
+        .until("a spooled standby credential", WAIT, async || {
+            let entry = std::fs::read_dir(&spool).ok()?.flatten().next()?;
+            std::fs::read_to_string(entry.path()).ok().map(|token| token.trim().to_owned())
+        })
+        .await;
+    let socket = server.upgrade(&token).await.expect("the standby connects");
+    server
+        .until("the debug line of the socket", WAIT, async || {
+            server.logs().contains("control connection open").then_some(())
+        })
+        .await;
+    drop(socket);
+    let logs = server.logs();
+    server.stop_leaving_nothing(Signal::SIGTERM).await;
+    for value in ["command-value-41c7", "env-value-9f3a"] {
+        assert!(!logs.contains(value), "the debug log holds `{value}`:\n{logs}");
+    }
+}
