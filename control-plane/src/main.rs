@@ -55,6 +55,7 @@ enum Command {
     /// `serve --secret-key-file`: replicas on one PostgreSQL store need
     /// the same one, made once beforehand. Never overwrites a file.
     Keygen {
+        /// Where the key goes (its directory is made 0700 when missing).
         #[arg(value_name = "FILE")]
         path: PathBuf,
     },

@@ -392,6 +392,20 @@ async fn a_leader_frozen_inside_a_write_transaction_is_replaced_within_the_ttl_a
     kill(Pid::from_raw(frozen.pid()), Signal::SIGSTOP).expect("SIGSTOP");
     let stopped = std::time::Instant::now();
     drop(held);
+    // The frozen leader's session now sits idle in its transaction,
+    // holding the lease row (until the database ends it).
+    let idle_holding = format!(
+        "SELECT a.state FROM pg_locks l JOIN pg_class c ON c.oid = l.relation
+         JOIN pg_stat_activity a ON a.pid = l.pid
+         WHERE c.relname = 'cluster_lease' AND c.relnamespace = '{schema}'::regnamespace AND l.granted
+           AND a.state = 'idle in transaction'"
+    );
+    cluster
+        .replica((leader + 1) % 3)
+        .until("the frozen leader's session to sit idle holding the lease row", WAIT, async || {
+            (!cluster.schema.query_text(&idle_holding).is_empty()).then_some(())
+        })
+        .await;
 
     let followers: Vec<usize> = cluster.live().map(|(index, _)| index).collect();
     let took_over = 'polls: loop {
