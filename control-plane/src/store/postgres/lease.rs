@@ -1,6 +1,7 @@
 //! The leader's lease on PostgreSQL: acquire and renew in one statement
-//! with the database's clock, the fence every write of a leader passes,
-//! and the replicas' register (`GET /v1/cluster`).
+//! with the database's clock once the lease row is locked, the fence every
+//! write of a leader passes, the bounds the database enforces on both, and
+//! the replicas' register (`GET /v1/cluster`).
 
 use std::sync::PoisonError;
 use std::sync::atomic::Ordering;
