@@ -78,6 +78,14 @@ impl Replicas {
             None if count > 1 => return Err(anyhow!("{count} replicas need a PostgreSQL store (--store)")),
             None => None,
         };
+        if schema.is_some() {
+            // Replicas on PostgreSQL share a key made beforehand.
+            let keygen = std::process::Command::new(server_bin).arg("keygen").arg(dir.join("secret.key")).output();
+            let keygen = keygen.context("run standby-server keygen")?;
+            if !keygen.status.success() {
+                return Err(anyhow!("standby-server keygen: {}", String::from_utf8_lossy(&keygen.stderr)));
+            }
+        }
         let mut servers = Vec::with_capacity(count);
         for index in 0..count {
             let mut args = spool_args(pool, heartbeat, &spool);

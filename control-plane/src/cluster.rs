@@ -157,7 +157,8 @@ async fn claim_loop(
         let started = Instant::now();
         let claim = {
             let (store, me, url, epoch, ttl) = (Arc::clone(&store), me.clone(), url.clone(), lease.epoch(), config.ttl);
-            tokio::task::spawn_blocking(move || store.claim(&me, &url, epoch, ttl))
+            let bound = lease.claim_bound();
+            tokio::task::spawn_blocking(move || store.claim(&me, &url, epoch, ttl, bound))
         };
         // A leader's deadline is watched below whatever a claim takes.
         let answer = match tokio::time::timeout(config.ttl / 2, claim).await {
@@ -176,7 +177,7 @@ async fn claim_loop(
         let expires_at = answer.as_ref().map(|row| row.expires_at);
         match outcome {
             Outcome::Lead { epoch, deadline } => {
-                store.fence(epoch, deadline);
+                store.fence(epoch, deadline, lease.write_bound());
                 stats.leadership_changes.fetch_add(1, Ordering::Relaxed);
                 tracing::info!(replica = me, epoch, "took the lease: this replica leads");
                 view.send_replace(ClusterView {
@@ -188,7 +189,7 @@ async fn claim_loop(
                 });
             }
             Outcome::Renewed { deadline } => {
-                store.fence(lease.epoch(), deadline);
+                store.fence(lease.epoch(), deadline, lease.write_bound());
                 view.send_modify(|view| view.expires_at = expires_at);
             }
             Outcome::Follow { leader, epoch } => {

@@ -26,7 +26,7 @@ use standby_control_plane::provider::{LocalOptions, LocalProvider, SandboxProvid
 use standby_control_plane::seal::SealKey;
 use standby_control_plane::server::{self, ServerConfig};
 use standby_control_plane::spool::SpoolProvider;
-use standby_control_plane::store::{Opened, StoreLocation};
+use standby_control_plane::store::{Opened, StoreError, StoreLocation};
 use standby_protocol::{Secret, Spec};
 use tokio::signal::unix::{SignalKind, signal};
 
@@ -51,6 +51,14 @@ enum Command {
     /// Show the whole system on this machine: a sample repository, two
     /// standbys, three runs (warm and cold), a table of what each took.
     Demo(DemoArgs),
+    /// Write a new secret key (64 hex digits, mode 0600) to FILE, for
+    /// `serve --secret-key-file`: replicas on one PostgreSQL store need
+    /// the same one, made once beforehand. Never overwrites a file.
+    Keygen {
+        /// Where the key goes (its directory is made 0700 when missing).
+        #[arg(value_name = "FILE")]
+        path: PathBuf,
+    },
 }
 
 /// How `serve` ends, for a supervisor (`docs/operations.md`).
@@ -90,10 +98,12 @@ struct Serve {
     #[arg(long, env = "STANDBY_SERVER_API_KEY", hide_env_values = true, value_name = "KEY")]
     api_key: Option<String>,
     /// The key that seals what runs are submitted with (secrets, cloud
-    /// env, git passwords, attachments) in the store: 64 hex digits.
-    /// Generated (mode 0600) when the file does not exist; `<data
-    /// dir>/secret.key` when unset. Losing it loses only the requests of
-    /// runs not finished yet.
+    /// env, git passwords, attachments) in the store: 64 hex digits;
+    /// `<data dir>/secret.key` when unset. On SQLite it is generated (mode
+    /// 0600) when the file does not exist; on PostgreSQL every replica
+    /// needs the same one, so it must exist (`standby-server keygen FILE`)
+    /// and a key other than the store's is refused. Losing it loses only
+    /// the requests of runs not finished yet.
     #[arg(long, env = "STANDBY_SERVER_SECRET_KEY_FILE", value_name = "FILE")]
     secret_key_file: Option<PathBuf>,
     /// The `standby` agent binary; `standby` next to this executable when unset.
@@ -476,21 +486,43 @@ fn private_dir(dir: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Dependencies that print frames and headers at `debug` and `trace`:
-/// assignment frames carry run credentials, requests carry bearer tokens.
-/// They stay at `info` whatever the filter says.
-const CAPPED_DEPENDENCIES: &[&str] =
-    &["tungstenite", "tokio_tungstenite", "hyper", "hyper_util", "reqwest", "h2", "rustls", "axum", "tower_http"];
+/// Dependencies that print frames, headers or SQL parameters at `debug`
+/// and `trace`: assignment frames carry run credentials, requests carry
+/// bearer tokens, and `tokio_postgres` prints every statement's parameters
+/// (run records with their env and command, log bytes, credential hashes:
+/// user data). They stay at `info` whatever the filter says.
+const CAPPED_DEPENDENCIES: &[&str] = &[
+    "tungstenite",
+    "tokio_tungstenite",
+    "hyper",
+    "hyper_util",
+    "reqwest",
+    "h2",
+    "rustls",
+    "axum",
+    "tower_http",
+    "tokio_postgres",
+    "postgres_protocol",
+    "deadpool",
+    "deadpool_postgres",
+];
 
+/// The caps are a filter of their own that every line must also pass, not
+/// directives added to the user's: an `EnvFilter` lets the most specific
+/// directive win, so `tokio_postgres::query=debug` would beat a
+/// `tokio_postgres=info` cap.
 fn init_logging(filter: Option<&str>) {
+    use tracing_subscriber::filter::{FilterExt as _, LevelFilter, Targets};
+    use tracing_subscriber::layer::{Layer as _, SubscriberExt as _};
+    use tracing_subscriber::util::SubscriberInitExt as _;
     let filter =
         filter.map(str::to_owned).or_else(|| std::env::var("RUST_LOG").ok()).unwrap_or_else(|| "info".to_owned());
-    let caps = CAPPED_DEPENDENCIES.iter().map(|target| format!("{target}=info"));
-    let directives = std::iter::once(filter).chain(caps).collect::<Vec<_>>().join(",");
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_new(&directives).unwrap_or_else(|_| "info".into()))
-        .with_writer(std::io::stderr)
-        .init();
+    let user = tracing_subscriber::EnvFilter::try_new(&filter).unwrap_or_else(|_| "info".into());
+    let caps = Targets::new()
+        .with_default(LevelFilter::TRACE)
+        .with_targets(CAPPED_DEPENDENCIES.iter().map(|target| (*target, LevelFilter::INFO)));
+    let layer = tracing_subscriber::fmt::layer().with_writer(std::io::stderr).with_filter(user.and(caps));
+    tracing_subscriber::registry().with(layer).init();
 }
 
 async fn serve(args: Serve) -> anyhow::Result<()> {
@@ -533,15 +565,27 @@ async fn serve(args: Serve) -> anyhow::Result<()> {
     }
     private_dir(&args.data_dir)?;
     let key_path = args.secret_key_file.unwrap_or_else(|| args.data_dir.join("secret.key"));
-    let (key, generated) = SealKey::load_or_generate(&key_path)?;
-    if generated {
-        tracing::info!(path = %key_path.display(), "generated the secret key that seals run requests at rest");
-    }
     let location = StoreLocation::from_arg(args.store, &args.data_dir);
+    // Replicas must share one key: theirs is made beforehand, never here.
+    let key = if matches!(location, StoreLocation::Postgres(_)) {
+        SealKey::load(&key_path)?
+    } else {
+        let (key, generated) = SealKey::load_or_generate(&key_path)?;
+        if generated {
+            tracing::info!(path = %key_path.display(), "generated the secret key that seals run requests at rest");
+        }
+        key
+    };
     tracing::info!(store = location.describe(), "opening the store");
     let store = tokio::task::spawn_blocking(move || location.open_replicated(&key))
         .await
-        .context("opening the store panicked")??;
+        .context("opening the store panicked")?
+        .map_err(|error| match error {
+            StoreError::SealKeyMismatch { .. } => {
+                anyhow::Error::new(error).context(format!("the secret key file {}", key_path.display()))
+            }
+            other => other.into(),
+        })?;
     let mut config = ServerConfig::new(api_key, spec);
     if store.lease.is_some() {
         config.cluster = Some(args.replica.cluster()?);
@@ -663,6 +707,13 @@ async fn run_server<P: SandboxProvider>(config: ServerConfig, store: Opened, pro
 #[error("deposed: this replica leads no longer: {0}")]
 struct Deposed(String);
 
+/// `standby-server keygen FILE`: the one key replicas share.
+fn keygen(path: &Path) -> anyhow::Result<()> {
+    SealKey::generate(path)?;
+    tracing::info!(path = %path.display(), "wrote a new secret key: give every replica this file (--secret-key-file)");
+    Ok(())
+}
+
 async fn run_demo(args: DemoArgs) -> anyhow::Result<()> {
     let sandboxes = match args.provider {
         DemoProvider::Local => Sandboxes::Local,
@@ -696,6 +747,7 @@ async fn main() -> ExitCode {
     let result = match cli.command {
         Command::Serve(args) => serve(*args).await,
         Command::Demo(args) => run_demo(args).await,
+        Command::Keygen { path } => keygen(&path),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

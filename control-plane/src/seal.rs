@@ -7,7 +7,10 @@
 //! data, so a sealed blob copied to another run's row does not open.
 //!
 //! The key lives in a file of its own (`--secret-key-file`), 64 hex
-//! digits; it is generated, mode 0600, when absent.
+//! digits. A single server on SQLite generates it, mode 0600, when absent;
+//! replicas on PostgreSQL must share one, so theirs is made beforehand
+//! (`standby-server keygen`) and never generated at start, and the store
+//! keeps a check of it ([`Sealer::key_check`]) that refuses another key.
 
 use std::fmt;
 use std::io::Write as _;
@@ -39,6 +42,12 @@ pub enum KeyFileError {
         "the secret key file {path} is not a key: it must hold exactly 64 hexadecimal digits (32 bytes), such as `openssl rand -hex 32` writes"
     )]
     Malformed { path: PathBuf },
+    #[error(
+        "the secret key file {path} does not exist: replicas on a PostgreSQL store must all seal with one key, so \
+         none is generated at start: make it once with `standby-server keygen {path}` and give every replica a copy \
+         (--secret-key-file)"
+    )]
+    Missing { path: PathBuf },
     #[error("the secret key file {path} cannot be created: {source}")]
     Create {
         path: PathBuf,
@@ -89,10 +98,9 @@ impl SealKey {
         Some(Self(key))
     }
 
-    /// Reads the key at `path`; when there is no file there, generates one
-    /// (mode 0600, never overwriting a file that appeared meanwhile).
-    /// `true` with the key when it was generated.
-    pub fn load_or_generate(path: &Path) -> Result<(Self, bool), KeyFileError> {
+    /// Reads the key at `path`; [`KeyFileError::Missing`] when there is no
+    /// file there.
+    pub fn load(path: &Path) -> Result<Self, KeyFileError> {
         match std::fs::read(path) {
             Ok(bytes) => {
                 let key = std::str::from_utf8(&bytes)
@@ -108,15 +116,32 @@ impl SealKey {
                         "the secret key file is readable by other users: chmod 600 it"
                     );
                 }
-                Ok((key, false))
+                Ok(key)
             }
             Err(error) if error.kind() == std::io::ErrorKind::NotFound => {
-                let key = Self::random();
-                key.write_new(path).map_err(|source| KeyFileError::Create { path: path.to_owned(), source })?;
-                Ok((key, true))
+                Err(KeyFileError::Missing { path: path.to_owned() })
             }
             Err(source) => Err(KeyFileError::Read { path: path.to_owned(), source }),
         }
+    }
+
+    /// Reads the key at `path`; when there is no file there, generates one
+    /// (mode 0600, never overwriting a file that appeared meanwhile).
+    /// `true` with the key when it was generated.
+    pub fn load_or_generate(path: &Path) -> Result<(Self, bool), KeyFileError> {
+        match Self::load(path) {
+            Ok(key) => Ok((key, false)),
+            Err(KeyFileError::Missing { .. }) => Self::generate(path).map(|key| (key, true)),
+            Err(error) => Err(error),
+        }
+    }
+
+    /// A fresh key written to `path` (mode 0600, its directory made 0700
+    /// when missing); an existing file is never overwritten.
+    pub fn generate(path: &Path) -> Result<Self, KeyFileError> {
+        let key = Self::random();
+        key.write_new(path).map_err(|source| KeyFileError::Create { path: path.to_owned(), source })?;
+        Ok(key)
     }
 
     fn write_new(&self, path: &Path) -> std::io::Result<()> {
@@ -137,6 +162,8 @@ pub struct Sealer {
     /// HMAC-SHA256 key of [`Sealer::digest`], derived from the seal key so
     /// that one key serves two purposes without being used for both.
     digest_key: [u8; 32],
+    /// [`Sealer::key_check`], derived under a label of its own.
+    key_check: [u8; 32],
 }
 
 impl fmt::Debug for Sealer {
@@ -148,7 +175,15 @@ impl fmt::Debug for Sealer {
 impl Sealer {
     pub fn new(key: &SealKey) -> Self {
         let digest_key = mac(&key.0, &[DIGEST_KEY_LABEL]);
-        Self { cipher: XChaCha20Poly1305::new(&key.0.into()), digest_key }
+        let key_check = mac(&key.0, &[KEY_CHECK_LABEL]);
+        Self { cipher: XChaCha20Poly1305::new(&key.0.into()), digest_key, key_check }
+    }
+
+    /// What a store keeps to recognise the key its records are sealed
+    /// with (hex HMAC-SHA256 of a constant): equal for one key, different
+    /// for another, and no help in finding the key.
+    pub fn key_check(&self) -> String {
+        crate::credential::hex(&self.key_check)
     }
 
     /// A keyed digest of `bytes` (hex HMAC-SHA256): equal for equal bytes
@@ -196,6 +231,8 @@ impl Sealer {
 
 /// What the digest key is derived under.
 const DIGEST_KEY_LABEL: &[u8] = b"standby digest key v1";
+/// What the key check is derived under.
+const KEY_CHECK_LABEL: &[u8] = b"standby seal key check v1";
 
 fn mac(key: &[u8], parts: &[&[u8]]) -> [u8; 32] {
     // HMAC takes a key of any length.
@@ -251,6 +288,35 @@ mod tests {
         assert_eq!(key.0, again.0);
         assert_eq!(format!("{key:?}"), "SealKey([REDACTED])");
         assert_eq!(format!("{:?}", Sealer::new(&key)), "Sealer([REDACTED])");
+    }
+
+    /// A replica on PostgreSQL loads a key and never makes one: a missing
+    /// file names itself and the command that makes it; `keygen` never
+    /// overwrites a key.
+    #[test]
+    fn a_key_that_must_exist_is_not_generated_and_keygen_never_overwrites() {
+        let dir = tempfile::tempdir().expect("a temp dir");
+        let path = dir.path().join("secret.key");
+        let error = SealKey::load(&path).expect_err("missing");
+        let message = error.to_string();
+        assert!(matches!(error, KeyFileError::Missing { .. }), "{message}");
+        assert!(
+            message.contains(&path.display().to_string()) && message.contains("standby-server keygen"),
+            "{message}"
+        );
+        assert!(!path.exists(), "nothing generated");
+        let key = SealKey::generate(&path).expect("generated");
+        assert_eq!(std::fs::metadata(&path).expect("exists").permissions().mode() & 0o777, 0o600);
+        assert!(matches!(SealKey::generate(&path), Err(KeyFileError::Create { .. })), "never overwritten");
+        assert_eq!(SealKey::load(&path).expect("loads").0, key.0);
+    }
+
+    #[test]
+    fn a_key_check_is_stable_and_keyed() {
+        let key = SealKey::random();
+        assert_eq!(Sealer::new(&key).key_check(), Sealer::new(&key).key_check());
+        assert_ne!(Sealer::new(&key).key_check(), Sealer::new(&SealKey::random()).key_check());
+        assert_ne!(Sealer::new(&key).key_check(), Sealer::new(&key).digest(KEY_CHECK_LABEL), "not a digest");
     }
 
     #[test]

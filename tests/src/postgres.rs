@@ -70,6 +70,40 @@ impl TestSchema {
         .unwrap_or_else(|problem| panic!("{sql}: {problem}"))
     }
 
+    /// Runs `sql` in a transaction of its own that stays open, holding the
+    /// locks `sql` took, until the returned guard is dropped (then rolled
+    /// back): a writer frozen inside its transaction, as the database sees
+    /// it. Returns once `sql` has run.
+    pub fn hold(&self, sql: &str) -> HeldTransaction {
+        let (url, statements) = (self.url(), sql.to_owned());
+        let (locked, is_locked) = std::sync::mpsc::channel();
+        let (release, released) = std::sync::mpsc::channel::<()>();
+        let thread = std::thread::spawn(move || {
+            let Ok(runtime) = tokio::runtime::Builder::new_current_thread().enable_all().build() else { return };
+            runtime.block_on(async move {
+                let mut client = match connect(&url).await {
+                    Ok(client) => client,
+                    Err(problem) => return drop(locked.send(Err(problem))),
+                };
+                let transaction = match client.transaction().await {
+                    Ok(transaction) => transaction,
+                    Err(error) => return drop(locked.send(Err(describe(&error)))),
+                };
+                if let Err(error) = transaction.batch_execute(&statements).await {
+                    return drop(locked.send(Err(describe(&error))));
+                }
+                let _ = locked.send(Ok(()));
+                let _ = tokio::task::spawn_blocking(move || released.recv()).await;
+                let _ = transaction.rollback().await;
+            });
+        });
+        match is_locked.recv() {
+            Ok(Ok(())) => HeldTransaction { release: Some(release), thread: Some(thread) },
+            Ok(Err(problem)) => panic!("{sql}: {problem}"),
+            Err(_) => panic!("{sql}: the holding thread ended"),
+        }
+    }
+
     /// Every row of every table of the schema, as PostgreSQL prints it:
     /// everything the store keeps there.
     pub fn dump(&self) -> String {
@@ -80,6 +114,22 @@ impl TestSchema {
         let rows: Vec<String> =
             tables.iter().flat_map(|table| self.query_text(&format!("SELECT t::text FROM {table} t"))).collect();
         rows.join("\n")
+    }
+}
+
+/// A transaction of [`TestSchema::hold`], rolled back when dropped.
+#[derive(Debug)]
+pub struct HeldTransaction {
+    release: Option<std::sync::mpsc::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Drop for HeldTransaction {
+    fn drop(&mut self) {
+        drop(self.release.take());
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
     }
 }
 

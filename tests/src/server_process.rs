@@ -40,6 +40,14 @@ pub fn server_bin() -> PathBuf {
     bin
 }
 
+/// `standby-server keygen path`: the secret key replicas on one
+/// PostgreSQL store share, made before any of them starts (they never
+/// generate one).
+pub fn keygen(path: &Path) {
+    let output = std::process::Command::new(server_bin()).arg("keygen").arg(path).output().expect("run keygen");
+    assert!(output.status.success(), "keygen {}: {}", path.display(), String::from_utf8_lossy(&output.stderr));
+}
+
 /// Live processes whose environment holds `MARK=mark`.
 pub fn marked(mark: &str) -> Vec<i32> {
     let needle = format!("{MARK}={mark}");

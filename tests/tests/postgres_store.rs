@@ -13,7 +13,7 @@ use serde_json::{Value, json};
 use standby_e2e::GitRepo;
 use standby_e2e::harness::write_json;
 use standby_e2e::postgres::TestSchema;
-use standby_e2e::server_process::{ServerBuilder, ServerProcess};
+use standby_e2e::server_process::{ServerBuilder, ServerProcess, keygen, server_bin};
 
 const WAIT: Duration = Duration::from_secs(60);
 
@@ -66,7 +66,10 @@ async fn a_server_on_postgres_runs_warm_and_a_restart_keeps_every_record() {
     let mark = format!("{:016x}", RandomState::new().hash_one((std::process::id(), dir.path())));
     let data = dir.path().join("data");
     let url = schema.url();
+    let key = dir.path().join("secret.key");
+    keygen(&key);
     let builder = ServerBuilder::new(&data, &dir.path().join("server.log"), &mark)
+        .args(&["--secret-key-file", &key.display().to_string()])
         .args(&["--linger", "3s", "--stop-grace", "5s", "--pool-size", "1", "--heartbeat-interval", "500ms"])
         .args(&["--spec", &spec.display().to_string(), "--store", &url])
         // A server on PostgreSQL is a replica: a restarted one leads once
@@ -109,5 +112,107 @@ async fn a_server_on_postgres_runs_warm_and_a_restart_keeps_every_record() {
     assert!(logs.contains("[REDACTED]@"), "the store is named, without its password:\n{logs}");
     if let Some(password) = password(&url) {
         assert!(!logs.contains(&format!(":{password}@")), "the password is in the server's log:\n{logs}");
+    }
+}
+
+/// `standby-server serve` on `store` with `args`, which must refuse to
+/// start; its stderr.
+async fn refused_start(dir: &std::path::Path, store: &str, args: &[&str]) -> String {
+    let api_key = dir.join("api.key");
+    std::fs::write(&api_key, "k-1\n").expect("the API key file");
+    let mut command = tokio::process::Command::new(server_bin());
+    for (name, _) in std::env::vars_os() {
+        if name.to_str().is_some_and(|name| name.starts_with("STANDBY_")) {
+            command.env_remove(name);
+        }
+    }
+    let output = command
+        .args(["serve", "--listen", "127.0.0.1:0", "--provider", "spool", "--store", store, "--api-key-file"])
+        .arg(&api_key)
+        .arg("--data-dir")
+        .arg(dir.join("data"))
+        .args(args)
+        .kill_on_drop(true)
+        .output();
+    let output = tokio::time::timeout(WAIT, output).await.expect("it stops at once").expect("it runs");
+    assert!(!output.status.success(), "it started: {}", String::from_utf8_lossy(&output.stdout));
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
+/// Finding 8 of issue 25: replicas that each generated a key of their own
+/// opened nothing the others sealed. On PostgreSQL a server generates no
+/// key (a missing file stops it, naming `keygen`), and one whose key is
+/// not the store's (the first server's) refuses to start, naming its key
+/// file and the store.
+#[tokio::test]
+async fn a_server_on_postgres_generates_no_key_and_refuses_another_replicas_key() {
+    let Some(schema) = TestSchema::create("postgres_store::a_server_on_postgres_refuses_another_key") else {
+        return;
+    };
+    let dir = tempfile::Builder::new().prefix("standby-pg-key-").tempdir().expect("a temp dir");
+    let url = schema.url();
+    let generated = dir.path().join("data").join("secret.key");
+    let stderr = refused_start(dir.path(), &url, &[]).await;
+    assert!(stderr.contains(&generated.display().to_string()) && stderr.contains("standby-server keygen"), "{stderr}");
+    assert!(!generated.exists(), "no key was generated");
+
+    let first = dir.path().join("first.key");
+    keygen(&first);
+    let mark = format!("{:016x}", RandomState::new().hash_one((std::process::id(), dir.path())));
+    let server = ServerBuilder::new(&dir.path().join("data"), &dir.path().join("server.log"), &mark)
+        .args(&["--provider", "spool", "--store", &url, "--secret-key-file", &first.display().to_string()])
+        .start()
+        .await;
+    let other = dir.path().join("other.key");
+    keygen(&other);
+    let other = other.display().to_string();
+    let stderr = refused_start(dir.path(), &url, &["--secret-key-file", &other]).await;
+    assert!(stderr.contains(&other) && stderr.contains("is not the store's"), "{stderr}");
+    assert!(stderr.contains("[REDACTED]@"), "names the store: {stderr}");
+    server.stop_leaving_nothing(Signal::SIGTERM).await;
+}
+
+/// Finding 11 of issue 25: at `debug`, `tokio_postgres` printed every
+/// statement's parameters: run records with their env and command (user
+/// data), log bytes, credential hashes. It is capped at `info` like the
+/// other dependencies, whatever the filter names, a more specific target
+/// included.
+#[tokio::test]
+async fn a_debug_log_holds_no_sql_parameters() {
+    let Some(schema) = TestSchema::create("postgres_store::a_debug_log_holds_no_sql_parameters") else { return };
+    let dir = tempfile::Builder::new().prefix("standby-pg-log-").tempdir().expect("a temp dir");
+    let key = dir.path().join("secret.key");
+    keygen(&key);
+    let mark = format!("{:016x}", RandomState::new().hash_one((std::process::id(), dir.path())));
+    let server = ServerBuilder::new(&dir.path().join("data"), &dir.path().join("server.log"), &mark)
+        .args(&["--provider", "spool", "--pool-size", "1", "--store", &schema.url()])
+        .args(&["--secret-key-file", &key.display().to_string(), "--lease-ttl", "1s"])
+        .args(&["--log", "debug,tokio_postgres::query=trace,deadpool_postgres=trace"])
+        .start()
+        .await;
+    leading(&server).await;
+    let body = json!({"command": ["echo", "command-value-41c7"], "env": {"RUN_ENV": "env-value-9f3a"}});
+    let id = server.submit(&body).await;
+    assert_eq!(schema.query_text(&format!("SELECT id FROM runs WHERE id = '{id}'")), [id], "written");
+    // A socket of the spooled standby: the server's own debug line shows
+    // the filter is at debug.
+    let spool = dir.path().join("data").join("spool");
+    let token = server
+        .until("a spooled standby credential", WAIT, async || {
+            let entry = std::fs::read_dir(&spool).ok()?.flatten().next()?;
+            std::fs::read_to_string(entry.path()).ok().map(|token| token.trim().to_owned())
+        })
+        .await;
+    let socket = server.upgrade(&token).await.expect("the standby connects");
+    server
+        .until("the debug line of the socket", WAIT, async || {
+            server.logs().contains("control connection open").then_some(())
+        })
+        .await;
+    drop(socket);
+    let logs = server.logs();
+    server.stop_leaving_nothing(Signal::SIGTERM).await;
+    for value in ["command-value-41c7", "env-value-9f3a"] {
+        assert!(!logs.contains(value), "the debug log holds `{value}`:\n{logs}");
     }
 }

@@ -19,7 +19,7 @@ use nix::unistd::Pid;
 use serde_json::{Value, json};
 use standby_e2e::cluster::{Balancer, SpooledAgents, submit_once};
 use standby_e2e::postgres::TestSchema;
-use standby_e2e::server_process::{API_KEY, ServerBuilder, ServerProcess, free_addr, tail};
+use standby_e2e::server_process::{API_KEY, ServerBuilder, ServerProcess, free_addr, keygen, tail};
 
 const WAIT: Duration = Duration::from_secs(90);
 /// Short enough for a quick failover, long enough for two loaded cores.
@@ -62,6 +62,8 @@ impl Cluster {
         let spool = dir.path().join("spool");
         std::fs::create_dir_all(&spool).expect("the spool");
         let url = schema.url();
+        let key = dir.path().join("secret.key");
+        keygen(&key);
         let builders: Vec<ServerBuilder> = (0..3)
             .map(|index| {
                 let mark = format!("replicas-{}-{index}-{}", std::process::id(), schema.name());
@@ -75,7 +77,7 @@ impl Cluster {
                 .listen(free_addr())
                 .args(&["--lease-ttl", LEASE_TTL, "--replica-id", &format!("r{index}")])
                 // Every replica opens what any of them sealed.
-                .args(&["--secret-key-file", &dir.path().join("secret.key").display().to_string()])
+                .args(&["--secret-key-file", &key.display().to_string()])
                 .args(&[
                     "--pool-size",
                     &pool_size.to_string(),
@@ -351,6 +353,88 @@ async fn a_paused_leader_woken_after_a_takeover_commits_and_sends_nothing_and_ex
     markers.insert("after".to_owned(), id);
     let runs = cluster.finished(&markers.values().cloned().collect::<Vec<_>>()).await;
     cluster.assert_once(&markers, &runs).await;
+}
+
+/// Findings 13, 14 and 15 of issue 25: a leader frozen (SIGSTOP) inside
+/// one of its write transactions, which holds the lease row `FOR SHARE`.
+/// The test makes the leader's write wait on a lock of its own, freezes
+/// the leader, then lets the write through: the leader's session sits idle
+/// in its transaction, as a leader frozen mid-transaction leaves it. The
+/// database ends that transaction (the leader's bounds), so a follower
+/// takes over within the TTL plus a claim period (before: claims queued on
+/// the lock as long as the leader stayed frozen, and pooled connections
+/// with them); the followers answer `GET /v1/cluster` throughout; and the
+/// woken leader commits nothing of the submit it was making.
+#[tokio::test]
+async fn a_leader_frozen_inside_a_write_transaction_is_replaced_within_the_ttl_and_commits_nothing() {
+    let Some(mut cluster) = Cluster::start("frozen_in_transaction", 1).await else { return };
+    let (leader, epoch) = cluster.leader(None).await;
+    let schema = cluster.schema.name().to_owned();
+    let held = cluster.schema.hold("LOCK TABLE runs IN SHARE MODE");
+    let body = cluster.run_body("frozen");
+    let url = format!("{}/v1/runs", cluster.replica(leader).url());
+    let submit = tokio::spawn(async move {
+        let request = reqwest::Client::new().post(url).bearer_auth(API_KEY).json(&body);
+        request.timeout(Duration::from_secs(60)).send().await.map(|response| response.status().as_u16())
+    });
+    // The leader's write waits on the test's lock, holding the lease row.
+    let waiting = format!(
+        "SELECT l.pid::text FROM pg_locks l JOIN pg_class c ON c.oid = l.relation
+         WHERE c.relname = 'runs' AND c.relnamespace = '{schema}'::regnamespace AND NOT l.granted"
+    );
+    cluster
+        .replica(leader)
+        .until("the leader's write to wait on the lock", WAIT, async || {
+            (!cluster.schema.query_text(&waiting).is_empty()).then_some(())
+        })
+        .await;
+    let frozen = cluster.replicas[leader].take().expect("the leader");
+    kill(Pid::from_raw(frozen.pid()), Signal::SIGSTOP).expect("SIGSTOP");
+    let stopped = std::time::Instant::now();
+    drop(held);
+    // The frozen leader's session now sits idle in its transaction,
+    // holding the lease row (until the database ends it).
+    let idle_holding = format!(
+        "SELECT a.state FROM pg_locks l JOIN pg_class c ON c.oid = l.relation
+         JOIN pg_stat_activity a ON a.pid = l.pid
+         WHERE c.relname = 'cluster_lease' AND c.relnamespace = '{schema}'::regnamespace AND l.granted
+           AND a.state = 'idle in transaction'"
+    );
+    cluster
+        .replica((leader + 1) % 3)
+        .until("the frozen leader's session to sit idle holding the lease row", WAIT, async || {
+            (!cluster.schema.query_text(&idle_holding).is_empty()).then_some(())
+        })
+        .await;
+
+    let followers: Vec<usize> = cluster.live().map(|(index, _)| index).collect();
+    let took_over = 'polls: loop {
+        for &index in &followers {
+            let asked = cluster.replica(index).try_call(reqwest::Method::GET, "/v1/cluster", Some(API_KEY), None);
+            let answer = tokio::time::timeout(Duration::from_secs(2), asked).await;
+            let Ok(Some((200, view))) = answer else {
+                panic!("r{index} did not answer GET /v1/cluster within 2 s: {answer:?}");
+            };
+            if view["role"] == "leader" && view["epoch"].as_u64() > Some(epoch) {
+                break 'polls stopped.elapsed();
+            }
+        }
+        assert!(stopped.elapsed() < Duration::from_secs(20), "no replica leads 20 s after the leader froze");
+        // Polled: the test watches from outside, as an operator would.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    eprintln!("a leader frozen inside a write transaction: a follower led {took_over:?} after the SIGSTOP");
+    // TTL 3 s: the lease runs out at most a TTL after the last renew, and
+    // a follower claims every third of it.
+    assert!(took_over < Duration::from_secs(5), "a follower led only {took_over:?} after the SIGSTOP");
+
+    kill(Pid::from_raw(frozen.pid()), Signal::SIGCONT).expect("SIGCONT");
+    let status = frozen.exited(WAIT).await;
+    assert!(!status.success(), "the woken leader exits: {status}");
+    let answer = submit.await.expect("no panic");
+    assert!(!matches!(answer, Ok(201)), "the frozen leader accepted a run: {answer:?}");
+    let committed = cluster.schema.query_text("SELECT id FROM runs WHERE doc LIKE '%frozen%'");
+    assert!(committed.is_empty(), "the woken leader committed {committed:?}");
 }
 
 /// The epoch fence on its own: the lease moves to another holder (as a

@@ -33,7 +33,7 @@ use standby_e2e::cluster::{Balancer, SpooledAgents, submit_once};
 use standby_e2e::harness::process_alive;
 use standby_e2e::postgres::TestSchema;
 use standby_e2e::proxy::{ConnInfo, Direction, Fault, FaultPolicy, FaultProxy, RandomFaults, Rng, seed_from_env};
-use standby_e2e::server_process::{API_KEY, ServerBuilder, ServerProcess, free_addr, tail};
+use standby_e2e::server_process::{API_KEY, ServerBuilder, ServerProcess, free_addr, keygen, tail};
 use tokio::time::Instant;
 
 mod soak_shared;
@@ -254,6 +254,8 @@ async fn replicated_soak_with_faults_agent_and_replica_kills_loses_nothing_and_r
     let spool = dir.path().join("spool");
     std::fs::create_dir_all(&spool).expect("the spool");
 
+    let key = dir.path().join("secret.key");
+    keygen(&key);
     let builders: Vec<ServerBuilder> = (0..3)
         .map(|index| {
             let mark = format!("soak-replicas-{seed:016x}-{index}");
@@ -267,7 +269,7 @@ async fn replicated_soak_with_faults_agent_and_replica_kills_loses_nothing_and_r
             .listen(free_addr())
             .args(&["--lease-ttl", LEASE_TTL, "--replica-id", &format!("r{index}")])
             // Every replica opens what any of them sealed.
-            .args(&["--secret-key-file", &dir.path().join("secret.key").display().to_string()])
+            .args(&["--secret-key-file", &key.display().to_string()])
             .args(&["--pool-size", "6", "--running-cap", "12", "--heartbeat-interval", HEARTBEAT])
             .args(&["--max-attempts", "6", "--launch-timeout", "20s", "--linger", "2s", "--log", "info"])
             .args(&["--run-lost-after", "5s"])

@@ -15,6 +15,18 @@
 //! - A failed claim (database unreachable, timed out) changes nothing but
 //!   the clock: a leader whose deadline passes is deposed, whatever the
 //!   cause.
+//! - A grant answered after half the time to live (the claim loop gives up
+//!   on a claim then) counts as no grant: the database ends a claim after
+//!   [`Lease::claim_bound`], so such an answer is one a replica may already
+//!   have given up on, and its lease is mostly spent.
+//!
+//! The bounds the database enforces are set here too, so that failover
+//! stays within the time to live plus one claim period whatever the old
+//! leader does: a claim may wait on the lease row's lock, or run, for
+//! [`Lease::claim_bound`]; a leader's write transaction may wait on a lock,
+//! run a statement or sit idle between two for [`Lease::write_bound`], so a
+//! leader frozen (SIGSTOP, a partition) inside one loses its session, and
+//! with it the lock that holds every claim off, long before its lease ends.
 
 use std::time::{Duration, Instant};
 
@@ -78,6 +90,27 @@ impl Lease {
         self.ttl / 3
     }
 
+    /// How long the database may work on one claim, waiting on the lease
+    /// row's lock included (its `lock_timeout`, `statement_timeout` and
+    /// `idle_in_transaction_session_timeout`): a quarter of the time to
+    /// live, within the half the claim loop waits, so the database ends a
+    /// claim before the replica gives up on it, and frees its connection.
+    pub fn claim_bound(&self) -> Duration {
+        self.ttl / 4
+    }
+
+    /// How long a leader's write transaction may wait on a lock, run one
+    /// statement or sit idle between two (the same three timeouts), and
+    /// how much of the lease must be left, by the database's clock, when it
+    /// commits: a quarter of the time to live. So a frozen leader's
+    /// transaction is ended by the database within a quarter of the TTL of
+    /// its last statement, and a commit that passed the last check lands
+    /// before the lease ends or not at all. A quarter is below the third
+    /// between renews: one late renew does not stop the leader's writes.
+    pub fn write_bound(&self) -> Duration {
+        self.ttl / 4
+    }
+
     /// The epoch a claim renews (`0`: we hold none).
     pub fn epoch(&self) -> u64 {
         self.held.map_or(0, |(epoch, _)| epoch)
@@ -91,6 +124,7 @@ impl Lease {
     /// A claim started at `started` answered `answer` (`None`: it failed).
     pub fn observe(&mut self, started: Instant, answer: Option<&LeaseRow>, now: Instant) -> Outcome {
         let deadline = started + self.ttl;
+        let in_time = now < started + self.ttl / 2;
         let outcome = match (self.held, answer) {
             (_, None) => return self.tick(now).map_or(Outcome::Unchanged, Outcome::Deposed),
             (None, Some(row)) if row.ours => Outcome::Lead { epoch: row.epoch, deadline },
@@ -108,18 +142,18 @@ impl Lease {
                 Outcome::Deposed(Deposition::Taken { holder: row.holder.clone(), epoch: row.epoch })
             }
         };
-        // A renew answered after its own deadline renews nothing.
+        // A grant answered late grants nothing: the lease stays as it was.
         match outcome {
-            Outcome::Lead { epoch, deadline } if now < deadline => {
+            Outcome::Lead { epoch, deadline } if in_time => {
                 self.held = Some((epoch, deadline));
                 Outcome::Lead { epoch, deadline }
             }
             Outcome::Lead { epoch, .. } => Outcome::Follow { leader: None, epoch },
-            Outcome::Renewed { deadline } if now < deadline => {
+            Outcome::Renewed { deadline } if in_time => {
                 self.held = self.held.map(|(epoch, _)| (epoch, deadline));
                 Outcome::Renewed { deadline }
             }
-            Outcome::Renewed { .. } => Outcome::Deposed(Deposition::DeadlinePassed),
+            Outcome::Renewed { .. } => self.tick(now).map_or(Outcome::Unchanged, Outcome::Deposed),
             other => other,
         }
     }
@@ -204,6 +238,35 @@ mod tests {
         lease.observe(late, Some(&row("a", 4, true, 9)), late);
         let stale = lease.observe(late, Some(&row("a", 4, true, 9)), late + TTL);
         assert_eq!(stale, Outcome::Deposed(Deposition::DeadlinePassed));
+    }
+
+    /// Finding 15 of issue 25: claims queued on the lease row's lock were
+    /// granted after their replica had given up on them. A grant answered
+    /// after half the TTL (when the claim loop gives up) takes nothing and
+    /// renews nothing; a renew answered late leaves the old deadline.
+    #[test]
+    fn a_grant_answered_after_half_the_ttl_does_not_count() {
+        let t0 = Instant::now();
+        let half = t0 + TTL / 2;
+        let mut lease = Lease::new("a", TTL);
+        assert_eq!(lease.observe(t0, Some(&row("a", 4, true, 9)), half), Outcome::Follow { leader: None, epoch: 4 });
+        assert_eq!((lease.epoch(), lease.deadline()), (0, None));
+        let just_in_time = half - Duration::from_millis(1);
+        assert!(matches!(lease.observe(t0, Some(&row("a", 4, true, 9)), just_in_time), Outcome::Lead { .. }));
+        let t1 = t0 + Duration::from_secs(3);
+        assert_eq!(lease.observe(t1, Some(&row("a", 4, true, 9)), t1 + TTL / 2), Outcome::Unchanged);
+        assert_eq!(lease.deadline(), Some(t0 + TTL), "the late renew moved nothing");
+        assert_eq!(
+            lease.observe(t1, Some(&row("a", 4, true, 9)), t0 + TTL),
+            Outcome::Deposed(Deposition::DeadlinePassed)
+        );
+    }
+
+    #[test]
+    fn the_database_ends_claims_and_writes_within_a_quarter_of_the_ttl() {
+        let lease = Lease::new("a", TTL);
+        assert!(lease.claim_bound() < TTL / 2, "the database ends a claim before the loop gives up on it");
+        assert!(lease.write_bound() < lease.period(), "one late renew does not stop the writes");
     }
 
     #[test]

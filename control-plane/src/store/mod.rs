@@ -97,6 +97,22 @@ pub enum StoreError {
     /// replica may lead by now, so nothing more is told or launched.
     #[error("store {store}: this replica's lease lapsed {late:?} ago by its own clock: it may lead no longer")]
     LeaseLapsed { store: String, late: std::time::Duration },
+    /// The database's lease, checked inside the write transaction just
+    /// before its commit, had less than the write bound left: a commit
+    /// could land after it ran out, so the transaction is rolled back.
+    #[error(
+        "store {store}: the lease has {left:?} left by the database's clock, less than the {bound:?} a commit may \
+         still take: rolled back, this replica may lead no longer"
+    )]
+    LeaseEnding { store: String, left: std::time::Duration, bound: std::time::Duration },
+    /// The sealing key differs from the one whose check the store keeps
+    /// (written by the first server that opened it): what one replica
+    /// sealed, another could not open.
+    #[error(
+        "store {store}: this server's secret key is not the store's: the store was first opened with another \
+         key (its check does not match); give every replica the same --secret-key-file"
+    )]
+    SealKeyMismatch { store: String },
     #[error("store {store}: cannot start the store's connection thread: {source}")]
     Runtime {
         store: String,
@@ -175,15 +191,27 @@ pub struct ReplicaRow {
 /// The lease and fencing of a replicated deployment: only PostgreSQL has
 /// them (a SQLite file is one server's).
 pub trait LeaseStore: std::fmt::Debug + Send + Sync + 'static {
-    /// In one statement, with the database's clock: takes the lease when
-    /// it has expired (at the next epoch), renews it when `replica` holds
-    /// it at `epoch` (`0`: we hold none) and it has not expired; else
-    /// leaves it. Records `replica` as seen at `url`. Blocks.
-    fn claim(&self, replica: &str, url: &str, epoch: u64, ttl: std::time::Duration) -> Result<LeaseRow, StoreError>;
+    /// With the database's clock as of when the lease row is locked: takes
+    /// the lease when it has expired (at the next epoch), renews it when
+    /// `replica` holds it at `epoch` (`0`: we hold none) and it has not
+    /// expired; else leaves it. Records `replica` as seen at `url`. The
+    /// database ends the claim after `bound` (waiting on the row's lock
+    /// included), and the call returns within twice that whatever the
+    /// database does. Blocks.
+    fn claim(
+        &self,
+        replica: &str,
+        url: &str,
+        epoch: u64,
+        ttl: std::time::Duration,
+        bound: std::time::Duration,
+    ) -> Result<LeaseRow, StoreError>;
     /// Every write from now on runs under `epoch` (and fails, rolled back,
-    /// once the database's lease is at another one), and none starts or is
-    /// told of after `deadline` (this process's clock).
-    fn fence(&self, epoch: u64, deadline: std::time::Instant);
+    /// once the database's lease is at another one or has less than
+    /// `bound` left), none starts or is told of after `deadline` (this
+    /// process's clock), and the database ends a write transaction that
+    /// waits, runs a statement or sits idle for `bound`.
+    fn fence(&self, epoch: u64, deadline: std::time::Instant, bound: std::time::Duration);
     /// Whether a write was refused for a newer epoch or a lapsed deadline:
     /// this replica was deposed.
     fn deposed(&self) -> bool;

@@ -139,7 +139,42 @@ impl PostgresStore {
             deposed: AtomicBool::new(false),
         };
         store.migrate()?;
+        store.check_seal_key()?;
         Ok(store)
+    }
+
+    /// Refuses a key other than the one this store's requests are sealed
+    /// with: replicas that each generated their own key opened nothing the
+    /// others sealed (a retried submit got `422`, an agent's secrets `500`).
+    /// The first server to open the store keeps its key's check; on a store
+    /// that had sealed requests before the check existed, that key must
+    /// open one of them first.
+    fn check_seal_key(&self) -> Result<(), StoreError> {
+        let ours = self.sealer.key_check();
+        self.driver.block_on(async {
+            let failed = self.failed("check the secret key");
+            let client = self.client().await?;
+            let kept = "SELECT key_check FROM seal_check WHERE id = 1";
+            if query(&client, kept, &[]).await.map_err(&failed)?.is_empty() {
+                let sample = "SELECT run_id, doc FROM run_requests LIMIT 1";
+                if let Some(row) = query(&client, sample, &[]).await.map_err(&failed)?.first() {
+                    let (run_id, sealed): (String, String) =
+                        (row.try_get(0).map_err(&failed)?, row.try_get(1).map_err(&failed)?);
+                    if self.sealer.open(&run_id, &sealed).is_err() {
+                        return Err(StoreError::SealKeyMismatch { store: self.name.clone() });
+                    }
+                }
+                // Two first servers at once: one row wins, the other compares.
+                let keep = "INSERT INTO seal_check (id, key_check) VALUES (1, $1) ON CONFLICT (id) DO NOTHING";
+                execute(&client, keep, &[&ours]).await.map_err(&failed)?;
+            }
+            let rows = query(&client, kept, &[]).await.map_err(&failed)?;
+            let theirs: Option<String> = rows.first().map(|row| row.try_get(0)).transpose().map_err(&failed)?;
+            match theirs {
+                Some(theirs) if theirs == ours => Ok(()),
+                _ => Err(StoreError::SealKeyMismatch { store: self.name.clone() }),
+            }
+        })
     }
 
     fn migrate(&self) -> Result<(), StoreError> {
@@ -458,7 +493,11 @@ impl Store for PostgresStore {
     /// Under a fence: refused once the lease's local deadline has passed,
     /// and the transaction first checks (and share-locks) the lease row at
     /// our epoch, so a takeover waits for it, or it for the takeover and
-    /// then fails. Even without writes: a step's effects wait on this.
+    /// then fails; its last statement checks that the lease outlasts the
+    /// commit, by the database's clock; and the database ends it if it
+    /// waits, runs or idles for the fence's bound (a frozen leader's lock
+    /// does not hold claims off). Even without writes: a step's effects
+    /// wait on this.
     fn apply(&self, writes: &[Write]) -> Result<(), StoreError> {
         let fence = *self.fence.lock().unwrap_or_else(PoisonError::into_inner);
         if writes.is_empty() && fence.is_none() {
@@ -471,10 +510,13 @@ impl Store for PostgresStore {
             let mut client = self.client().await?;
             let transaction = client.transaction().await.map_err(self.failed("write"))?;
             if let Some(fence) = fence {
-                self.check_epoch(&transaction, fence.epoch).await?;
+                self.check_epoch(&transaction, fence).await?;
             }
             for change in writes {
                 self.write(&transaction, change).await?;
+            }
+            if let Some(fence) = fence {
+                self.check_ending(&transaction, fence).await?;
             }
             transaction.commit().await.map_err(self.failed("commit"))
         })?;
@@ -628,6 +670,7 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
+    use crate::store::LeaseRow;
     use crate::store::contract_tests::{Backend as _, Postgres, key, request, run};
 
     fn backend(test: &str) -> Option<Postgres> {
@@ -695,6 +738,9 @@ mod tests {
         assert!(message.contains("port"), "names what is wrong: {message}");
     }
 
+    /// The database's bound on claims and fenced writes in these tests.
+    const BOUND: Duration = Duration::from_millis(500);
+
     fn connect(backend: &Postgres) -> PostgresStore {
         PostgresStore::connect(&Secret::new(backend.schema.url()), &key()).expect("open")
     }
@@ -707,20 +753,20 @@ mod tests {
         let Some(backend) = backend("lease") else { return };
         let store = connect(&backend);
         let ttl = Duration::from_secs(60);
-        let a = store.claim("a", "http://a", 0, ttl).expect("claim");
+        let a = store.claim("a", "http://a", 0, ttl, BOUND).expect("claim");
         assert_eq!((a.epoch, a.holder.as_str(), a.ours), (1, "a", true), "{a:?}");
         assert!(a.remaining > Duration::from_secs(50), "{a:?}");
-        let b = store.claim("b", "http://b", 0, ttl).expect("claim");
+        let b = store.claim("b", "http://b", 0, ttl, BOUND).expect("claim");
         assert_eq!((b.epoch, b.holder.as_str(), b.holder_url.as_str(), b.ours), (1, "a", "http://a", false));
-        let renewed = store.claim("a", "http://a", 1, ttl).expect("renew");
+        let renewed = store.claim("a", "http://a", 1, ttl, BOUND).expect("renew");
         assert_eq!((renewed.epoch, renewed.ours), (1, true), "{renewed:?}");
         // Without our epoch (an earlier process with our id) it is no renew.
-        assert!(!store.claim("a", "http://a", 0, ttl).expect("claim").ours);
+        assert!(!store.claim("a", "http://a", 0, ttl, BOUND).expect("claim").ours);
 
         backend.schema.execute("UPDATE cluster_lease SET expires_at = now() - interval '1 second'");
-        let taken = store.claim("b", "http://b", 0, ttl).expect("take");
+        let taken = store.claim("b", "http://b", 0, ttl, BOUND).expect("take");
         assert_eq!((taken.epoch, taken.holder.as_str(), taken.ours), (2, "b", true), "{taken:?}");
-        let late = store.claim("a", "http://a", 1, ttl).expect("claim");
+        let late = store.claim("a", "http://a", 1, ttl, BOUND).expect("claim");
         assert_eq!((late.epoch, late.holder.as_str(), late.ours), (2, "b", false), "the old holder renews nothing");
         let replicas: Vec<String> = store.replicas().expect("replicas").into_iter().map(|replica| replica.id).collect();
         assert_eq!(replicas.len(), 2, "{replicas:?}");
@@ -735,8 +781,8 @@ mod tests {
         let Some(backend) = backend("fenced") else { return };
         let store = connect(&backend);
         let ttl = Duration::from_secs(60);
-        let lease = store.claim("a", "http://a", 0, ttl).expect("claim");
-        store.fence(lease.epoch, std::time::Instant::now() + ttl);
+        let lease = store.claim("a", "http://a", 0, ttl, BOUND).expect("claim");
+        store.fence(lease.epoch, std::time::Instant::now() + ttl, BOUND);
         assert!(store.fenced());
         store.apply(&[Write::NewRun(Box::new(run("exe_1")), Box::new(request()))]).expect("a write at our epoch");
         store.apply(&[]).expect("an empty step at our epoch");
@@ -759,13 +805,184 @@ mod tests {
         use crate::store::LeaseStore as _;
         let Some(backend) = backend("lapsed") else { return };
         let store = connect(&backend);
-        let lease = store.claim("a", "http://a", 0, Duration::from_secs(60)).expect("claim");
-        store.fence(lease.epoch, std::time::Instant::now());
+        let lease = store.claim("a", "http://a", 0, Duration::from_secs(60), BOUND).expect("claim");
+        store.fence(lease.epoch, std::time::Instant::now(), BOUND);
         assert!(store.lapsed());
         let error = store.apply(&[Write::NewRun(Box::new(run("exe_1")), Box::new(request()))]).expect_err("lapsed");
         assert!(matches!(error, StoreError::LeaseLapsed { .. }), "{error}");
         assert!(store.deposed());
         assert!(backend.schema.query_text("SELECT id FROM runs").is_empty());
+    }
+
+    /// `work` on a thread of its own; its result, or `None` if it takes
+    /// longer than `within` (the thread is then left to finish).
+    fn within<T: Send + 'static>(within: Duration, work: impl FnOnce() -> T + Send + 'static) -> Option<T> {
+        let (done, result) = std::sync::mpsc::channel();
+        std::thread::spawn(move || done.send(work()));
+        result.recv_timeout(within).ok()
+    }
+
+    /// A store whose sessions the database names after the test's schema
+    /// (`application_name`), so [`waiting`] sees only them.
+    fn connect_named(backend: &Postgres) -> PostgresStore {
+        let url = format!("{}&application_name={}", backend.schema.url(), backend.schema.name());
+        PostgresStore::connect(&Secret::new(url), &key()).expect("open")
+    }
+
+    /// Queries of [`connect_named`]'s store waiting on a lock.
+    fn waiting(backend: &Postgres) -> usize {
+        let sql = format!(
+            "SELECT pid::text FROM pg_stat_activity WHERE application_name = '{}' AND wait_event_type = 'Lock'",
+            backend.schema.name()
+        );
+        backend.schema.query_text(&sql).len()
+    }
+
+    /// Finding 14 of issue 25: a claim that waits on the lease row's lock
+    /// (held by a frozen leader's transaction) is ended by the database
+    /// within its bound and frees its connection: more claims than the pool
+    /// has connections all answer, none is left waiting in the database,
+    /// and once the lock is gone a claim takes the lease.
+    #[test]
+    fn claims_waiting_on_the_lease_row_are_ended_within_their_bound_and_free_their_connections() {
+        use crate::store::LeaseStore as _;
+        let Some(backend) = backend("claim_bound") else { return };
+        let store = Arc::new(connect_named(&backend));
+        let held = backend.schema.hold("SELECT epoch FROM cluster_lease WHERE id = 1 FOR SHARE");
+        for attempt in 0..POOL_SIZE + 2 {
+            let claimer = Arc::clone(&store);
+            let started = std::time::Instant::now();
+            let answer = within(Duration::from_secs(5), move || {
+                claimer.claim("b", "http://b", 0, Duration::from_secs(3), BOUND)
+            });
+            let error = answer.unwrap_or_else(|| panic!("claim {attempt} still waits on the lock after 5 s"));
+            let error = error.expect_err("the row is locked");
+            assert!(started.elapsed() < 2 * BOUND + Duration::from_millis(500), "{:?}", started.elapsed());
+            assert!(error.to_string().contains("timeout"), "{error}");
+            assert_eq!(waiting(&backend), 0, "no claim left waiting in the database");
+        }
+        drop(held);
+        let lease = store.claim("b", "http://b", 0, Duration::from_secs(3), BOUND).expect("claim");
+        assert!(lease.ours, "{lease:?}");
+    }
+
+    /// Finding 15 of issue 25: claims queued on the lock were judged and
+    /// granted by the clock of their transaction's start, so each found
+    /// the lease expired and took a new epoch that had run out already.
+    /// Judged as of when they get the row: the first takes a lease that
+    /// runs its whole TTL from then, the second follows it.
+    #[test]
+    fn claims_that_waited_for_the_lock_judge_the_lease_as_of_when_they_got_it() {
+        use crate::store::LeaseStore as _;
+        let Some(backend) = backend("claim_clock") else { return };
+        let store = Arc::new(connect_named(&backend));
+        let ttl = Duration::from_secs(2);
+        let bound = Duration::from_secs(5);
+        let held = backend.schema.hold("SELECT epoch FROM cluster_lease WHERE id = 1 FOR SHARE");
+        let claims: Vec<_> = ["a", "b"]
+            .into_iter()
+            .map(|id| {
+                let claimer = Arc::clone(&store);
+                std::thread::spawn(move || claimer.claim(id, "http://x", 0, ttl, bound).expect("claim"))
+            })
+            .collect();
+        let both_wait = (0..100).any(|_| {
+            std::thread::sleep(Duration::from_millis(20));
+            waiting(&backend) == 2
+        });
+        assert!(both_wait, "two claims queue on the lock");
+        // Longer than the TTL: by its transaction's start, either claim
+        // would find what the other granted expired already.
+        std::thread::sleep(ttl + Duration::from_millis(200));
+        drop(held);
+        let answers: Vec<LeaseRow> = claims.into_iter().map(|claim| claim.join().expect("no panic")).collect();
+        let granted: Vec<&LeaseRow> = answers.iter().filter(|answer| answer.ours).collect();
+        assert_eq!(granted.len(), 1, "one grant: {answers:?}");
+        assert!(answers.iter().all(|answer| answer.epoch == 1), "one epoch: {answers:?}");
+        assert!(granted[0].remaining > ttl / 2, "a fresh lease, not one that ran out: {answers:?}");
+    }
+
+    /// Finding 13 of issue 25, the database's side: a leader's write
+    /// transaction that waits (here on a table lock) holds the lease row
+    /// `FOR SHARE` and with it every claim; the database ends it within
+    /// the fence's bound, nothing of it is kept, and a claim goes through.
+    #[test]
+    fn a_fenced_write_that_waits_is_ended_within_its_bound_and_releases_the_lease_row() {
+        use crate::store::LeaseStore as _;
+        let Some(backend) = backend("write_bound") else { return };
+        let store = Arc::new(connect(&backend));
+        let ttl = Duration::from_secs(60);
+        let lease = store.claim("a", "http://a", 0, ttl, BOUND).expect("claim");
+        store.fence(lease.epoch, std::time::Instant::now() + ttl, BOUND);
+        let held = backend.schema.hold("LOCK TABLE runs IN SHARE MODE");
+        let writer = Arc::clone(&store);
+        let started = std::time::Instant::now();
+        let written = within(Duration::from_secs(5), move || {
+            writer.apply(&[Write::NewRun(Box::new(run("exe_1")), Box::new(request()))])
+        });
+        let error = written.expect("the write is ended, not left waiting").expect_err("the table is locked");
+        assert!(started.elapsed() < BOUND + Duration::from_millis(500), "{:?}", started.elapsed());
+        assert!(error.to_string().contains("timeout"), "{error}");
+        let renewed = store.claim("a", "http://a", lease.epoch, ttl, BOUND).expect("the lease row is free");
+        assert!(renewed.ours);
+        drop(held);
+        assert!(backend.schema.query_text("SELECT id FROM runs").is_empty());
+    }
+
+    /// Finding 15 of issue 25, the write's side: a commit must not land
+    /// once the lease is over by the database's clock, even at our epoch
+    /// and before our local deadline: the transaction checks it first and
+    /// last, the last time with the bound to spare.
+    #[test]
+    fn a_write_is_refused_when_the_databases_lease_has_run_out_or_is_about_to() {
+        use crate::store::LeaseStore as _;
+        let Some(backend) = backend("db_expiry") else { return };
+        let store = connect(&backend);
+        let ttl = Duration::from_secs(60);
+        let lease = store.claim("a", "http://a", 0, ttl, BOUND).expect("claim");
+        store.fence(lease.epoch, std::time::Instant::now() + ttl, BOUND);
+        store.apply(&[Write::NewRun(Box::new(run("exe_1")), Box::new(request()))]).expect("a write in time");
+
+        backend.schema.execute("UPDATE cluster_lease SET expires_at = now() - interval '1 second'");
+        let error = store.apply(&[Write::NewRun(Box::new(run("exe_2")), Box::new(request()))]).expect_err("ran out");
+        assert!(matches!(error, StoreError::LeaseEnding { .. }), "{error}");
+        assert!(store.deposed());
+
+        let store = connect(&backend);
+        store.fence(lease.epoch, std::time::Instant::now() + ttl, BOUND);
+        backend.schema.execute("UPDATE cluster_lease SET expires_at = now() + interval '200 milliseconds'");
+        let error = store.apply(&[Write::NewRun(Box::new(run("exe_3")), Box::new(request()))]).expect_err("ending");
+        assert!(matches!(error, StoreError::LeaseEnding { left, .. } if left < BOUND), "{error}");
+        assert_eq!(backend.schema.query_text("SELECT id FROM runs"), ["exe_1"], "nothing after the lease");
+    }
+
+    /// Finding 8 of issue 25: replicas that each generated a key of their
+    /// own opened nothing the others sealed. The first key to open the
+    /// store is kept as a check; another is refused at connect, naming the
+    /// store; so is a key that cannot open the requests a store sealed
+    /// before it had the check.
+    #[test]
+    fn a_store_refuses_a_key_other_than_the_one_it_was_first_opened_with() {
+        let Some(backend) = backend("seal_check") else { return };
+        let store = connect(&backend);
+        store.apply(&[Write::NewRun(Box::new(run("exe_1")), Box::new(request()))]).expect("apply");
+        drop(store);
+        let url = Secret::new(backend.schema.url());
+        let error = PostgresStore::connect(&url, &SealKey::random()).expect_err("another key");
+        assert!(matches!(error, StoreError::SealKeyMismatch { .. }), "{error}");
+        assert!(
+            error.to_string().contains("[REDACTED]@") && error.to_string().contains("--secret-key-file"),
+            "{error}"
+        );
+        connect(&backend).request("exe_1").expect("the first key still opens it").expect("kept");
+
+        // A store from before the check: its sealed requests decide.
+        backend.schema.execute("DELETE FROM seal_check");
+        let error = PostgresStore::connect(&url, &SealKey::random()).expect_err("cannot open exe_1");
+        assert!(matches!(error, StoreError::SealKeyMismatch { .. }), "{error}");
+        assert!(backend.schema.query_text("SELECT key_check FROM seal_check").is_empty(), "no check kept for it");
+        drop(connect(&backend));
+        assert_eq!(backend.schema.query_text("SELECT key_check FROM seal_check"), [Sealer::new(&key()).key_check()]);
     }
 
     /// The engine's way: calls on the blocking pool of the server's runtime,

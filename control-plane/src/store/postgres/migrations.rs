@@ -96,6 +96,15 @@ INSERT INTO cluster_lease (id, epoch, holder, holder_url, expires_at) VALUES (1,
 CREATE TABLE cluster_replicas (id TEXT COLLATE "C" PRIMARY KEY, url TEXT NOT NULL, seen_at TIMESTAMPTZ NOT NULL);
 "#,
     },
+    Migration {
+        version: 4,
+        name: "the check of the key run requests are sealed with",
+        // One row, written by the first server that opens the store with
+        // the check, compared by every later one (`Sealer::key_check`).
+        sql: r#"
+CREATE TABLE seal_check (id INTEGER PRIMARY KEY CHECK (id = 1), key_check TEXT NOT NULL);
+"#,
+    },
 ];
 
 /// The newest version this binary knows.
