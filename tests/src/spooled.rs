@@ -13,8 +13,8 @@ use standby_protocol::{AgentMessage, AgentState, PROTOCOL_HEADER, PROTOCOL_VERSI
 use tempfile::TempDir;
 use tokio_tungstenite::tungstenite::Message;
 
-use crate::server_process::ServerBuilder;
 use crate::server_process::{ControlSocket, ServerProcess};
+use crate::server_process::{ServerBuilder, keygen};
 
 /// How long a spooled test waits for anything.
 pub const WAIT: Duration = Duration::from_secs(60);
@@ -61,7 +61,12 @@ pub async fn spooled_server(
         .args(&["--pool-size", &pool.to_string(), "--heartbeat-interval", heartbeat, "--launch-timeout", "1h"])
         .args(&["--linger", "1s", "--max-attempts", "3"]);
     if let Some(store) = store {
-        builder = builder.args(&["--store", store]);
+        // A server on PostgreSQL never generates its sealing key.
+        let key = dir.path().join("secret.key");
+        if !key.exists() {
+            keygen(&key);
+        }
+        builder = builder.args(&["--store", store, "--secret-key-file", &key.display().to_string()]);
     }
     builder.start().await
 }

@@ -6,6 +6,7 @@
 //! test gets a schema of its own; under `CI=true` a missing one fails it.
 
 use std::hash::{BuildHasher, RandomState};
+use std::os::unix::fs::PermissionsExt as _;
 use std::time::Duration;
 
 use nix::sys::signal::Signal;
@@ -120,6 +121,7 @@ async fn a_server_on_postgres_runs_warm_and_a_restart_keeps_every_record() {
 async fn refused_start(dir: &std::path::Path, store: &str, args: &[&str]) -> String {
     let api_key = dir.join("api.key");
     std::fs::write(&api_key, "k-1\n").expect("the API key file");
+    std::fs::set_permissions(&api_key, std::fs::Permissions::from_mode(0o600)).expect("chmod the API key file");
     let mut command = tokio::process::Command::new(server_bin());
     for (name, _) in std::env::vars_os() {
         if name.to_str().is_some_and(|name| name.starts_with("STANDBY_")) {
