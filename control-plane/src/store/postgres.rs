@@ -32,6 +32,7 @@ use deadpool_postgres::{
 };
 use serde::de::DeserializeOwned;
 use standby_protocol::Secret;
+use tokio_postgres::error::SqlState;
 use tokio_postgres::types::ToSql;
 use tokio_postgres::{IsolationLevel, NoTls, Row};
 
@@ -142,10 +143,17 @@ impl PostgresStore {
         Ok(store)
     }
 
+    /// Applies the migrations the database lacks. A database already up to
+    /// date is only read, so a role without `CREATE` (the runtime role of
+    /// *Database roles* in `docs/operations.md`) starts on it; one that
+    /// lacks a migration its role may not apply is refused, naming it.
     fn migrate(&self) -> Result<(), StoreError> {
         let applied = self.driver.block_on(async {
             let failed = self.failed("apply the schema migrations");
             let mut client = self.client().await?;
+            if migrations::pending(self.schema_version(&client).await?).is_ok_and(<[_]>::is_empty) {
+                return Ok(migrations::known());
+            }
             let transaction = client.transaction().await.map_err(&failed)?;
             // Per schema: tests (and deployments) sharing a database do not
             // wait for each other.
@@ -156,21 +164,31 @@ impl PostgresStore {
                 )
                 .await
                 .map_err(&failed)?;
-            // "already exists, skipping" at every start is no news.
-            transaction.batch_execute("SET LOCAL client_min_messages = warning").await.map_err(&failed)?;
-            transaction.batch_execute(migrations::VERSIONS_TABLE).await.map_err(&failed)?;
-            let row = transaction
-                .query_one("SELECT COALESCE(MAX(version), 0) FROM schema_migrations", &[])
-                .await
-                .map_err(&failed)?;
-            let applied: i32 = row.try_get(0).map_err(&failed)?;
+            let applied = self.schema_version(&transaction).await?;
             let pending = migrations::pending(applied).map_err(|found| StoreError::SchemaTooNew {
                 store: self.name.clone(),
                 found,
                 known: migrations::known(),
             })?;
+            if pending.is_empty() {
+                // Another start applied them meanwhile.
+                return Ok(applied);
+            }
+            let not_allowed = |error: tokio_postgres::Error| match (error.code(), pending.first()) {
+                (Some(&SqlState::INSUFFICIENT_PRIVILEGE), Some(first)) => StoreError::MigrationNeeded {
+                    store: self.name.clone(),
+                    found: applied,
+                    needed: first.version,
+                    name: first.name,
+                    detail: describe(&error),
+                },
+                _ => failed(error),
+            };
+            // "already exists, skipping" at every start is no news.
+            transaction.batch_execute("SET LOCAL client_min_messages = warning").await.map_err(&failed)?;
+            transaction.batch_execute(migrations::VERSIONS_TABLE).await.map_err(not_allowed)?;
             for migration in pending {
-                transaction.batch_execute(migration.sql).await.map_err(&failed)?;
+                transaction.batch_execute(migration.sql).await.map_err(not_allowed)?;
                 transaction
                     .execute(
                         "INSERT INTO schema_migrations (version, name) VALUES ($1, $2)",
@@ -189,6 +207,18 @@ impl PostgresStore {
             tracing::info!(store = self.name, from = applied, to = version, "PostgreSQL store: schema migrated");
         }
         Ok(())
+    }
+
+    /// The newest migration the database has had (`0`: none), read
+    /// without creating anything.
+    async fn schema_version(&self, client: &impl GenericClient) -> Result<i32, StoreError> {
+        let failed = self.failed("read the schema version");
+        let exists = client.query_one("SELECT to_regclass('schema_migrations') IS NOT NULL", &[]).await;
+        if !exists.and_then(|row| row.try_get::<_, bool>(0)).map_err(&failed)? {
+            return Ok(0);
+        }
+        let row = client.query_one("SELECT COALESCE(MAX(version), 0) FROM schema_migrations", &[]).await;
+        row.and_then(|row| row.try_get(0)).map_err(&failed)
     }
 
     async fn client(&self) -> Result<Object, StoreError> {
