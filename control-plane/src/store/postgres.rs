@@ -151,9 +151,24 @@ impl PostgresStore {
         let applied = self.driver.block_on(async {
             let failed = self.failed("apply the schema migrations");
             let mut client = self.client().await?;
-            if migrations::pending(self.schema_version(&client).await?).is_ok_and(<[_]>::is_empty) {
-                return Ok(migrations::known());
-            }
+            let seen = self.schema_version(&client).await?;
+            let first_needed = match migrations::pending(seen) {
+                Ok([]) => return Ok(seen),
+                Ok([first, ..]) => *first,
+                Err(found) => {
+                    return Err(StoreError::SchemaTooNew { store: self.name.clone(), found, known: migrations::known() });
+                }
+            };
+            let not_allowed = |error: tokio_postgres::Error| match error.code() {
+                Some(&SqlState::INSUFFICIENT_PRIVILEGE) => StoreError::MigrationNeeded {
+                    store: self.name.clone(),
+                    found: seen,
+                    needed: first_needed.version,
+                    name: first_needed.name,
+                    detail: describe(&error),
+                },
+                _ => failed(error),
+            };
             let transaction = client.transaction().await.map_err(&failed)?;
             // Per schema: tests (and deployments) sharing a database do not
             // wait for each other.
@@ -164,29 +179,21 @@ impl PostgresStore {
                 )
                 .await
                 .map_err(&failed)?;
-            let applied = self.schema_version(&transaction).await?;
+            // "already exists, skipping" at every start is no news.
+            transaction.batch_execute("SET LOCAL client_min_messages = warning").await.map_err(&failed)?;
+            // Under the lock, what another start may have applied meanwhile
+            // (read from the table itself, which refreshes the catalog).
+            transaction.batch_execute(migrations::VERSIONS_TABLE).await.map_err(not_allowed)?;
+            let row = transaction
+                .query_one("SELECT COALESCE(MAX(version), 0) FROM schema_migrations", &[])
+                .await
+                .map_err(&failed)?;
+            let applied: i32 = row.try_get(0).map_err(&failed)?;
             let pending = migrations::pending(applied).map_err(|found| StoreError::SchemaTooNew {
                 store: self.name.clone(),
                 found,
                 known: migrations::known(),
             })?;
-            if pending.is_empty() {
-                // Another start applied them meanwhile.
-                return Ok(applied);
-            }
-            let not_allowed = |error: tokio_postgres::Error| match (error.code(), pending.first()) {
-                (Some(&SqlState::INSUFFICIENT_PRIVILEGE), Some(first)) => StoreError::MigrationNeeded {
-                    store: self.name.clone(),
-                    found: applied,
-                    needed: first.version,
-                    name: first.name,
-                    detail: describe(&error),
-                },
-                _ => failed(error),
-            };
-            // "already exists, skipping" at every start is no news.
-            transaction.batch_execute("SET LOCAL client_min_messages = warning").await.map_err(&failed)?;
-            transaction.batch_execute(migrations::VERSIONS_TABLE).await.map_err(not_allowed)?;
             for migration in pending {
                 transaction.batch_execute(migration.sql).await.map_err(not_allowed)?;
                 transaction
