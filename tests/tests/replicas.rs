@@ -436,7 +436,8 @@ async fn raw_call(url: &str, body: Option<&Value>) -> reqwest::Result<(u16, Opti
 /// (SIGSTOP: its kernel still accepts and buffers) are not held until it
 /// wakes. Once another replica leads they are sent to it (a read, and a
 /// submit with an `Idempotency-Key`, safe to send again), within the
-/// bound, while the old leader is still stopped.
+/// bound (as soon as the next leader is known), while the old leader is
+/// still stopped.
 #[tokio::test]
 async fn calls_forwarded_to_a_paused_leader_are_answered_by_the_next_one() {
     let Some(mut cluster) = Cluster::start("forward_paused_leader", 1).await else { return };
@@ -464,7 +465,8 @@ async fn calls_forwarded_to_a_paused_leader_are_answered_by_the_next_one() {
     assert_eq!(read.0, 200, "the read, sent again to the new leader: {read:?}");
     let submit = submit.expect("the submit is answered");
     assert_eq!(submit.0, 201, "the submit, sent again to the new leader: {submit:?}");
-    assert!(took < ANSWER_BOUND + Duration::from_secs(3), "answered in {took:?}");
+    // Not at the bound: the new leader's election ended the wait.
+    assert!(took < ANSWER_BOUND, "answered in {took:?}");
     let id = serde_json::from_str::<Value>(&submit.2).expect("a run")["id"].as_str().expect("an id").to_owned();
     let runs = cluster.finished(std::slice::from_ref(&id)).await;
     cluster.assert_once(&BTreeMap::from([("while-paused".to_owned(), id)]), &runs).await;
