@@ -551,14 +551,14 @@ async fn serve(args: Serve) -> anyhow::Result<()> {
         tracing::info!(path = %key_path.display(), "generated the secret key that seals run requests at rest");
     }
     let location = StoreLocation::from_arg(args.store, &args.data_dir);
+    // A replica's flags and secret are checked before the database is touched.
+    let cluster = matches!(location, StoreLocation::Postgres(_)).then(|| args.replica.cluster()).transpose()?;
     tracing::info!(store = location.describe(), "opening the store");
     let store = tokio::task::spawn_blocking(move || location.open_replicated(&key))
         .await
         .context("opening the store panicked")??;
     let mut config = ServerConfig::new(api_key, spec);
-    if store.lease.is_some() {
-        config.cluster = Some(args.replica.cluster()?);
-    }
+    config.cluster = cluster;
     config.listen = args.listen;
     config.public_url = args.public_url;
     config.pool_size = args.pool_size;

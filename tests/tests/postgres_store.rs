@@ -126,6 +126,10 @@ async fn server_command(args: &[&str], store: &str, dir: &std::path::Path) -> (O
     }
     command.args(args).env("STANDBY_SERVER_STORE", store).stdin(std::process::Stdio::null());
     if args.first() == Some(&"serve") {
+        let secret = dir.join("cluster.secret");
+        std::fs::write(&secret, "0123456789abcdef0123456789abcdef").expect("the cluster secret");
+        std::fs::set_permissions(&secret, std::os::unix::fs::PermissionsExt::from_mode(0o600)).expect("chmod");
+        command.env("STANDBY_SERVER_CLUSTER_SECRET_FILE", &secret);
         command.arg("--api-key-file").arg(&key).arg("--data-dir").arg(dir.join("data"));
         command.args(["--provider", "spool", "--listen", "127.0.0.1:0"]);
     }
