@@ -45,6 +45,22 @@ impl Schema {
     }
 }
 
+/// The cluster secret every replica of a level shares (`dir/cluster.secret`,
+/// mode 0600, made once).
+fn cluster_secret(dir: &Path) -> Result<std::path::PathBuf> {
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let path = dir.join("cluster.secret");
+    if !path.exists() {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        let mut secret = [0u8; 32];
+        std::io::Read::read_exact(&mut std::fs::File::open("/dev/urandom")?, &mut secret)?;
+        let hex: String = secret.iter().map(|byte| format!("{byte:02x}")).collect();
+        let mut file = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&path)?;
+        std::io::Write::write_all(&mut file, hex.as_bytes())?;
+    }
+    Ok(path)
+}
+
 async fn execute(url: &str, sql: &str) -> Result<()> {
     let (client, connection) = tokio_postgres::connect(url, NoTls).await.context("connecting to PostgreSQL")?;
     let driver = tokio::spawn(connection);
@@ -96,6 +112,8 @@ impl Replicas {
                     ("--lease-ttl", LEASE_TTL.into()),
                     // Every replica opens what any of them sealed.
                     ("--secret-key-file", dir.join("secret.key").into_os_string()),
+                    // And proves itself to the others with one secret.
+                    ("--cluster-secret-file", cluster_secret(dir)?.into_os_string()),
                 ] {
                     args.push(flag.into());
                     args.push(value);

@@ -1,7 +1,8 @@
 //! A replicated deployment (`--store postgres://…`): every `serve` on one
 //! database is a replica, one of them (the holder of the lease row) the
 //! leader that runs the engine; the others forward every call to it
-//! ([`forward`]) and relay agents' sockets to it ([`relay`]).
+//! ([`forward`]) and relay agents' sockets to it ([`relay`]), once it
+//! proved the cluster secret they share ([`trust`], [`secret`]).
 //!
 //! This module is the IO half: a loop that claims the lease every third of
 //! its time to live, lets the pure [`lease`] rules decide, fences the
@@ -13,6 +14,8 @@
 pub mod forward;
 pub mod lease;
 pub mod relay;
+pub mod secret;
+pub mod trust;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
@@ -21,6 +24,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::watch;
 
 use self::lease::{Lease, Outcome};
+use self::secret::ClusterSecret;
 use crate::model::Millis;
 use crate::store::LeaseStore;
 
@@ -28,14 +32,17 @@ use crate::store::LeaseStore;
 /// store while it led): restart it, it comes back as a follower.
 pub const DEPOSED_EXIT_CODE: u8 = 3;
 
-/// What this replica is called and how long a lease runs.
+/// What this replica is called, how long a lease runs, and what proves a
+/// replica.
 #[derive(Debug, Clone)]
 pub struct ClusterConfig {
     pub replica_id: String,
-    /// The URL other replicas forward to when this one leads; the
-    /// server's own URL when unset.
+    /// The URL other replicas forward to when this one leads; its own
+    /// listening address (`http://<bound address>`) when unset, never the
+    /// public URL, which may be a load balancer's.
     pub advertise_url: Option<String>,
     pub ttl: Duration,
+    pub secret: ClusterSecret,
 }
 
 /// This replica's part.
@@ -91,6 +98,12 @@ pub struct Cluster {
     pub ttl: Duration,
     /// Turns true when the replica stops: relayed sockets close with 1012.
     pub shutdown: watch::Receiver<bool>,
+    /// What the replicas prove themselves with.
+    pub secret: Arc<ClusterSecret>,
+    /// This replica's advertised URL, which its proofs bind.
+    pub url: String,
+    /// The last leader that proved the secret to this replica.
+    pub proven: Arc<trust::Proven>,
 }
 
 impl Cluster {
@@ -120,15 +133,15 @@ impl Cluster {
     }
 }
 
-/// Starts the claim loop of replica `config` reachable at `own_url`; it
-/// runs until `shutdown` turns true or this replica is deposed.
+/// Starts the claim loop of replica `config` advertised at `url` (its
+/// `advertise_url`, else its own address); it runs until `shutdown` turns
+/// true or this replica is deposed.
 pub fn start(
     config: ClusterConfig,
-    own_url: &str,
+    url: String,
     lease: Arc<dyn LeaseStore>,
     shutdown: watch::Receiver<bool>,
 ) -> Cluster {
-    let url = config.advertise_url.clone().unwrap_or_else(|| own_url.to_owned());
     let (view_tx, view) = watch::channel(ClusterView {
         replica_id: config.replica_id.clone(),
         role: Role::Candidate,
@@ -137,9 +150,9 @@ pub fn start(
         expires_at: None,
     });
     let stats = Arc::new(ClusterStats::default());
-    let ttl = config.ttl;
-    tokio::spawn(claim_loop(config, url, Arc::clone(&lease), view_tx, Arc::clone(&stats), shutdown.clone()));
-    Cluster { view, stats, lease, ttl, shutdown }
+    let (ttl, secret) = (config.ttl, Arc::new(config.secret.clone()));
+    tokio::spawn(claim_loop(config, url.clone(), Arc::clone(&lease), view_tx, Arc::clone(&stats), shutdown.clone()));
+    Cluster { view, stats, lease, ttl, shutdown, secret, url, proven: Arc::default() }
 }
 
 async fn claim_loop(

@@ -16,6 +16,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
 use demo::{DemoOptions, Sandboxes};
+use standby_control_plane::cluster::secret::ClusterSecret;
 use standby_control_plane::cluster::{ClusterConfig, DEPOSED_EXIT_CODE};
 use standby_control_plane::containment::ContainmentChoice;
 use standby_control_plane::dispatch::{PoolPolicy, RunBounds};
@@ -26,7 +27,7 @@ use standby_control_plane::provider::{LocalOptions, LocalProvider, SandboxProvid
 use standby_control_plane::seal::SealKey;
 use standby_control_plane::server::{self, ServerConfig};
 use standby_control_plane::spool::SpoolProvider;
-use standby_control_plane::store::{Opened, StoreError, StoreLocation};
+use standby_control_plane::store::{Opened, PostgresStore, StoreError, StoreLocation};
 use standby_protocol::{Secret, Spec};
 use tokio::signal::unix::{SignalKind, signal};
 
@@ -48,6 +49,11 @@ enum Command {
     /// store, and a pool of local standbys.
     #[command(after_help = SERVE_EXIT_CODES)]
     Serve(Box<Serve>),
+    /// Bring a PostgreSQL store's schema up to date, then exit: run it with
+    /// the role that owns the schema, so that `serve` can run under a role
+    /// that may only read and write rows (docs/operations.md, "Database
+    /// roles"). `serve` does the same at start when its role may.
+    Migrate(MigrateArgs),
     /// Show the whole system on this machine: a sample repository, two
     /// standbys, three runs (warm and cold), a table of what each took.
     Demo(DemoArgs),
@@ -59,6 +65,15 @@ enum Command {
         #[arg(value_name = "FILE")]
         path: PathBuf,
     },
+}
+
+#[derive(Debug, clap::Args)]
+struct MigrateArgs {
+    /// The PostgreSQL URL (`postgres://owner:password@host:5432/db`), best
+    /// given through the variable: a command line is readable by every
+    /// local user.
+    #[arg(long, env = "STANDBY_SERVER_STORE", hide_env_values = true, value_name = "URL")]
+    store: OsString,
 }
 
 /// How `serve` ends, for a supervisor (`docs/operations.md`).
@@ -218,10 +233,18 @@ struct ReplicaArgs {
     /// This replica's id; `<hostname>-<pid>` when unset.
     #[arg(long, env = "STANDBY_SERVER_REPLICA_ID", value_name = "ID")]
     replica_id: Option<String>,
-    /// The URL other replicas forward calls to when this one leads
-    /// (plain http://); the server's own URL when unset.
+    /// The URL other replicas reach this one at, to forward calls to it
+    /// when it leads (plain http://, its own address, not a load
+    /// balancer's); `http://<listen address>` when unset, which an
+    /// unspecified address (0.0.0.0, ::) cannot be: then it is required.
     #[arg(long, env = "STANDBY_SERVER_ADVERTISE_URL", value_name = "URL")]
     advertise_url: Option<String>,
+    /// A file (mode 0600, at least 32 bytes, e.g. `openssl rand -hex 32`)
+    /// holding the secret every replica of the deployment shares: a
+    /// follower forwards nothing to a leader that does not prove it.
+    /// Required with a PostgreSQL store.
+    #[arg(long, env = "STANDBY_SERVER_CLUSTER_SECRET_FILE", value_name = "FILE")]
+    cluster_secret_file: Option<PathBuf>,
 }
 
 impl ReplicaArgs {
@@ -238,7 +261,20 @@ impl ReplicaArgs {
                 format!("{host}-{}", std::process::id())
             }
         };
-        Ok(ClusterConfig { replica_id, advertise_url: self.advertise_url, ttl: self.lease_ttl })
+        if let Some(url) = &self.advertise_url
+            && !url.starts_with("http://")
+        {
+            anyhow::bail!("--advertise-url must be a plain http:// URL of this replica, not `{url}`");
+        }
+        let Some(path) = self.cluster_secret_file else {
+            anyhow::bail!(
+                "a PostgreSQL store makes this server a replica: give the secret the replicas share with \
+                 --cluster-secret-file <FILE> (STANDBY_SERVER_CLUSTER_SECRET_FILE; docs/operations.md, \
+                 \"Replicated deployment\")"
+            );
+        };
+        let secret = ClusterSecret::load(&path).context("--cluster-secret-file")?;
+        Ok(ClusterConfig { replica_id, advertise_url: self.advertise_url, ttl: self.lease_ttl, secret })
     }
 }
 
@@ -566,6 +602,8 @@ async fn serve(args: Serve) -> anyhow::Result<()> {
     private_dir(&args.data_dir)?;
     let key_path = args.secret_key_file.unwrap_or_else(|| args.data_dir.join("secret.key"));
     let location = StoreLocation::from_arg(args.store, &args.data_dir);
+    // A replica's flags and secret are checked before the database is touched.
+    let cluster = matches!(location, StoreLocation::Postgres(_)).then(|| args.replica.cluster()).transpose()?;
     // Replicas must share one key: theirs is made beforehand, never here.
     let key = if matches!(location, StoreLocation::Postgres(_)) {
         SealKey::load(&key_path)?
@@ -587,9 +625,7 @@ async fn serve(args: Serve) -> anyhow::Result<()> {
             other => other.into(),
         })?;
     let mut config = ServerConfig::new(api_key, spec);
-    if store.lease.is_some() {
-        config.cluster = Some(args.replica.cluster()?);
-    }
+    config.cluster = cluster;
     config.listen = args.listen;
     config.public_url = args.public_url;
     config.pool_size = args.pool_size;
@@ -714,6 +750,23 @@ fn keygen(path: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `standby-server migrate`: applies what the PostgreSQL store's schema
+/// lacks, under the owner role; it seals and opens nothing, so it needs no
+/// key.
+async fn migrate(args: MigrateArgs) -> anyhow::Result<()> {
+    let location = StoreLocation::from_arg(Some(args.store), Path::new("."));
+    let StoreLocation::Postgres(url) = location else {
+        anyhow::bail!("--store must be a postgres:// URL: a SQLite file is brought up to date when `serve` opens it");
+    };
+    let name = StoreLocation::Postgres(url.clone()).describe();
+    tokio::task::spawn_blocking(move || PostgresStore::migrate_schema(&url))
+        .await
+        .context("migrating the store panicked")??;
+    let mut stdout = std::io::stdout();
+    writeln!(stdout, "standby-server: the schema of {name} is up to date").context("cannot write to stdout")?;
+    Ok(())
+}
+
 async fn run_demo(args: DemoArgs) -> anyhow::Result<()> {
     let sandboxes = match args.provider {
         DemoProvider::Local => Sandboxes::Local,
@@ -746,6 +799,7 @@ async fn main() -> ExitCode {
     init_logging(cli.log_filter.as_deref().or(demo.then_some("warn")));
     let result = match cli.command {
         Command::Serve(args) => serve(*args).await,
+        Command::Migrate(args) => migrate(args).await,
         Command::Demo(args) => run_demo(args).await,
         Command::Keygen { path } => keygen(&path),
     };

@@ -153,15 +153,34 @@ fn router(state: AppState) -> Router {
         .with_state(state)
 }
 
-/// `GET /healthz`: `ok`, and for a replica its role and id.
+/// `GET /healthz`: `ok`, and for a replica its role (what a load
+/// balancer or a supervisor needs). Unauthenticated, so nothing more: the
+/// replica's id (a host name and pid by default) and the leader's URL are
+/// for `GET /v1/cluster`, with the API key.
 async fn health(State(state): State<AppState>) -> String {
     match &state.cluster {
         None => "ok".to_owned(),
-        Some(cluster) => {
-            let view = cluster.view.borrow();
-            format!("ok {} {}", view.role.as_str(), view.replica_id)
-        }
+        Some(cluster) => format!("ok {}", cluster.view.borrow().role.as_str()),
     }
+}
+
+/// Where the other replicas reach this one: `given`, else its own
+/// listening address. Never the public URL: that is the agents' way in,
+/// often a load balancer, which may hand a forwarded call to a follower
+/// (that answers it `503`) or speak only HTTPS. An unspecified address
+/// (`0.0.0.0`, `::`) names no host the others can dial.
+fn advertise_url(given: Option<&str>, addr: SocketAddr) -> Result<String, ServerError> {
+    if let Some(url) = given {
+        return Ok(url.trim_end_matches('/').to_owned());
+    }
+    if addr.ip().is_unspecified() {
+        return Err(ServerError::Failed(format!(
+            "this replica listens on {addr}, which the other replicas cannot dial: give its own address with \
+             --advertise-url (STANDBY_SERVER_ADVERTISE_URL), e.g. http://10.0.0.5:{}",
+            addr.port()
+        )));
+    }
+    Ok(format!("http://{addr}"))
 }
 
 /// `--inject-latency`: holds each call under `/v1/executions/` (the run
@@ -230,7 +249,8 @@ pub async fn start_replica<P: SandboxProvider>(
     let (stop_serving, stopped) = watch::channel(false);
     let cluster = match (lease, config.cluster.clone()) {
         (Some(lease), Some(cluster_config)) => {
-            Some(crate::cluster::start(cluster_config, &url, lease, stopped.clone()))
+            let advertised = advertise_url(cluster_config.advertise_url.as_deref(), addr)?;
+            Some(crate::cluster::start(cluster_config, advertised, lease, stopped.clone()))
         }
         _ => None,
     };
@@ -446,7 +466,21 @@ impl<P: SandboxProvider> RunningServer<P> {
 
 #[cfg(test)]
 mod tests {
-    use super::auto_stop_to_restore;
+    use super::{advertise_url, auto_stop_to_restore};
+
+    #[test]
+    fn a_replica_advertises_its_own_address_unless_told_and_an_unspecified_one_is_refused() {
+        let v4 = "127.0.0.1:8080".parse().expect("an address");
+        assert_eq!(advertise_url(None, v4).ok().as_deref(), Some("http://127.0.0.1:8080"));
+        let v6 = "[::1]:8080".parse().expect("an address");
+        assert_eq!(advertise_url(None, v6).ok().as_deref(), Some("http://[::1]:8080"));
+        let given = advertise_url(Some("http://10.0.0.5:8080/"), "0.0.0.0:8080".parse().expect("an address"));
+        assert_eq!(given.ok().as_deref(), Some("http://10.0.0.5:8080"));
+        for any in ["0.0.0.0:8080", "[::]:8080"] {
+            let refused = advertise_url(None, any.parse().expect("an address")).expect_err(any).to_string();
+            assert!(refused.contains("--advertise-url"), "{refused}");
+        }
+    }
 
     #[test]
     fn a_restart_gives_back_the_recorded_auto_stop_only_where_the_provider_lost_it() {

@@ -49,6 +49,22 @@ impl TestSchema {
         format!("{}{separator}options=-csearch_path%3D{}", self.base, self.schema)
     }
 
+    /// [`Self::url`] as `standby_test_app`, a role that may only log in
+    /// (`scripts/postgres` makes it): a test grants it what a runtime role
+    /// gets. `None` (after a loud message, or a panic under CI) where the
+    /// role is missing.
+    pub fn runtime_url(&self, test: &str) -> Option<String> {
+        let exists = self.query_text("SELECT rolname::text FROM pg_roles WHERE rolname = 'standby_test_app'");
+        if exists.is_empty() {
+            unavailable(test, "the role standby_test_app is missing (scripts/postgres makes it)");
+            return None;
+        }
+        let url = self.url();
+        let (scheme, rest) = url.split_once("://")?;
+        let host = rest.split_once('@').map_or(rest, |(_, host)| host);
+        Some(format!("{scheme}://standby_test_app:standby_test_app@{host}"))
+    }
+
     pub fn name(&self) -> &str {
         &self.schema
     }

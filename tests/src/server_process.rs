@@ -187,6 +187,19 @@ impl ServerBuilder {
         self
     }
 
+    /// The cluster secret of a replicated deployment (a PostgreSQL store):
+    /// `path` is written (mode 0600) when missing, so every replica given
+    /// the same path shares it. Passed through its variable, as a
+    /// supervisor would.
+    pub fn cluster_secret(self, path: &Path) -> Self {
+        if !path.exists() {
+            std::fs::write(path, format!("{:064x}\n", rand_seed()))
+                .unwrap_or_else(|error| panic!("write {}: {error}", path.display()));
+            std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).expect("chmod the cluster secret");
+        }
+        self.env("STANDBY_SERVER_CLUSTER_SECRET_FILE", &path.display().to_string())
+    }
+
     /// An environment variable of the server (and so of its agents).
     pub fn env(mut self, name: &str, value: &str) -> Self {
         self.env.push((name.to_owned(), value.to_owned()));
@@ -253,6 +266,13 @@ impl ServerBuilder {
             http: reqwest::Client::new(),
         }
     }
+}
+
+/// A test value for a cluster secret: unpredictable enough for a test.
+fn rand_seed() -> u128 {
+    use std::hash::{BuildHasher as _, RandomState};
+    let state = RandomState::new();
+    (u128::from(state.hash_one(1u8)) << 64) | u128::from(state.hash_one(2u8))
 }
 
 /// The last `lines` lines of a file, for failure messages.

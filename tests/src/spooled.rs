@@ -66,7 +66,9 @@ pub async fn spooled_server(
         if !key.exists() {
             keygen(&key);
         }
-        builder = builder.args(&["--store", store, "--secret-key-file", &key.display().to_string()]);
+        builder = builder
+            .args(&["--store", store, "--secret-key-file", &key.display().to_string()])
+            .cluster_secret(&dir.path().join("cluster.secret"));
     }
     builder.start().await
 }

@@ -75,7 +75,8 @@ async fn a_server_on_postgres_runs_warm_and_a_restart_keeps_every_record() {
         .args(&["--spec", &spec.display().to_string(), "--store", &url])
         // A server on PostgreSQL is a replica: a restarted one leads once
         // the killed one's lease has lapsed.
-        .args(&["--lease-ttl", "1s"]);
+        .args(&["--lease-ttl", "1s"])
+        .cluster_secret(&dir.path().join("cluster.secret"));
 
     let server = builder.start().await;
     leading(&server).await;
@@ -122,7 +123,11 @@ async fn refused_start(dir: &std::path::Path, store: &str, args: &[&str]) -> Str
     let api_key = dir.join("api.key");
     std::fs::write(&api_key, "k-1\n").expect("the API key file");
     std::fs::set_permissions(&api_key, std::fs::Permissions::from_mode(0o600)).expect("chmod the API key file");
+    let secret = dir.join("cluster.secret");
+    std::fs::write(&secret, "0123456789abcdef0123456789abcdef").expect("the cluster secret");
+    std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o600)).expect("chmod the cluster secret");
     let mut command = tokio::process::Command::new(server_bin());
+    command.env("STANDBY_SERVER_CLUSTER_SECRET_FILE", &secret);
     for (name, _) in std::env::vars_os() {
         if name.to_str().is_some_and(|name| name.starts_with("STANDBY_")) {
             command.env_remove(name);
@@ -163,6 +168,7 @@ async fn a_server_on_postgres_generates_no_key_and_refuses_another_replicas_key(
     let mark = format!("{:016x}", RandomState::new().hash_one((std::process::id(), dir.path())));
     let server = ServerBuilder::new(&dir.path().join("data"), &dir.path().join("server.log"), &mark)
         .args(&["--provider", "spool", "--store", &url, "--secret-key-file", &first.display().to_string()])
+        .cluster_secret(&dir.path().join("cluster.secret"))
         .start()
         .await;
     let other = dir.path().join("other.key");
@@ -188,6 +194,7 @@ async fn a_debug_log_holds_no_sql_parameters() {
     let mark = format!("{:016x}", RandomState::new().hash_one((std::process::id(), dir.path())));
     let server = ServerBuilder::new(&dir.path().join("data"), &dir.path().join("server.log"), &mark)
         .args(&["--provider", "spool", "--pool-size", "1", "--store", &schema.url()])
+        .cluster_secret(&dir.path().join("cluster.secret"))
         .args(&["--secret-key-file", &key.display().to_string(), "--lease-ttl", "1s"])
         .args(&["--log", "debug,tokio_postgres::query=trace,deadpool_postgres=trace"])
         .start()
@@ -217,4 +224,80 @@ async fn a_debug_log_holds_no_sql_parameters() {
     for value in ["command-value-41c7", "env-value-9f3a"] {
         assert!(!logs.contains(value), "the debug log holds `{value}`:\n{logs}");
     }
+}
+
+/// `standby-server <args>` with `STANDBY_SERVER_STORE=store` and nothing
+/// else of the test's environment: its exit code and stderr.
+async fn server_command(args: &[&str], store: &str, dir: &std::path::Path) -> (Option<i32>, String) {
+    let key = dir.join("api.key");
+    std::fs::write(&key, "e2e-api-key").expect("the API key");
+    std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).expect("chmod the API key");
+    let mut command = tokio::process::Command::new(standby_e2e::server_process::server_bin());
+    for (name, _) in std::env::vars_os() {
+        if name.to_str().is_some_and(|name| name.starts_with("STANDBY_")) {
+            command.env_remove(name);
+        }
+    }
+    command.args(args).env("STANDBY_SERVER_STORE", store).stdin(std::process::Stdio::null());
+    if args.first() == Some(&"serve") {
+        let secret = dir.join("cluster.secret");
+        std::fs::write(&secret, "0123456789abcdef0123456789abcdef").expect("the cluster secret");
+        std::fs::set_permissions(&secret, std::os::unix::fs::PermissionsExt::from_mode(0o600)).expect("chmod");
+        command.env("STANDBY_SERVER_CLUSTER_SECRET_FILE", &secret);
+        let sealing = dir.join("secret.key");
+        if !sealing.exists() {
+            keygen(&sealing);
+        }
+        command.arg("--secret-key-file").arg(&sealing);
+        command.arg("--api-key-file").arg(&key).arg("--data-dir").arg(dir.join("data"));
+        command.args(["--provider", "spool", "--listen", "127.0.0.1:0"]);
+    }
+    let output = tokio::time::timeout(WAIT, command.kill_on_drop(true).output())
+        .await
+        .expect("standby-server exits")
+        .expect("run standby-server");
+    (output.status.code(), String::from_utf8_lossy(&output.stderr).into_owned())
+}
+
+/// Issue 25, finding 7 (the database half): the schema's owner runs
+/// `standby-server migrate`; `serve` then runs under a role granted only
+/// the rows of its tables (no `CREATE`, so no table, function or trigger
+/// of its own: it cannot rewrite the lease row behind the replicas'
+/// backs), leads and commits. Before `migrate`, that role is refused at
+/// start, naming the migration it lacks and the command.
+#[tokio::test]
+async fn serve_runs_under_a_role_that_may_not_create_once_migrate_ran() {
+    let test = "postgres_store::serve_under_a_runtime_role";
+    let Some(schema) = TestSchema::create(test) else { return };
+    let Some(runtime) = schema.runtime_url(test) else { return };
+    let dir = tempfile::Builder::new().prefix("standby-pg-role-").tempdir().expect("a temp dir");
+    schema.execute(&format!("GRANT USAGE ON SCHEMA {} TO standby_test_app", schema.name()));
+
+    let (code, stderr) = server_command(&["serve"], &runtime, dir.path()).await;
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(stderr.contains("needs migration 1") && stderr.contains("standby-server migrate"), "{stderr}");
+
+    let (code, stderr) = server_command(&["migrate"], &schema.url(), dir.path()).await;
+    assert_eq!(code, Some(0), "{stderr}");
+    schema.execute(&format!(
+        "GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA {} TO standby_test_app",
+        schema.name()
+    ));
+
+    let mark = format!("{:016x}", RandomState::new().hash_one((std::process::id(), dir.path())));
+    let server = ServerBuilder::new(&dir.path().join("served"), &dir.path().join("server.log"), &mark)
+        .args(&["--provider", "spool", "--pool-size", "0", "--store", &runtime, "--lease-ttl", "1s"])
+        .args(&["--secret-key-file", &dir.path().join("secret.key").display().to_string()])
+        .cluster_secret(&dir.path().join("cluster.secret"))
+        .start()
+        .await;
+    leading(&server).await;
+    let id = server.submit(&json!({"command": ["true"]})).await;
+    assert_eq!(server.run(&id).await["id"], id.as_str(), "the run was committed");
+    let privileges = schema.query_text(
+        "SELECT privilege_type::text FROM information_schema.table_privileges \
+         WHERE grantee = 'standby_test_app' AND privilege_type NOT IN ('SELECT', 'INSERT', 'UPDATE', 'DELETE')",
+    );
+    assert!(privileges.is_empty(), "the runtime role holds {privileges:?}");
+    server.stop_leaving_nothing(Signal::SIGTERM).await;
 }

@@ -51,12 +51,13 @@ impl Drop for Cluster {
 
 impl Cluster {
     async fn start(test: &str, pool_size: usize) -> Option<Self> {
-        Self::start_agents(test, pool_size, true).await
+        Self::start_agents(test, pool_size, true, &[]).await
     }
 
     /// `balanced`: agents go through the balancer; else they wait for the
-    /// test to [`SpooledAgents::pin`] a URL.
-    async fn start_agents(test: &str, pool_size: usize, balanced: bool) -> Option<Self> {
+    /// test to [`SpooledAgents::pin`] a URL. `extra`: more flags of every
+    /// replica.
+    async fn start_agents(test: &str, pool_size: usize, balanced: bool, extra: &[&str]) -> Option<Self> {
         let schema = TestSchema::create(&format!("replicas::{test}"))?;
         let dir = tempfile::Builder::new().prefix("standby-replicas-").tempdir().expect("a temp dir");
         let spool = dir.path().join("spool");
@@ -76,16 +77,12 @@ impl Cluster {
                 // A restarted replica keeps its port: the balancer's list holds.
                 .listen(free_addr())
                 .args(&["--lease-ttl", LEASE_TTL, "--replica-id", &format!("r{index}")])
-                // Every replica opens what any of them sealed.
+                // Every replica opens what any of them sealed, and proves
+                // itself to the others with one cluster secret.
                 .args(&["--secret-key-file", &key.display().to_string()])
-                .args(&[
-                    "--pool-size",
-                    &pool_size.to_string(),
-                    "--heartbeat-interval",
-                    "500ms",
-                    "--linger",
-                    "2s",
-                ])
+                .cluster_secret(&dir.path().join("cluster.secret"))
+                .args(&["--pool-size", &pool_size.to_string(), "--heartbeat-interval", "500ms", "--linger", "2s"])
+                .args(extra)
             })
             .collect();
         let logs = (0..3).map(|index| dir.path().join(format!("r{index}.log"))).collect();
@@ -228,8 +225,6 @@ async fn runs_submitted_through_every_replica_start_exactly_once() {
         .and_then(|count| count.parse().ok())
         .unwrap_or(0);
     assert!(forwarded > 0, "the follower forwarded calls: {text}");
-    let health = cluster.replica(leader).call(reqwest::Method::GET, "/healthz", None, None).await;
-    assert_eq!(health.1, Value::String(format!("ok leader r{leader}")));
 }
 
 #[tokio::test]
@@ -270,7 +265,7 @@ async fn metric(replica: &ServerProcess, name: &str) -> Option<u64> {
 /// a run submitted afterwards starts warm on its sandbox.
 #[tokio::test]
 async fn an_agent_on_a_follower_keeps_its_socket_when_the_leader_is_killed() {
-    let Some(mut cluster) = Cluster::start_agents("relayed_socket_survives", 1, false).await else { return };
+    let Some(mut cluster) = Cluster::start_agents("relayed_socket_survives", 1, false, &[]).await else { return };
     let (leader, epoch) = cluster.leader(None).await;
     let follower = (leader + 1) % 3;
     cluster.agents.pin(&cluster.replica(follower).url());
@@ -500,4 +495,346 @@ async fn bench_failover_from_a_leader_kill_to_the_next_dispatch() {
         "failover (leader SIGKILL → first dispatch by the new leader), lease TTL {LEASE_TTL}, {rounds} rounds: \
          p50 {median:?}, max {max:?}; all: {times:?}"
     );
+}
+
+/// How long a forwarded call may wait for a leader that stopped
+/// answering: three lease times (`forward::answer_bound`).
+const ANSWER_BOUND: Duration = Duration::from_secs(9);
+
+/// A call to `url` (`GET` without a body, else `POST` of `body` with an
+/// `Idempotency-Key`), under the API key, bounded far beyond what a
+/// replica may take: the status, `Retry-After`, the body.
+async fn raw_call(url: &str, body: Option<&Value>) -> reqwest::Result<(u16, Option<String>, String)> {
+    let client = reqwest::Client::new();
+    let request = match body {
+        None => client.get(url),
+        Some(body) => client.post(url).header("Idempotency-Key", "while-paused").json(body),
+    };
+    let response = request.bearer_auth(API_KEY).timeout(Duration::from_secs(60)).send().await?;
+    let status = response.status().as_u16();
+    let retry_after = response.headers().get("retry-after").and_then(|value| value.to_str().ok()).map(str::to_owned);
+    Ok((status, retry_after, response.text().await?))
+}
+
+/// Issue 25, finding 5: calls forwarded to a leader that was then paused
+/// (SIGSTOP: its kernel still accepts and buffers) are not held until it
+/// wakes. Once another replica leads they are sent to it (a read, and a
+/// submit with an `Idempotency-Key`, safe to send again), within the
+/// bound (as soon as the next leader is known), while the old leader is
+/// still stopped.
+#[tokio::test]
+async fn calls_forwarded_to_a_paused_leader_are_answered_by_the_next_one() {
+    let Some(mut cluster) = Cluster::start("forward_paused_leader", 1).await else { return };
+    let (leader, epoch) = cluster.leader(None).await;
+    let follower = (leader + 1) % 3;
+    // A call before the pause: the follower has proven the leader.
+    let (status, _) = cluster.replica(follower).call(reqwest::Method::GET, "/v1/runs", Some(API_KEY), None).await;
+    assert_eq!(status, 200);
+
+    let paused = cluster.replicas[leader].take().expect("the leader");
+    kill(Pid::from_raw(paused.pid()), Signal::SIGSTOP).expect("SIGSTOP");
+    let started = std::time::Instant::now();
+    let runs_url = format!("{}/v1/runs", cluster.replica(follower).url());
+    let body = cluster.run_body("while-paused");
+    let (read, submit) = tokio::join!(raw_call(&runs_url, None), raw_call(&runs_url, Some(&body)));
+    let took = started.elapsed();
+    let (next, next_epoch) = cluster.leader(Some(leader)).await;
+    kill(Pid::from_raw(paused.pid()), Signal::SIGCONT).expect("SIGCONT");
+    let exit = paused.exited(WAIT).await;
+    assert_eq!(exit.code(), Some(DEPOSED), "the woken leader exits deposed: {exit}");
+
+    eprintln!("calls forwarded to the paused leader answered in {took:?} (r{next} leads at epoch {next_epoch})");
+    assert!(next_epoch > epoch);
+    let read = read.expect("the read is answered");
+    assert_eq!(read.0, 200, "the read, sent again to the new leader: {read:?}");
+    let submit = submit.expect("the submit is answered");
+    assert_eq!(submit.0, 201, "the submit, sent again to the new leader: {submit:?}");
+    // Not at the bound: the new leader's election ended the wait.
+    assert!(took < ANSWER_BOUND, "answered in {took:?}");
+    let id = serde_json::from_str::<Value>(&submit.2).expect("a run")["id"].as_str().expect("an id").to_owned();
+    let runs = cluster.finished(std::slice::from_ref(&id)).await;
+    cluster.assert_once(&BTreeMap::from([("while-paused".to_owned(), id)]), &runs).await;
+}
+
+/// Issue 25, finding 6: an agent relayed by a follower keeps its socket
+/// when the leader is paused, not killed: the leader's side stays open
+/// (its kernel takes the heartbeats), so the relay leaves it on the
+/// cluster's word, once another replica leads, re-dials that one and
+/// replays the heartbeat. The standby stays ready: the next run starts
+/// warm on it, and the agent connected once.
+#[tokio::test]
+async fn an_agent_on_a_follower_keeps_its_socket_when_the_leader_is_paused() {
+    let Some(mut cluster) = Cluster::start_agents("relayed_socket_paused_leader", 1, false, &[]).await else {
+        return;
+    };
+    let (leader, epoch) = cluster.leader(None).await;
+    let follower = (leader + 1) % 3;
+    cluster.agents.pin(&cluster.replica(follower).url());
+    let standby = cluster
+        .replica(leader)
+        .until("the standby relayed by the follower to connect", WAIT, async || {
+            let page = cluster.replica(leader).get("/v1/sandboxes?state=standby").await;
+            let connected = metric(cluster.replica(follower), "standby_relayed_sockets").await? == 1;
+            (connected && page["sandboxes"][0]["connected"] == true).then(|| page["sandboxes"][0]["id"].clone())
+        })
+        .await;
+
+    let paused = cluster.replicas[leader].take().expect("the leader");
+    kill(Pid::from_raw(paused.pid()), Signal::SIGSTOP).expect("SIGSTOP");
+    let (_, next_epoch) = cluster.leader(Some(leader)).await;
+    assert!(next_epoch > epoch);
+    // Within a lease time of the view changing, not when the paused one wakes.
+    cluster
+        .replica(follower)
+        .until("the follower to re-dial the new leader", Duration::from_secs(20), async || {
+            (metric(cluster.replica(follower), "standby_relay_redials_total").await? >= 1).then_some(())
+        })
+        .await;
+
+    let marker = "after-pause";
+    let id = cluster.submit(follower, marker, &cluster.run_body(marker)).await;
+    let runs = cluster.finished(std::slice::from_ref(&id)).await;
+    kill(Pid::from_raw(paused.pid()), Signal::SIGCONT).expect("SIGCONT");
+    let exit = paused.exited(WAIT).await;
+    assert_eq!(exit.code(), Some(DEPOSED), "the woken leader exits deposed: {exit}");
+    cluster.assert_once(&BTreeMap::from([(marker.to_owned(), id)]), &runs).await;
+    let attempt = &runs[0]["attempts"][0];
+    assert_eq!((&attempt["sandbox_id"], attempt["path"].as_str()), (&standby, Some("warm")), "{}", runs[0]);
+    let output = cluster.agents.first_output().expect("the agent");
+    let standby_connections = output.matches("control socket connected credential=Standby").count();
+    assert_eq!(standby_connections, 1, "one standby control connection: {output}");
+}
+
+/// A TCP proxy to `target` that keeps every byte it passes either way:
+/// what a logging proxy at a rewritten lease URL would see.
+struct Recorder {
+    addr: std::net::SocketAddr,
+    seen: std::sync::Arc<std::sync::Mutex<Vec<u8>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Recorder {
+    async fn start(target: std::net::SocketAddr) -> Self {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind the recorder");
+        let addr = listener.local_addr().expect("an address");
+        let seen = std::sync::Arc::<std::sync::Mutex<Vec<u8>>>::default();
+        let kept = std::sync::Arc::clone(&seen);
+        let task = tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let Ok(server) = tokio::net::TcpStream::connect(target).await else { continue };
+                let (client_read, client_write) = client.into_split();
+                let (server_read, server_write) = server.into_split();
+                tokio::spawn(Self::pass(client_read, server_write, std::sync::Arc::clone(&kept)));
+                tokio::spawn(Self::pass(server_read, client_write, std::sync::Arc::clone(&kept)));
+            }
+        });
+        Self { addr, seen, task }
+    }
+
+    async fn pass(
+        mut from: tokio::net::tcp::OwnedReadHalf,
+        mut to: tokio::net::tcp::OwnedWriteHalf,
+        seen: std::sync::Arc<std::sync::Mutex<Vec<u8>>>,
+    ) {
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        let mut buffer = vec![0; 16 * 1024];
+        while let Ok(read) = from.read(&mut buffer).await {
+            if read == 0 {
+                break;
+            }
+            seen.lock().expect("the record").extend_from_slice(&buffer[..read]);
+            if to.write_all(&buffer[..read]).await.is_err() {
+                break;
+            }
+        }
+    }
+
+    fn seen(&self) -> String {
+        String::from_utf8_lossy(&self.seen.lock().expect("the record")).into_owned()
+    }
+}
+
+impl Drop for Recorder {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Issue 25, finding 7: the server's own database role rewrites the
+/// lease's `holder_url` (a trigger) to a logging proxy in front of the
+/// real leader. The followers send it nothing secret: the URL does not
+/// prove the cluster secret for the leader it names, so the API key, a
+/// submitted secret, a standby credential and a run credential never
+/// reach it (the calls are answered `503`). A call claiming to be
+/// forwarded without a replica's token is refused by the leader.
+#[tokio::test]
+async fn a_rewritten_lease_url_gets_nothing_secret_from_the_followers() {
+    let Some(cluster) = Cluster::start("rewritten_lease_url", 1).await else { return };
+    let (leader, _) = cluster.leader(None).await;
+    let follower = (leader + 1) % 3;
+    let proxy = Recorder::start(cluster.replica(leader).addr()).await;
+    let proxy_url = format!("http://{}", proxy.addr);
+    cluster.schema.execute(&format!(
+        "CREATE FUNCTION rewrite_holder_url() RETURNS trigger LANGUAGE plpgsql AS \
+         $$ BEGIN NEW.holder_url := '{proxy_url}'; RETURN NEW; END $$; \
+         CREATE TRIGGER rewrite_holder_url BEFORE UPDATE ON cluster_lease \
+         FOR EACH ROW EXECUTE FUNCTION rewrite_holder_url();"
+    ));
+    cluster
+        .replica(follower)
+        .until("the follower to read the rewritten URL", WAIT, async || {
+            let view = cluster.replica(follower).get("/v1/cluster").await;
+            (view["leader"]["url"] == proxy_url.as_str()).then_some(())
+        })
+        .await;
+
+    let secret = "submitted-secret-canary-5b1f";
+    let body = json!({"command": ["true"], "secrets": {"TOKEN": secret}});
+    let url = cluster.replica(follower).url();
+    let submit = reqwest::Client::new()
+        .post(format!("{url}/v1/runs"))
+        .bearer_auth(API_KEY)
+        .json(&body)
+        .timeout(Duration::from_secs(30))
+        .send()
+        .await
+        .expect("the follower answers");
+    assert_eq!(submit.status().as_u16(), 503, "not forwarded to an unproven URL");
+    let agent_call = reqwest::Client::new()
+        .get(format!("{url}/v1/executions/run-x/secrets"))
+        .bearer_auth("run-credential-canary-77c2")
+        .header("Standby-Protocol", "1")
+        .timeout(Duration::from_secs(30))
+        .send()
+        .await
+        .expect("the follower answers");
+    assert_eq!(agent_call.status().as_u16(), 503);
+    let upgrade = cluster.replica(follower).upgrade_status("standby-credential-canary-3e9a").await;
+    assert_eq!(upgrade, 503, "no socket relayed to an unproven URL");
+
+    let seen = proxy.seen();
+    for canary in [API_KEY, secret, "run-credential-canary-77c2", "standby-credential-canary-3e9a"] {
+        assert!(!seen.contains(canary), "the proxy saw `{canary}`:\n{seen}");
+    }
+    assert!(seen.contains("/v1/cluster/proof"), "the followers challenged the URL: {seen}");
+
+    // The leader (reached directly) takes no call as forwarded without a
+    // replica's token.
+    let forged = reqwest::Client::new()
+        .get(format!("{}/v1/runs", cluster.replica(leader).url()))
+        .bearer_auth(API_KEY)
+        .header("standby-forwarded-by", "r9")
+        .send()
+        .await
+        .expect("the leader answers");
+    assert_eq!(forged.status().as_u16(), 403);
+}
+
+/// A `serve` on `store` that must fail at start: its stderr.
+async fn refused_start(dir: &std::path::Path, store: &str, args: &[&str], secret: Option<&std::path::Path>) -> String {
+    let key = dir.join("api.key");
+    std::fs::write(&key, API_KEY).expect("the API key");
+    let mut command = tokio::process::Command::new(standby_e2e::server_process::server_bin());
+    for (name, _) in std::env::vars_os() {
+        if name.to_str().is_some_and(|name| name.starts_with("STANDBY_")) {
+            command.env_remove(name);
+        }
+    }
+    command
+        .args(["serve", "--provider", "spool", "--api-key-file"])
+        .arg(&key)
+        .arg("--data-dir")
+        .arg(dir.join("data"))
+        .args(["--store", store])
+        .args(args)
+        .stdin(std::process::Stdio::null());
+    if let Some(secret) = secret {
+        command.env("STANDBY_SERVER_CLUSTER_SECRET_FILE", secret);
+    }
+    let output = tokio::time::timeout(Duration::from_secs(60), command.kill_on_drop(true).output())
+        .await
+        .expect("the refused server exits")
+        .expect("run standby-server");
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    assert_eq!(output.status.code(), Some(1), "refused: {stderr}");
+    stderr
+}
+
+/// Issue 25, findings 7 and 9: a replica starts only with a cluster secret
+/// no other user may read, and on an address the others can dial.
+#[tokio::test]
+async fn a_replica_is_refused_without_a_private_cluster_secret_or_a_dialable_address() {
+    let Some(schema) = TestSchema::create("replicas::refused_replica") else { return };
+    let dir = tempfile::Builder::new().prefix("standby-replicas-").tempdir().expect("a temp dir");
+    let listen = ["--listen", "127.0.0.1:0"];
+    let missing = refused_start(dir.path(), &schema.url(), &listen, None).await;
+    assert!(missing.contains("--cluster-secret-file"), "{missing}");
+    let secret = dir.path().join("cluster.secret");
+    std::fs::write(&secret, "0123456789abcdef0123456789abcdef0123456789abcdef").expect("the secret");
+    std::fs::set_permissions(&secret, std::os::unix::fs::PermissionsExt::from_mode(0o644)).expect("chmod");
+    let exposed = refused_start(dir.path(), &schema.url(), &listen, Some(&secret)).await;
+    assert!(exposed.contains("chmod 600"), "{exposed}");
+    std::fs::set_permissions(&secret, std::os::unix::fs::PermissionsExt::from_mode(0o600)).expect("chmod");
+    let unspecified = refused_start(dir.path(), &schema.url(), &["--listen", "0.0.0.0:0"], Some(&secret)).await;
+    assert!(unspecified.contains("--advertise-url"), "{unspecified}");
+}
+
+/// Issue 25, finding 9: replicas behind a balancer whose public URL is
+/// `https://` (the agents' way in) forward to each other's own address,
+/// not to the public URL: every call through a follower is answered by
+/// the leader.
+#[tokio::test]
+async fn followers_forward_to_the_leaders_own_address_not_the_public_url() {
+    let public = ["--public-url", "https://standby.example.com"];
+    let Some(cluster) = Cluster::start_agents("public_url_not_advertised", 1, true, &public).await else { return };
+    let (leader, _) = cluster.leader(None).await;
+    let view = cluster.replica(leader).get("/v1/cluster").await;
+    assert_eq!(view["leader"]["url"], cluster.replica(leader).url().as_str(), "{view}");
+    for round in 0..2 {
+        for follower in (0..3).filter(|index| *index != leader) {
+            let key = format!("public-{round}-{follower}");
+            let id = submit_once(&cluster.replica(follower).url(), &key, &cluster.run_body(&key)).await;
+            assert!(id.is_some(), "a submit through follower r{follower} was not accepted at once");
+        }
+    }
+}
+
+/// Issue 25, finding 10: what a replica tells a caller without the API
+/// key: `/healthz` its role only; a follower whose leader is gone answers
+/// `503` with `Retry-After` in the API's problem format, naming neither
+/// the leader's address nor an OS error.
+#[tokio::test]
+async fn unauthenticated_answers_name_nothing_internal() {
+    let Some(mut cluster) = Cluster::start("nothing_internal", 1).await else { return };
+    let (leader, _) = cluster.leader(None).await;
+    let follower = (leader + 1) % 3;
+    for (index, role) in [(leader, "ok leader"), (follower, "ok follower")] {
+        let (status, health) = cluster.replica(index).call(reqwest::Method::GET, "/healthz", None, None).await;
+        assert_eq!((status, health), (200, Value::String(role.into())));
+    }
+    let leader_port = cluster.replica(leader).addr().port().to_string();
+    cluster.replica(leader).crash().await;
+    cluster.replicas[leader] = None;
+    // The lease runs on for up to a lease time: the follower still names
+    // the dead leader.
+    let response = reqwest::Client::new()
+        .get(format!("{}/v1/runs", cluster.replica(follower).url()))
+        .bearer_auth(API_KEY)
+        .timeout(Duration::from_secs(30))
+        .send()
+        .await
+        .expect("the follower answers");
+    assert_eq!(response.status().as_u16(), 503);
+    assert_eq!(response.headers().get("retry-after").map(|value| value.as_bytes()), Some(&b"1"[..]));
+    assert_eq!(
+        response.headers().get("content-type").map(|value| value.as_bytes()),
+        Some(&b"application/problem+json"[..])
+    );
+    let text = response.text().await.expect("a body");
+    let problem: Value = serde_json::from_str(&text).expect("a problem");
+    assert_eq!(problem["type"], "urn:standby:problem:unavailable", "{text}");
+    assert_eq!(problem["status"], 503, "{text}");
+    for internal in [leader_port.as_str(), "127.0.0.1", "os error", "refused", &format!("r{leader}")] {
+        assert!(!text.contains(internal), "the answer names `{internal}`: {text}");
+    }
 }

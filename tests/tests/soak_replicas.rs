@@ -268,8 +268,10 @@ async fn replicated_soak_with_faults_agent_and_replica_kills_loses_nothing_and_r
             // A restarted replica keeps its port: the balancer's list holds.
             .listen(free_addr())
             .args(&["--lease-ttl", LEASE_TTL, "--replica-id", &format!("r{index}")])
-            // Every replica opens what any of them sealed.
+            // Every replica opens what any of them sealed, and proves
+            // itself to the others with one cluster secret.
             .args(&["--secret-key-file", &key.display().to_string()])
+            .cluster_secret(&dir.path().join("cluster.secret"))
             .args(&["--pool-size", "6", "--running-cap", "12", "--heartbeat-interval", HEARTBEAT])
             .args(&["--max-attempts", "6", "--launch-timeout", "20s", "--linger", "2s", "--log", "info"])
             .args(&["--run-lost-after", "5s"])

@@ -10,13 +10,21 @@
 //! gave it (status, `Retry-After`, body), and only an admitted socket is
 //! upgraded. What to do when the leader's side ends is decided by the
 //! pure [`after_upstream`] and [`next_leader`].
+//!
+//! The relay follows the cluster's view of the leader, not only its two
+//! sockets: a leader that is paused or cut off keeps its socket "open"
+//! (its kernel takes the frames), so once the view names a leader of a
+//! newer epoch the relay drops the old upstream and re-dials, as it does
+//! when the old leader's side ends. A leader is dialled only once it
+//! proved the cluster secret ([`super::trust`]), within
+//! [`super::forward::answer_bound`].
 
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use axum::extract::FromRequestParts;
 use axum::extract::ws::{CloseFrame, Message, WebSocket, WebSocketUpgrade, close_code};
-use axum::http::{HeaderMap, HeaderValue, header};
+use axum::http::{HeaderMap, header};
 use axum::response::{IntoResponse, Response};
 use futures::{SinkExt, StreamExt};
 use standby_protocol::AgentMessage;
@@ -26,7 +34,8 @@ use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
 use tokio_tungstenite::tungstenite::{self, Message as Upstream};
 use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
 
-use super::forward::FORWARDED_BY;
+use super::forward::{answer_bound, superseded};
+use super::trust::{self, Target};
 use super::{Cluster, ClusterView, Role};
 
 type Leader = WebSocketStream<MaybeTlsStream<TcpStream>>;
@@ -72,8 +81,8 @@ pub fn wait_bound(ttl: Duration) -> Duration {
 /// What the relay waits for after the leader of `dialled_epoch` went away.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Wait {
-    /// A newer leader is known at this URL: dial it.
-    Dial { url: String, epoch: u64 },
+    /// A newer leader is known: dial it.
+    Dial(Target),
     /// Not yet: wait for the next view.
     Pending,
     /// This replica is going away: close the agent's socket.
@@ -85,21 +94,27 @@ pub enum Wait {
 pub fn next_leader(view: &ClusterView, dialled_epoch: u64) -> Wait {
     match (&view.role, &view.leader) {
         (Role::Deposed, _) => Wait::GiveUp,
-        (_, Some((_, url))) if view.epoch > dialled_epoch => Wait::Dial { url: url.clone(), epoch: view.epoch },
+        (_, Some((id, url))) if view.epoch > dialled_epoch => {
+            Wait::Dial(Target { id: id.clone(), url: url.clone(), epoch: view.epoch })
+        }
         _ => Wait::Pending,
     }
 }
 
-/// Dials the leader at `leader` with the agent's `headers`; admitted, the
+/// Dials the leader `target` with the agent's `headers`; admitted, the
 /// agent's upgrade is accepted and relayed; refused, the leader's answer
 /// is the agent's.
-pub async fn socket(cluster: Cluster, leader: String, epoch: u64, request: axum::extract::Request) -> Response {
+pub async fn socket(cluster: Cluster, target: Target, request: axum::extract::Request) -> Response {
     let (mut parts, _) = request.into_parts();
-    let headers = upstream_headers(&parts.headers, &cluster.view.borrow().replica_id);
-    let upstream = match dial(&leader, &headers).await {
+    let headers = upstream_headers(&parts.headers);
+    let epoch = target.epoch;
+    let upstream = match dial(&cluster, &target, &headers).await {
         Ok(upstream) => upstream,
         Err(Dial::Refused(response)) => return response,
-        Err(Dial::Failed(problem)) => return super::forward::unavailable(&problem),
+        Err(Dial::Failed(problem)) => {
+            tracing::warn!(leader = target.id, url = target.url, epoch, problem, "relaying a socket failed");
+            return super::forward::unavailable("the leader did not answer: retry");
+        }
     };
     let upgrade = match WebSocketUpgrade::from_request_parts(&mut parts, &()).await {
         Ok(upgrade) => upgrade,
@@ -129,7 +144,7 @@ impl std::fmt::Debug for UpstreamHeaders {
 }
 
 /// The agent's headers but those of its own connection and handshake.
-fn upstream_headers(headers: &HeaderMap, me: &str) -> UpstreamHeaders {
+fn upstream_headers(headers: &HeaderMap) -> UpstreamHeaders {
     let mut kept = HeaderMap::new();
     for (name, value) in headers {
         let own = name == header::HOST
@@ -143,9 +158,6 @@ fn upstream_headers(headers: &HeaderMap, me: &str) -> UpstreamHeaders {
             kept.append(name.clone(), value);
         }
     }
-    if let Ok(value) = HeaderValue::from_str(me) {
-        kept.insert(FORWARDED_BY, value);
-    }
     UpstreamHeaders(kept)
 }
 
@@ -155,7 +167,11 @@ enum Dial {
     Failed(String),
 }
 
-async fn dial(leader: &str, headers: &UpstreamHeaders) -> Result<Leader, Dial> {
+/// Opens a socket on `target`, once it proved the cluster secret, within
+/// [`answer_bound`].
+async fn dial(cluster: &Cluster, target: &Target, headers: &UpstreamHeaders) -> Result<Leader, Dial> {
+    trust::verify(cluster, target).await.map_err(|failure| Dial::Failed(failure.to_string()))?;
+    let leader = &target.url;
     let Some(rest) = leader.strip_prefix("http://") else {
         return Err(Dial::Failed(format!("the leader's URL `{leader}` is not http://: only plain HTTP is relayed")));
     };
@@ -165,9 +181,15 @@ async fn dial(leader: &str, headers: &UpstreamHeaders) -> Result<Leader, Dial> {
         .into_client_request()
         .map_err(|error| Dial::Failed(format!("the leader's socket URL `{url}` is not usable: {error}")))?;
     request.headers_mut().extend(headers.0.clone());
-    match tokio_tungstenite::connect_async_with_config(request, Some(crate::agent_api::leader_socket_config()), true)
+    let me = cluster.view.borrow().replica_id.clone();
+    trust::sign(cluster, &me, target, request.headers_mut());
+    let bound = answer_bound(cluster.ttl);
+    let connecting =
+        tokio_tungstenite::connect_async_with_config(request, Some(crate::agent_api::leader_socket_config()), true);
+    let connected = tokio::time::timeout(bound, connecting)
         .await
-    {
+        .map_err(|_| Dial::Failed(format!("the leader at {leader} did not answer the upgrade within {bound:?}")))?;
+    match connected {
         Ok((socket, _)) => Ok(socket),
         Err(tungstenite::Error::Http(answer)) => {
             let (parts, body) = answer.into_parts();
@@ -220,11 +242,20 @@ impl Relay {
         }
     }
 
-    /// Frames both ways until either side ends.
+    /// Frames both ways until either side ends, or the view names a newer
+    /// leader than the one dialled (the old one may be frozen, its socket
+    /// still open: it is dropped, not closed, as a frozen peer would not
+    /// read the close).
     async fn pump(&mut self, agent: &mut WebSocket, upstream: &mut Leader) -> Pumped {
         let mut shutdown = self.cluster.shutdown.clone();
+        let mut view = self.cluster.view.clone();
+        let dialled = self.epoch;
         loop {
             tokio::select! {
+                () = superseded(&mut view, dialled) => {
+                    tracing::info!(epoch = dialled, "another replica leads now: the relayed socket leaves the former leader");
+                    return Pumped::Upstream(Ending::Lost);
+                }
                 incoming = agent.recv() => match incoming {
                     Some(Ok(Message::Text(text))) => {
                         self.remember(text.as_str());
@@ -280,11 +311,15 @@ impl Relay {
             let dialling = matches!(wait, Wait::Dial { .. });
             match wait {
                 Wait::GiveUp => break,
-                Wait::Dial { url, epoch } => match dial(&url, &self.headers).await {
+                Wait::Dial(target) => match dial(&self.cluster, &target, &self.headers).await {
                     Ok(mut upstream) => {
-                        self.epoch = epoch;
+                        self.epoch = target.epoch;
                         self.cluster.stats.relay_redials.fetch_add(1, Ordering::Relaxed);
-                        tracing::info!(epoch, leader = url, "a relayed socket re-dialled the new leader");
+                        tracing::info!(
+                            epoch = target.epoch,
+                            leader = target.id,
+                            "a relayed socket re-dialled the new leader"
+                        );
                         if let Some(heartbeat) = &self.heartbeat
                             && upstream.send(Upstream::text(heartbeat.as_str())).await.is_err()
                         {
@@ -340,6 +375,8 @@ impl IntoUpstream for CloseFrame {
 
 #[cfg(test)]
 mod tests {
+    use axum::http::HeaderValue;
+
     use super::*;
 
     fn view(role: Role, leader: Option<&str>, epoch: u64) -> ClusterView {
@@ -366,7 +403,7 @@ mod tests {
         let mut agent = HeaderMap::new();
         agent.insert(header::AUTHORIZATION, HeaderValue::from_static("Bearer sb_live_hunter2"));
         agent.insert(header::HOST, HeaderValue::from_static("replica-1"));
-        let kept = upstream_headers(&agent, "r1");
+        let kept = upstream_headers(&agent);
         assert!(kept.0[header::AUTHORIZATION].is_sensitive());
         assert!(!kept.0.contains_key(header::HOST), "the agent's own connection's");
         for printed in [format!("{kept:?}"), format!("{:?}", kept.0)] {
@@ -384,15 +421,10 @@ mod tests {
         assert_eq!(next_leader(&view(Role::Follower, Some("http://a"), 4), 4), Wait::Pending);
         assert_eq!(next_leader(&view(Role::Follower, None, 5), 4), Wait::Pending);
         assert_eq!(next_leader(&view(Role::Candidate, None, 4), 4), Wait::Pending);
-        assert_eq!(
-            next_leader(&view(Role::Follower, Some("http://b"), 5), 4),
-            Wait::Dial { url: "http://b".into(), epoch: 5 }
-        );
+        let target = |url: &str, epoch| Wait::Dial(Target { id: "r0".into(), url: url.into(), epoch });
+        assert_eq!(next_leader(&view(Role::Follower, Some("http://b"), 5), 4), target("http://b", 5));
         // This replica took the lease: it dials itself.
-        assert_eq!(
-            next_leader(&view(Role::Leader, Some("http://me"), 6), 4),
-            Wait::Dial { url: "http://me".into(), epoch: 6 }
-        );
+        assert_eq!(next_leader(&view(Role::Leader, Some("http://me"), 6), 4), target("http://me", 6));
         assert_eq!(next_leader(&view(Role::Deposed, None, 6), 4), Wait::GiveUp);
     }
 }

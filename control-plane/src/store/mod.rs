@@ -65,6 +65,12 @@ pub enum StoreError {
          run a standby-server that knows version {found} (or restore the database)"
     )]
     SchemaTooNew { store: String, found: i32, known: i32 },
+    #[error(
+        "store {store}: the database's schema is at version {found} and this standby-server needs migration \
+         {needed} ({name}), which its role may not apply ({detail}): run `standby-server migrate` with the role \
+         that owns the schema (docs/operations.md, \"Database roles\")"
+    )]
+    MigrationNeeded { store: String, found: i32, needed: i32, name: &'static str, detail: String },
     #[error("store {store}: record `{id}` in `{table}` is unreadable: {problem}")]
     Corrupt { store: String, table: &'static str, id: String, problem: String },
     #[error(

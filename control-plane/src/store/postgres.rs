@@ -32,6 +32,7 @@ use deadpool_postgres::{
 };
 use serde::de::DeserializeOwned;
 use standby_protocol::Secret;
+use tokio_postgres::error::SqlState;
 use tokio_postgres::types::ToSql;
 use tokio_postgres::{IsolationLevel, NoTls, Row};
 
@@ -96,10 +97,26 @@ impl Drop for Driver {
 }
 
 impl PostgresStore {
-    /// Connects to the database at `url` and brings its schema up to this
-    /// binary's; run requests are sealed with `key`. Blocks: call it off the
-    /// async threads.
+    /// Connects to the database at `url`, brings its schema up to this
+    /// binary's and checks `key` against the one the store is sealed with;
+    /// run requests are sealed with `key`. Blocks: call it off the async
+    /// threads.
     pub fn connect(url: &Secret, key: &SealKey) -> Result<Self, StoreError> {
+        let store = Self::pool(url, key)?;
+        store.migrate()?;
+        store.check_seal_key()?;
+        Ok(store)
+    }
+
+    /// `standby-server migrate`: brings the schema up to this binary's. It
+    /// seals nothing, so it takes no key and leaves the key's check to the
+    /// first `serve`. Blocks.
+    pub fn migrate_schema(url: &Secret) -> Result<(), StoreError> {
+        Self::pool(url, &SealKey::random())?.migrate()
+    }
+
+    /// The connection pool on `url`, the schema as it is.
+    fn pool(url: &Secret, key: &SealKey) -> Result<Self, StoreError> {
         let name = redact_url(url.expose());
         let mut config: tokio_postgres::Config =
             url.expose().parse().map_err(|error| StoreError::Url { store: name.clone(), problem: describe(&error) })?;
@@ -138,8 +155,6 @@ impl PostgresStore {
             fence: Mutex::new(None),
             deposed: AtomicBool::new(false),
         };
-        store.migrate()?;
-        store.check_seal_key()?;
         Ok(store)
     }
 
@@ -177,10 +192,32 @@ impl PostgresStore {
         })
     }
 
+    /// Applies the migrations the database lacks. A database already up to
+    /// date is only read, so a role without `CREATE` (the runtime role of
+    /// *Database roles* in `docs/operations.md`) starts on it; one that
+    /// lacks a migration its role may not apply is refused, naming it.
     fn migrate(&self) -> Result<(), StoreError> {
         let applied = self.driver.block_on(async {
             let failed = self.failed("apply the schema migrations");
             let mut client = self.client().await?;
+            let seen = self.schema_version(&client).await?;
+            let first_needed = match migrations::pending(seen) {
+                Ok([]) => return Ok(seen),
+                Ok([first, ..]) => *first,
+                Err(found) => {
+                    return Err(StoreError::SchemaTooNew { store: self.name.clone(), found, known: migrations::known() });
+                }
+            };
+            let not_allowed = |error: tokio_postgres::Error| match error.code() {
+                Some(&SqlState::INSUFFICIENT_PRIVILEGE) => StoreError::MigrationNeeded {
+                    store: self.name.clone(),
+                    found: seen,
+                    needed: first_needed.version,
+                    name: first_needed.name,
+                    detail: describe(&error),
+                },
+                _ => failed(error),
+            };
             let transaction = client.transaction().await.map_err(&failed)?;
             // Per schema: tests (and deployments) sharing a database do not
             // wait for each other.
@@ -193,7 +230,9 @@ impl PostgresStore {
                 .map_err(&failed)?;
             // "already exists, skipping" at every start is no news.
             transaction.batch_execute("SET LOCAL client_min_messages = warning").await.map_err(&failed)?;
-            transaction.batch_execute(migrations::VERSIONS_TABLE).await.map_err(&failed)?;
+            // Under the lock, what another start may have applied meanwhile
+            // (read from the table itself, which refreshes the catalog).
+            transaction.batch_execute(migrations::VERSIONS_TABLE).await.map_err(not_allowed)?;
             let row = transaction
                 .query_one("SELECT COALESCE(MAX(version), 0) FROM schema_migrations", &[])
                 .await
@@ -205,7 +244,7 @@ impl PostgresStore {
                 known: migrations::known(),
             })?;
             for migration in pending {
-                transaction.batch_execute(migration.sql).await.map_err(&failed)?;
+                transaction.batch_execute(migration.sql).await.map_err(not_allowed)?;
                 transaction
                     .execute(
                         "INSERT INTO schema_migrations (version, name) VALUES ($1, $2)",
@@ -224,6 +263,18 @@ impl PostgresStore {
             tracing::info!(store = self.name, from = applied, to = version, "PostgreSQL store: schema migrated");
         }
         Ok(())
+    }
+
+    /// The newest migration the database has had (`0`: none), read
+    /// without creating anything.
+    async fn schema_version(&self, client: &impl GenericClient) -> Result<i32, StoreError> {
+        let failed = self.failed("read the schema version");
+        let exists = client.query_one("SELECT to_regclass('schema_migrations') IS NOT NULL", &[]).await;
+        if !exists.and_then(|row| row.try_get::<_, bool>(0)).map_err(&failed)? {
+            return Ok(0);
+        }
+        let row = client.query_one("SELECT COALESCE(MAX(version), 0) FROM schema_migrations", &[]).await;
+        row.and_then(|row| row.try_get(0)).map_err(&failed)
     }
 
     async fn client(&self) -> Result<Object, StoreError> {

@@ -28,7 +28,11 @@ pub const TYPES: [(&str, &str, &str); 9] = [
     (TOO_LARGE, "Request too large", "the body is over the server's limit"),
     (KEY_REUSED, "Idempotency key reused", "the `Idempotency-Key` was used with another body"),
     (INTERNAL, "Internal error", "the server failed (its log says why)"),
-    (UNAVAILABLE, "Unavailable", "the server is shutting down"),
+    (
+        UNAVAILABLE,
+        "Unavailable",
+        "the server is shutting down, or no leader answers right now: retry after `Retry-After`",
+    ),
     (OTHER, "Error", "any other refusal"),
 ];
 
