@@ -25,6 +25,7 @@ use tokio::sync::watch;
 
 use self::lease::{Lease, Outcome};
 use self::secret::ClusterSecret;
+use crate::listener::ListenerStats;
 use crate::model::Millis;
 use crate::store::LeaseStore;
 
@@ -104,6 +105,8 @@ pub struct Cluster {
     pub url: String,
     /// The last leader that proved the secret to this replica.
     pub proven: Arc<trust::Proven>,
+    /// The listener's cap, which a connection to the leader counts under.
+    pub listener: Arc<ListenerStats>,
 }
 
 impl Cluster {
@@ -140,6 +143,7 @@ pub fn start(
     config: ClusterConfig,
     url: String,
     lease: Arc<dyn LeaseStore>,
+    listener: Arc<ListenerStats>,
     shutdown: watch::Receiver<bool>,
 ) -> Cluster {
     let (view_tx, view) = watch::channel(ClusterView {
@@ -152,7 +156,7 @@ pub fn start(
     let stats = Arc::new(ClusterStats::default());
     let (ttl, secret) = (config.ttl, Arc::new(config.secret.clone()));
     tokio::spawn(claim_loop(config, url.clone(), Arc::clone(&lease), view_tx, Arc::clone(&stats), shutdown.clone()));
-    Cluster { view, stats, lease, ttl, shutdown, secret, url, proven: Arc::default() }
+    Cluster { view, stats, lease, ttl, shutdown, secret, url, proven: Arc::default(), listener }
 }
 
 async fn claim_loop(

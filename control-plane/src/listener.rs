@@ -18,7 +18,7 @@
 //! - at most `max_connections` descriptors are held for connections at
 //!   once: one per connection, upgraded control sockets included, and one
 //!   more for each connection a call holds to another replica (a forwarded
-//!   call, a relayed socket: [`ConnectionSlot::outgoing`]). At the cap the
+//!   call, a relayed socket: [`ListenerStats::outgoing`]). At the cap the
 //!   loop stops accepting: newer connections wait in the kernel's backlog (a
 //!   client that waits is served as soon as a slot frees) instead of being
 //!   refused, and the process never reaches its open-files limit.
@@ -158,6 +158,8 @@ pub struct ListenerStats {
     pub limits: ListenerLimits,
     /// Connections open now (control sockets included).
     pub open: AtomicUsize,
+    /// Connections to another replica open now (under the same cap).
+    pub outgoing: AtomicUsize,
     /// Times the accept loop found the cap reached and stopped accepting.
     pub cap_reached: AtomicU64,
     /// Connections closed for sending no complete request head in time.
@@ -177,10 +179,31 @@ pub struct ListenerStats {
 }
 
 impl ListenerStats {
+    /// A place under the cap for a connection to another replica (a
+    /// forwarded call, a relayed socket, a proof challenge): it holds a
+    /// descriptor as a client's connection does. `None` at the cap: the
+    /// caller answers `503` rather than wait, since the call it serves
+    /// already holds a slot and waiting for another could deadlock the cap.
+    pub(crate) fn outgoing(self: &Arc<Self>) -> Option<OutgoingSlot> {
+        match Arc::clone(&self.slots).try_acquire_owned() {
+            Ok(permit) => {
+                self.outgoing.fetch_add(1, Ordering::Relaxed);
+                Some(OutgoingSlot { _permit: permit, stats: Arc::clone(self) })
+            }
+            Err(_) => {
+                self.outgoing_refused.fetch_add(1, Ordering::Relaxed);
+                None
+            }
+        }
+    }
+}
+
+impl ListenerStats {
     pub fn new(limits: ListenerLimits) -> Self {
         Self {
             limits,
             open: AtomicUsize::new(0),
+            outgoing: AtomicUsize::new(0),
             cap_reached: AtomicU64::new(0),
             header_timeouts: AtomicU64::new(0),
             body_timeouts: AtomicU64::new(0),
@@ -201,28 +224,18 @@ pub(crate) struct ConnectionSlot {
     held: Arc<Held>,
 }
 
-impl ConnectionSlot {
-    /// A place under the cap for a connection this call opens to another
-    /// replica (a forwarded call, a relayed socket): it holds a descriptor
-    /// as the connection it came on does. `None` at the cap: the caller
-    /// answers `503` rather than wait, since the call already holds a slot
-    /// and waiting for another could deadlock the cap.
-    pub(crate) fn outgoing(&self) -> Option<OutgoingSlot> {
-        let stats = &self.held.stats;
-        match Arc::clone(&stats.slots).try_acquire_owned() {
-            Ok(permit) => Some(OutgoingSlot { _permit: permit }),
-            Err(_) => {
-                stats.outgoing_refused.fetch_add(1, Ordering::Relaxed);
-                None
-            }
-        }
-    }
-}
-
-/// A connection to another replica's place under the cap, freed on drop.
+/// A connection to another replica's place under the cap, freed (and
+/// counted closed) on drop.
 #[derive(Debug)]
 pub(crate) struct OutgoingSlot {
     _permit: OwnedSemaphorePermit,
+    stats: Arc<ListenerStats>,
+}
+
+impl Drop for OutgoingSlot {
+    fn drop(&mut self) {
+        self.stats.outgoing.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 /// Frees the place and counts the connection closed when the last clone

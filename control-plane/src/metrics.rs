@@ -147,6 +147,12 @@ fn render_server_into(out: &mut String, listener: &ListenerStats, containment: &
             limits.max_connections as u64
         }),
         (
+            "standby_http_outgoing_connections",
+            "gauge",
+            "Connections to the leader open now (a follower's forwarded calls and relayed sockets), under the cap too.",
+            listener.outgoing.load(Ordering::Relaxed) as u64,
+        ),
+        (
             "standby_http_connection_cap_reached_total",
             "counter",
             "Times the cap was reached and new connections were left waiting in the backlog.",

@@ -247,10 +247,12 @@ pub async fn start_replica<P: SandboxProvider>(
     let (handle, mailbox) = EngineHandle::mailbox();
     let (fatal_tx, fatal) = watch::channel(None);
     let (stop_serving, stopped) = watch::channel(false);
+    let listener_stats = Arc::new(ListenerStats::new(config.listener));
     let cluster = match (lease, config.cluster.clone()) {
         (Some(lease), Some(cluster_config)) => {
             let advertised = advertise_url(cluster_config.advertise_url.as_deref(), addr)?;
-            Some(crate::cluster::start(cluster_config, advertised, lease, stopped.clone()))
+            let listener = Arc::clone(&listener_stats);
+            Some(crate::cluster::start(cluster_config, advertised, lease, listener, stopped.clone()))
         }
         _ => None,
     };
@@ -271,11 +273,10 @@ pub async fn start_replica<P: SandboxProvider>(
         api_key: Arc::new(TokenHash::of(config.api_key.expose())),
         spec: Arc::new(config.spec.clone()),
         idle_timeout: config.heartbeat_interval * (crate::dispatch::HEARTBEAT_WINDOW + 1),
-        listener: Arc::new(ListenerStats::new(config.listener)),
+        listener: Arc::clone(&listener_stats),
         containment: provider.containment(),
         cluster: cluster.clone(),
     };
-    let listener_stats = Arc::clone(&state.listener);
     let mut app = router(state);
     if !config.inject_latency.is_zero() {
         app = app.layer(axum::middleware::from_fn_with_state(config.inject_latency, delay_execution_calls));

@@ -131,6 +131,8 @@ pub(super) enum Failure {
     Superseded,
     #[error("the leader's connection failed: {0}")]
     Broken(String),
+    #[error("no slot is left under the connection cap for a connection to the leader")]
+    AtCap,
 }
 
 /// A call's body as sending it again allows.
@@ -176,6 +178,7 @@ async fn forward(cluster: &Cluster, view: &ClusterView, target: Target, request:
     let mut body = Replay::of(&parts, body).await;
     let failure = match attempt(cluster, &view.replica_id, &target, &parts, &mut body).await {
         Ok(response) => return response,
+        Err(Failure::AtCap) => return unavailable("this replica holds all the connections it may: retry"),
         Err(failure) => failure,
     };
     tracing::warn!(leader = target.id, url = target.url, epoch = target.epoch, %failure, "forwarding a call failed");
@@ -213,7 +216,7 @@ async fn attempt(
     body: &mut Replay,
 ) -> Result<Response, Failure> {
     trust::verify(cluster, target).await?;
-    let mut sender = connect(&target.url).await?;
+    let mut sender = connect(cluster, &target.url).await?;
     let mut request = Request::builder()
         .method(parts.method.clone())
         .uri(parts.uri.path_and_query().map_or_else(|| Uri::from_static("/"), |path| Uri::from(path.clone())))
@@ -243,8 +246,10 @@ pub(super) async fn superseded(view: &mut watch::Receiver<ClusterView>, epoch: u
 }
 
 /// An HTTP/1 connection to `url` (plain `http://`), within
-/// [`CONNECT_BOUND`].
-pub(super) async fn connect(url: &str) -> Result<SendRequest<Body>, Failure> {
+/// [`CONNECT_BOUND`], counted under the listener's cap for as long as it is
+/// open: it holds a descriptor as a client's connection does.
+pub(super) async fn connect(cluster: &Cluster, url: &str) -> Result<SendRequest<Body>, Failure> {
+    let slot = cluster.listener.outgoing().ok_or(Failure::AtCap)?;
     let target: Uri = url.parse().map_err(|_| Failure::Connect("the URL is not a URL".into()))?;
     if target.scheme_str() != Some("http") {
         return Err(Failure::Connect("the URL is not http://: only plain HTTP is forwarded".into()));
@@ -263,6 +268,7 @@ pub(super) async fn connect(url: &str) -> Result<SendRequest<Body>, Failure> {
             if let Err(error) = connection.await {
                 tracing::debug!(%error, "a forwarded connection ended");
             }
+            drop(slot);
         });
         Ok(sender)
     };

@@ -108,6 +108,11 @@ pub async fn socket(cluster: Cluster, target: Target, request: axum::extract::Re
     let (mut parts, _) = request.into_parts();
     let headers = upstream_headers(&parts.headers);
     let epoch = target.epoch;
+    // The socket to the leader (one at a time, re-dials included) holds a
+    // descriptor for the relay's whole life.
+    let Some(slot) = cluster.listener.outgoing() else {
+        return super::forward::unavailable("this replica holds all the connections it may: retry");
+    };
     let upstream = match dial(&cluster, &target, &headers).await {
         Ok(upstream) => upstream,
         Err(Dial::Refused(response)) => return response,
@@ -128,6 +133,7 @@ pub async fn socket(cluster: Cluster, target: Target, request: axum::extract::Re
         let relay = Relay { cluster: cluster.clone(), headers, epoch, heartbeat: None };
         Box::pin(relay.run(agent, upstream)).await;
         cluster.stats.relayed_sockets.fetch_sub(1, Ordering::Relaxed);
+        drop(slot);
     })
 }
 

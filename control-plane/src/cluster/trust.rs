@@ -54,7 +54,7 @@ pub(super) async fn verify(cluster: &Cluster, target: &Target) -> Result<(), Fai
         return Ok(());
     }
     let nonce = crate::credential::hex(&rand::random::<[u8; 32]>());
-    let answered = tokio::time::timeout(CONNECT_BOUND * 2, challenge(&target.url, &nonce)).await;
+    let answered = tokio::time::timeout(CONNECT_BOUND * 2, challenge(cluster, &target.url, &nonce)).await;
     let proof = answered.map_err(|_| Failure::Silent(CONNECT_BOUND * 2))??;
     if !cluster.secret.verify_leader(&proof, &nonce, &target.id, target.epoch, &target.url) {
         tracing::error!(
@@ -72,8 +72,8 @@ pub(super) async fn verify(cluster: &Cluster, target: &Target) -> Result<(), Fai
 }
 
 /// `GET {url}/v1/cluster/proof` with `nonce`: the proof the answer carries.
-async fn challenge(url: &str, nonce: &str) -> Result<String, Failure> {
-    let mut sender = connect(url).await?;
+async fn challenge(cluster: &Cluster, url: &str, nonce: &str) -> Result<String, Failure> {
+    let mut sender = connect(cluster, url).await?;
     let request = Request::get(PROOF_PATH)
         .header(NONCE_HEADER, nonce)
         .body(Body::empty())
