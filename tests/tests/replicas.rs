@@ -734,6 +734,11 @@ async fn a_rewritten_lease_url_gets_nothing_secret_from_the_followers() {
 async fn refused_start(dir: &std::path::Path, store: &str, args: &[&str], secret: Option<&std::path::Path>) -> String {
     let key = dir.join("api.key");
     std::fs::write(&key, API_KEY).expect("the API key");
+    std::fs::set_permissions(&key, std::os::unix::fs::PermissionsExt::from_mode(0o600)).expect("chmod the API key");
+    let sealing = dir.join("secret.key");
+    if !sealing.exists() {
+        keygen(&sealing);
+    }
     let mut command = tokio::process::Command::new(standby_e2e::server_process::server_bin());
     for (name, _) in std::env::vars_os() {
         if name.to_str().is_some_and(|name| name.starts_with("STANDBY_")) {
@@ -743,6 +748,8 @@ async fn refused_start(dir: &std::path::Path, store: &str, args: &[&str], secret
     command
         .args(["serve", "--provider", "spool", "--api-key-file"])
         .arg(&key)
+        .arg("--secret-key-file")
+        .arg(&sealing)
         .arg("--data-dir")
         .arg(dir.join("data"))
         .args(["--store", store])
