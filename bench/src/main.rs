@@ -126,7 +126,7 @@ fn git_commit() -> Option<String> {
 fn binary(dir: &Path, name: &str) -> Result<PathBuf> {
     let path = std::path::absolute(dir.join(name)).with_context(|| format!("resolving {}", dir.display()))?;
     if !path.is_file() {
-        bail!("{} is missing: build it with `cargo build --release --bins` (scripts/bench does)", path.display());
+        bail!("{} is missing: build it with `cargo build --profile dist --bins` (scripts/bench does)", path.display());
     }
     Ok(path)
 }
