@@ -3,7 +3,6 @@
 //! of a stored log with its gap markers (`docs/operations.md`, "Per-run
 //! bounds"; `docs/protocol.md`, "The log endpoint").
 
-use base64::Engine as _;
 use standby_protocol::{Event, EventKind};
 
 /// Largest body of `POST /v1/executions/{id}/events`.
@@ -66,17 +65,36 @@ pub fn page_limit(raw: Option<&str>) -> Result<usize, OutOfBounds> {
     }
 }
 
-/// The opaque cursor after an item with sort key `(at, id)`.
+/// Most digits of a cursor's position: 18 always fit an `i64`.
+const CURSOR_AT_DIGITS: usize = 18;
+/// Longest id in a cursor: ids are minted far shorter.
+const CURSOR_ID_MAX: usize = 128;
+
+/// What [`parse_cursor`] accepts, as the OpenAPI document states it:
+/// every string this matches names a position, so a client (or a fuzzer)
+/// holding a schema-valid cursor is never refused.
+pub const CURSOR_PATTERN: &str = "^[0-9]{1,18}:[A-Za-z0-9_-]{0,128}$";
+
+/// The cursor after an item with sort key `(at, id)`: `<at>:<id>`, URL-safe
+/// as it stands. Clients treat it as opaque; it is plain so that the
+/// document's pattern ([`CURSOR_PATTERN`]) can say exactly which strings
+/// are cursors.
 pub fn cursor(at: i64, id: &str) -> String {
-    base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(format!("{at}:{id}"))
+    format!("{at}:{id}")
 }
 
-/// The sort key a [`cursor`] names.
+/// The sort key a [`cursor`] names: exactly the strings [`CURSOR_PATTERN`]
+/// matches.
 pub fn parse_cursor(raw: &str) -> Result<(i64, String), OutOfBounds> {
     let bad = || OutOfBounds { field: "cursor", problem: "is not a cursor this server gave".into() };
-    let bytes = base64::engine::general_purpose::URL_SAFE_NO_PAD.decode(raw).map_err(|_| bad())?;
-    let text = String::from_utf8(bytes).map_err(|_| bad())?;
-    let (at, id) = text.split_once(':').ok_or_else(bad)?;
+    let (at, id) = raw.split_once(':').ok_or_else(bad)?;
+    let id_char = |c: char| c.is_ascii_alphanumeric() || matches!(c, '_' | '-');
+    if at.is_empty() || at.len() > CURSOR_AT_DIGITS || !at.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(bad());
+    }
+    if id.len() > CURSOR_ID_MAX || !id.chars().all(id_char) {
+        return Err(bad());
+    }
     Ok((at.parse().map_err(|_| bad())?, id.to_owned()))
 }
 
@@ -224,7 +242,12 @@ mod tests {
         for bad in ["0", "1001", "x", "-1"] {
             assert_eq!(page_limit(Some(bad)).map_err(|e| e.field), Err("limit"), "{bad}");
         }
-        assert_eq!(parse_cursor(&cursor(1_700_000, "exe_a:b")), Ok((1_700_000, "exe_a:b".into())));
-        assert_eq!(parse_cursor("!!").map_err(|e| e.field), Err("cursor"));
+        assert_eq!(parse_cursor(&cursor(1_700_000, "exe_a1")), Ok((1_700_000, "exe_a1".into())));
+        assert_eq!(parse_cursor(&cursor(7, "")), Ok((7, String::new())));
+        assert_eq!(parse_cursor(&format!("{}:x", "9".repeat(18))), Ok((999_999_999_999_999_999, "x".into())));
+        let long_id = format!("1:{}", "a".repeat(129));
+        for bad in ["", "!!", ":", "1", "-1:x", "+1:x", "1:a:b", "1:a b", &format!("{}:x", "9".repeat(19)), &long_id] {
+            assert_eq!(parse_cursor(bad).map_err(|e| e.field), Err("cursor"), "{bad}");
+        }
     }
 }

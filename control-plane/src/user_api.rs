@@ -37,22 +37,23 @@ use crate::store::Store;
 #[serde(deny_unknown_fields)]
 pub struct Submission {
     /// The program and its arguments; the program must not be empty.
-    #[schema(min_items = 1)]
+    #[schema(schema_with = openapi::command_schema)]
     pub command: Vec<String>,
     /// A relative path inside the workspace (no `..`).
     #[serde(default)]
-    #[schema(min_length = 1, pattern = "^[^/]")]
+    #[schema(schema_with = openapi::relative_path_schema)]
     pub cwd: Option<String>,
     /// Environment of the run. Names are not empty and hold no `=`.
     #[serde(default)]
+    #[schema(schema_with = openapi::environment_schema)]
     pub env: BTreeMap<String, String>,
     /// Secrets the agent fetches at install time; redacted from the log.
     #[serde(default)]
-    #[schema(value_type = BTreeMap<String, String>)]
+    #[schema(schema_with = openapi::environment_schema)]
     pub secrets: BTreeMap<String, Secret>,
     /// Cloud credentials, as environment variables; never stored in clear.
     #[serde(default)]
-    #[schema(value_type = BTreeMap<String, String>)]
+    #[schema(schema_with = openapi::environment_schema)]
     pub cloud_env: BTreeMap<String, Secret>,
     /// Git credentials (the contract's `GitCredential`); `protocol` and
     /// `host` must not be empty.
@@ -61,12 +62,13 @@ pub struct Submission {
     pub git_credentials: Vec<GitCredential>,
     /// Any JSON, handed to the run as a file.
     #[serde(default)]
-    #[schema(value_type = Option<Object>)]
+    #[schema(schema_with = openapi::any_json_schema)]
     pub metadata: Option<serde_json::Value>,
     #[serde(default)]
     pub attachments: Vec<AttachmentInput>,
     /// Environment of the MCP servers for this run.
     #[serde(default)]
+    #[schema(schema_with = openapi::environment_schema)]
     pub mcp_env: BTreeMap<String, String>,
     /// Fail the install when an MCP server does not come up.
     #[serde(default)]
@@ -77,9 +79,14 @@ pub struct Submission {
     #[schema(schema_with = openapi::workspace_schema)]
     pub workspace: Option<Workspace>,
     /// The conversation the run is a turn of: the sandbox is kept for the
-    /// thread's next turn. Not `.` or `..`.
+    /// thread's next turn. Not `.` or `..` (`check_thread_id`; the pattern
+    /// says so without look-ahead, which not every validator has).
     #[serde(default)]
-    #[schema(min_length = 1, max_length = 128, pattern = "^[A-Za-z0-9._:-]+$")]
+    #[schema(
+        min_length = 1,
+        max_length = 128,
+        pattern = r"^(?:[A-Za-z0-9_:-]|\.[A-Za-z0-9_:-]|\.\.[A-Za-z0-9._:-])[A-Za-z0-9._:-]*$"
+    )]
     pub thread_id: Option<String>,
 }
 
@@ -93,8 +100,12 @@ pub struct AttachmentInput {
     pub name: String,
     #[serde(default)]
     pub content: Option<String>,
-    /// Standard base64 (with padding).
+    /// Standard base64 (with padding, canonical), optionally between
+    /// spaces, tabs and line ends.
     #[serde(default)]
+    #[schema(
+        pattern = r"^[ \t\r\n]*(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/][AQgw]==|[A-Za-z0-9+/]{2}[AEIMQUYcgkosw048]=)?[ \t\r\n]*$"
+    )]
     pub content_base64: Option<String>,
 }
 
@@ -127,6 +138,11 @@ pub(crate) fn check_thread_id(thread_id: &str) -> Result<(), ApiError> {
     }
     Ok(())
 }
+
+/// What may surround an attachment's base64: what a line-wrapping encoder
+/// or a text editor adds at its ends, and nothing the document's pattern
+/// (on `content_base64`) does not say.
+const BASE64_SPACE: [char; 4] = [' ', '\t', '\r', '\n'];
 
 /// Longest attachment name: what a file name may be on the agent's side.
 const MAX_ATTACHMENT_NAME: usize = 255;
@@ -213,7 +229,7 @@ impl Submission {
             let content = match (attachment.content, attachment.content_base64) {
                 (Some(text), None) => text.into_bytes(),
                 (None, Some(encoded)) => base64::engine::general_purpose::STANDARD
-                    .decode(encoded.trim())
+                    .decode(encoded.trim_matches(BASE64_SPACE))
                     .map_err(|_| bad(format!("{field}.content_base64"), "is not valid base64"))?,
                 _ => return Err(bad(field, "needs exactly one of `content` and `content_base64`")),
             };

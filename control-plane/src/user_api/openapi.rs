@@ -11,7 +11,8 @@ use axum::http::header;
 use axum::response::{IntoResponse, Response};
 use schemars::generate::SchemaSettings;
 use serde_json::Value;
-use utoipa::openapi::schema::{ArrayBuilder, ObjectBuilder, OneOfBuilder, Schema, Type};
+use serde_json::json;
+use utoipa::openapi::schema::{ArrayBuilder, ObjectBuilder, OneOfBuilder, Schema, SchemaType, Type};
 use utoipa::openapi::security::{Http, HttpAuthScheme, SecurityScheme};
 use utoipa::openapi::{Ref, RefOr};
 use utoipa::{Modify, OpenApi};
@@ -74,6 +75,109 @@ const COMPONENTS: &str = "/components/schemas";
 )]
 struct ApiDoc;
 
+/// A string with no NUL byte: no process can be given one (`submit_checks`).
+pub(crate) const NO_NUL: &str = "^[^\0]*$";
+/// A string with no NUL byte and something in it.
+const NOT_EMPTY: &str = "^[^\0]+$";
+/// An environment variable's name: not empty, no `=`, no NUL.
+const ENV_NAME: &str = "^[^=\0]+$";
+/// A string holding more than whitespace (Rust's `char::is_whitespace`, so
+/// exactly what `str::trim` removes) and no NUL.
+const NOT_BLANK: &str =
+    "^[^\0]*[^\0\t\n\u{b}\u{c}\r \u{85}\u{a0}\u{1680}\u{2000}-\u{200a}\u{2028}\u{2029}\u{202f}\u{205f}\u{3000}][^\0]*$";
+/// A path inside the workspace (`check_relative`): not empty, not absolute,
+/// no `..` segment, no NUL.
+pub(crate) const RELATIVE_PATH: &str =
+    "^(?:\\.|\\.?[^/.\0][^/\0]*|\\.\\.[^/\0]+)(?:/(?:\\.?|\\.?[^/.\0][^/\0]*|\\.\\.[^/\0]+))*$";
+
+/// A path inside the workspace, or `null`: the workspace itself.
+pub(crate) fn relative_path_schema() -> Schema {
+    ObjectBuilder::new()
+        .schema_type(utoipa::openapi::schema::SchemaType::from_iter([Type::String, Type::Null]))
+        .pattern(Some(RELATIVE_PATH))
+        .description(Some("A relative path inside the workspace (no `..`); the workspace itself when absent."))
+        .into()
+}
+
+/// A string matching `pattern`.
+fn text(pattern: &str) -> ObjectBuilder {
+    ObjectBuilder::new().schema_type(Type::String).pattern(Some(pattern))
+}
+
+/// A command: the program (not empty), then any arguments; no NUL.
+pub(crate) fn command_schema() -> Schema {
+    ArrayBuilder::new()
+        .prefix_items([text(NOT_EMPTY)])
+        .items(text(NO_NUL))
+        .min_items(Some(1))
+        .description(Some("The program and its arguments; the program must not be empty."))
+        .into()
+}
+
+/// Environment variables: names not empty and without `=`, nothing with a
+/// NUL.
+pub(crate) fn environment_schema() -> Schema {
+    ObjectBuilder::new()
+        .schema_type(Type::Object)
+        .property_names(Some(text(ENV_NAME)))
+        .additional_properties(Some(text(NO_NUL)))
+        .into()
+}
+
+/// Any JSON value (`null`: none, the run gets `{}`).
+pub(crate) fn any_json_schema() -> Schema {
+    ObjectBuilder::new()
+        .schema_type(SchemaType::AnyValue)
+        .description(Some("Any JSON, handed to the run as a file (`{}` when absent or `null`)."))
+        .into()
+}
+
+/// What utoipa's attributes and schemars' derives cannot say, and the
+/// server checks at submit (`Submission::validate`): an attachment has
+/// exactly one of its two contents; the contract's workspace and git
+/// credentials have no empty or blank required string, no path leaving
+/// the workspace, no NUL. Stated here so that every schema-valid
+/// submission is one the server takes.
+fn constrain(schemas: &mut serde_json::Map<String, Value>) {
+    let mut set = |pointer: &str, key: &str, value: Value| {
+        let (name, rest) = pointer.split_once('/').unwrap_or((pointer, ""));
+        let target = schemas
+            .get_mut(name)
+            .and_then(|schema| if rest.is_empty() { Some(schema) } else { schema.pointer_mut(&format!("/{rest}")) })
+            .and_then(Value::as_object_mut)
+            .unwrap_or_else(|| panic!("the document has no schema at {pointer}"));
+        target.insert(key.to_owned(), value);
+    };
+    let content = |name: &str| json!({"properties": {name: {"type": "string"}}, "required": [name]});
+    set("AttachmentInput", "oneOf", json!([content("content"), content("content_base64")]));
+    set("Repo/properties/url", "pattern", json!(NOT_BLANK));
+    set("Repo/properties/path", "pattern", json!(RELATIVE_PATH));
+    set("Repo/properties/ref", "pattern", json!(NO_NUL));
+    set("Repo/properties/expected_sha", "pattern", json!(NO_NUL));
+    set("SetupStep/properties/name", "pattern", json!(NOT_BLANK));
+    set("SetupStep/properties/cwd", "pattern", json!(RELATIVE_PATH));
+    set("SetupStep/properties", "command", serde_json::to_value(command_schema()).expect("a schema serialises"));
+    set("GitCredential/properties/protocol", "pattern", json!(NOT_EMPTY));
+    set("GitCredential/properties/host", "pattern", json!(NOT_EMPTY));
+    set("GitCredential/properties/username", "pattern", json!(NO_NUL));
+    set("Secret", "pattern", json!(NO_NUL));
+}
+
+/// `offset` and `limit` of a run's log take any whole number (`reads::number`
+/// saturates), where utoipa would write a `u64` as `int64`, whose bound the
+/// server does not have.
+fn unbounded_log_range(document: &mut Value) {
+    let parameters = document
+        .pointer_mut("/paths/~1v1~1runs~1{id}~1log/get/parameters")
+        .and_then(Value::as_array_mut)
+        .expect("the log has parameters");
+    for parameter in parameters.iter_mut().filter(|parameter| parameter["in"] == "query") {
+        if let Some(schema) = parameter["schema"].as_object_mut() {
+            schema.remove("format");
+        }
+    }
+}
+
 /// The API key as an HTTP bearer scheme, and the list of problem types.
 struct Security;
 
@@ -98,6 +202,8 @@ pub fn document() -> Value {
         assert!(!schemas.contains_key(&name), "the contract's `{name}` and an API type share a schema name");
         schemas.insert(name, schema);
     }
+    constrain(schemas);
+    unbounded_log_range(&mut document);
     document
 }
 

@@ -43,12 +43,15 @@ fn refused(out: OutOfBounds) -> Problem {
     ApiError::from(out).into()
 }
 
+/// A whole number of bytes: any run of ASCII digits, as the document's
+/// unbounded `integer` says; one past `u64::MAX` means what `u64::MAX`
+/// does (past any log's end, or to its end).
 fn number(params: &HashMap<String, String>, field: &'static str) -> Result<Option<u64>, Problem> {
-    params
-        .get(field)
-        .map(|raw| raw.parse::<u64>())
-        .transpose()
-        .map_err(|_| refused(OutOfBounds { field, problem: "must be a whole number of bytes".into() }))
+    let Some(raw) = params.get(field) else { return Ok(None) };
+    if raw.is_empty() || !raw.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(refused(OutOfBounds { field, problem: "must be a whole number of bytes".into() }));
+    }
+    Ok(Some(raw.parse::<u64>().unwrap_or(u64::MAX)))
 }
 
 /// A page's `limit` and the `cursor` it starts after, from the query.
@@ -91,9 +94,10 @@ fn thread_param(params: &HashMap<String, String>) -> Result<Option<String>, Prob
     tag = "runs",
     params(
         ("limit" = Option<u32>, Query, minimum = 1, maximum = 1000, description = "Runs per page (default 100)"),
-        ("cursor" = Option<String>, Query, description = "The `next_cursor` of the previous page"),
+        ("cursor" = Option<String>, Query, pattern = r"^[0-9]{1,18}:[A-Za-z0-9_-]{0,128}$",
+            description = "The `next_cursor` of the previous page"),
         ("state" = Option<RunState>, Query, description = "Only runs in this state"),
-        ("thread_id" = Option<String>, Query, min_length = 1, max_length = 128, pattern = "^[A-Za-z0-9._:-]+$",
+        ("thread_id" = Option<String>, Query, min_length = 1, max_length = 128, pattern = r"^(?:[A-Za-z0-9_:-]|\.[A-Za-z0-9_:-]|\.\.[A-Za-z0-9._:-])[A-Za-z0-9._:-]*$",
             description = "Only turns of this thread"),
     ),
     responses(
@@ -195,7 +199,8 @@ pub(crate) async fn log(
     params(
         ("id" = String, Path, description = "The run's id"),
         ("limit" = Option<u32>, Query, minimum = 1, maximum = 1000, description = "Events per page (default 100)"),
-        ("cursor" = Option<String>, Query, description = "The `next_cursor` of the previous page"),
+        ("cursor" = Option<String>, Query, pattern = r"^[0-9]{1,18}:[A-Za-z0-9_-]{0,128}$",
+            description = "The `next_cursor` of the previous page"),
     ),
     responses(
         (status = 200, description = "A page of the run's events, in arrival order", body = EventsPage),
@@ -234,9 +239,10 @@ pub(crate) async fn events(
     tag = "sandboxes",
     params(
         ("limit" = Option<u32>, Query, minimum = 1, maximum = 1000, description = "Sandboxes per page (default 100)"),
-        ("cursor" = Option<String>, Query, description = "The `next_cursor` of the previous page"),
+        ("cursor" = Option<String>, Query, pattern = r"^[0-9]{1,18}:[A-Za-z0-9_-]{0,128}$",
+            description = "The `next_cursor` of the previous page"),
         ("state" = Option<SandboxState>, Query, description = "Only sandboxes in this state"),
-        ("thread_id" = Option<String>, Query, min_length = 1, max_length = 128, pattern = "^[A-Za-z0-9._:-]+$",
+        ("thread_id" = Option<String>, Query, min_length = 1, max_length = 128, pattern = r"^(?:[A-Za-z0-9_:-]|\.[A-Za-z0-9_:-]|\.\.[A-Za-z0-9._:-])[A-Za-z0-9._:-]*$",
             description = "Only sandboxes kept for (or that served) this thread"),
     ),
     responses(
