@@ -51,9 +51,28 @@ pub struct SetupStep {
     /// Relative to the workspace; the workspace itself when absent.
     #[serde(default)]
     pub cwd: Option<String>,
-    /// Seconds before the step is killed and preparation fails.
-    #[serde(default)]
+    /// Seconds before the step is killed and preparation fails. A JSON
+    /// number with no fraction (`900.0`) is the integer it names, as JSON
+    /// Schema's `integer` says.
+    #[serde(default, deserialize_with = "whole_seconds")]
     pub timeout_s: Option<u64>,
+}
+
+/// An optional non-negative integer, written as an integer or as a number
+/// with no fractional part (`256.0`: JSON Schema counts it an integer, so a
+/// client generated from the schema may send it).
+fn whole_seconds<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<Option<u64>, D::Error> {
+    let Some(number) = Option::<serde_json::Number>::deserialize(deserializer)? else { return Ok(None) };
+    if let Some(whole) = number.as_u64() {
+        return Ok(Some(whole));
+    }
+    match number.as_f64() {
+        // Below 2^64, so the conversion is exact for whole values.
+        Some(value) if value.fract() == 0.0 && (0.0..18_446_744_073_709_551_616.0).contains(&value) => {
+            Ok(Some(value as u64))
+        }
+        _ => Err(serde::de::Error::custom(format!("expected a non-negative whole number of seconds, not {number}"))),
+    }
 }
 
 /// How a run reaches an MCP server.
@@ -83,4 +102,27 @@ pub struct McpServer {
     /// Where an `http` server is reached.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub url: Option<String>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn timeout(json: &str) -> Result<Option<u64>, String> {
+        let step = format!(r#"{{"name":"deps","command":["true"]{json}}}"#);
+        serde_json::from_str::<SetupStep>(&step).map(|step| step.timeout_s).map_err(|error| error.to_string())
+    }
+
+    #[test]
+    fn a_setup_timeout_is_a_whole_number_of_seconds_however_it_is_written() {
+        assert_eq!(timeout(""), Ok(None));
+        assert_eq!(timeout(r#","timeout_s":null"#), Ok(None));
+        assert_eq!(timeout(r#","timeout_s":900"#), Ok(Some(900)));
+        assert_eq!(timeout(r#","timeout_s":256.0"#), Ok(Some(256)), "an integer as JSON Schema counts one");
+        assert_eq!(timeout(r#","timeout_s":1e3"#), Ok(Some(1000)));
+        for refused in ["1.5", "-1", "-1.0", "1e30", "\"9\""] {
+            let answer = timeout(&format!(r#","timeout_s":{refused}"#));
+            assert!(answer.is_err(), "{refused}: {answer:?}");
+        }
+    }
 }
