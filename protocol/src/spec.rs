@@ -55,6 +55,7 @@ pub struct SetupStep {
     /// number with no fraction (`900.0`) is the integer it names, as JSON
     /// Schema's `integer` says.
     #[serde(default, deserialize_with = "whole_seconds")]
+    #[schemars(range(max = u64::MAX))]
     pub timeout_s: Option<u64>,
 }
 
