@@ -21,22 +21,6 @@ use crate::server::{API_KEY, ServerProc, http_client};
 /// replica deposed at start ends the level), so a longer one.
 const LEASE_TTL: &str = "30s";
 
-/// The cluster secret every replica of a level shares (`dir/cluster.secret`,
-/// mode 0600, made once).
-fn cluster_secret(dir: &Path) -> Result<std::path::PathBuf> {
-    use std::os::unix::fs::OpenOptionsExt as _;
-    let path = dir.join("cluster.secret");
-    if !path.exists() {
-        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-        let mut secret = [0u8; 32];
-        std::io::Read::read_exact(&mut std::fs::File::open("/dev/urandom")?, &mut secret)?;
-        let hex: String = secret.iter().map(|byte| format!("{byte:02x}")).collect();
-        let mut file = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&path)?;
-        std::io::Write::write_all(&mut file, hex.as_bytes())?;
-    }
-    Ok(path)
-}
-
 /// The servers of one level.
 pub struct Replicas {
     pub servers: Vec<ServerProc>,
@@ -66,6 +50,7 @@ impl Replicas {
             None => None,
         };
         if schema.is_some() {
+            std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
             // Replicas on PostgreSQL share a key made beforehand.
             let keygen = std::process::Command::new(server_bin).arg("keygen").arg(dir.join("secret.key")).output();
             let keygen = keygen.context("run standby-server keygen")?;
@@ -83,15 +68,18 @@ impl Replicas {
                     ("--lease-ttl", LEASE_TTL.into()),
                     // Every replica opens what any of them sealed.
                     ("--secret-key-file", dir.join("secret.key").into_os_string()),
-                    // And proves itself to the others with one secret.
-                    ("--cluster-secret-file", cluster_secret(dir)?.into_os_string()),
                 ] {
                     args.push(flag.into());
                     args.push(value);
                 }
             }
-            let started =
-                ServerProc::start(&format!("r{index}"), server_bin, &dir.join(format!("r{index}")), &args).await;
+            let name = format!("r{index}");
+            // Replicas prove themselves to each other with one secret.
+            let replicated = schema.is_some();
+            let started = ServerProc::start_with(&name, server_bin, &dir.join(&name), &args, |server| {
+                if replicated { server.cluster_secret(&dir.join("cluster.secret")) } else { server }
+            })
+            .await;
             match started {
                 Ok(server) => servers.push(server),
                 Err(error) => {

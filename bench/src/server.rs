@@ -38,16 +38,26 @@ impl ServerProc {
     /// `data_dir` (its log in `data_dir/server.log`) and the extra `args`;
     /// returns once it printed its URL.
     pub async fn start(name: &str, server_bin: &Path, data_dir: &Path, args: &[OsString]) -> Result<Self> {
+        Self::start_with(name, server_bin, data_dir, args, |server| server).await
+    }
+
+    /// [`ServerProc::start`] with more of the tests' settings (a replica's
+    /// cluster secret).
+    pub async fn start_with(
+        name: &str,
+        server_bin: &Path,
+        data_dir: &Path,
+        args: &[OsString],
+        configure: impl FnOnce(ServerBuilder) -> ServerBuilder,
+    ) -> Result<Self> {
         let args: Vec<&str> = args
             .iter()
             .map(|arg| arg.to_str().ok_or_else(|| anyhow!("a server argument is not UTF-8: {arg:?}")))
             .collect::<Result<_>>()?;
-        let process = ServerBuilder::of(server_bin, data_dir, &data_dir.join("server.log"), &format!("bench-{name}"))
+        let server = ServerBuilder::of(server_bin, data_dir, &data_dir.join("server.log"), &format!("bench-{name}"))
             .args(&args)
-            .env("STANDBY_SERVER_LOG", "info")
-            .try_start()
-            .await
-            .map_err(|problem| anyhow!("the server {name}: {problem}"))?;
+            .env("STANDBY_SERVER_LOG", "info");
+        let process = configure(server).try_start().await.map_err(|problem| anyhow!("the server {name}: {problem}"))?;
         let pid = u32::try_from(process.pid())?;
         Ok(Self { name: name.to_owned(), url: process.url(), pid, process })
     }
