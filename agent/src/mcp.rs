@@ -973,73 +973,13 @@ while True:
         assert!(!StateDir::of(dir.path()).path().exists(), "nothing was started");
     }
 
-    /// A stdio MCP server speaking JSON-RPC by hand, so that it can also
-    /// misbehave. `MODE`: `silent` never answers, `refuse` answers
-    /// `initialize` with an error, `exit` exits instead; `GATE` (a path)
-    /// holds the `initialize` answer until it exists. Its tools: `env`
-    /// (the value of variable `name`), `crash` (exits mid-call), `garbage`
-    /// (a line of non-JSON before the answer), `big` (an answer of `bytes`
-    /// bytes, `id` last like TypeScript servers write it), `progress` (a
-    /// progress notification before the answer), `notify` (a log message
-    /// notification before the answer), `hang` (never answers).
-    /// Cancellations are written to stderr.
-    const STDIO_SERVER: &str = r#"
-import json, os, sys, time
-def send(message):
-    sys.stdout.write(json.dumps(message) + "\n")
-    sys.stdout.flush()
-mode = os.environ.get("MODE", "")
-if mode == "silent":
-    print("not answering on purpose", file=sys.stderr, flush=True)
-    time.sleep(300)
-for line in sys.stdin:
-    message = json.loads(line)
-    method, id = message.get("method"), message.get("id")
-    params = message.get("params") or {}
-    if method == "initialize":
-        if mode == "refuse":
-            send({"jsonrpc": "2.0", "id": id, "error": {"code": -32603, "message": "refused on purpose"}})
-            continue
-        if mode == "exit":
-            sys.exit("exiting on purpose")
-        gate = os.environ.get("GATE")
-        while gate and not os.path.exists(gate):
-            time.sleep(0.01)
-        send({"jsonrpc": "2.0", "id": id, "result": {"protocolVersion": params["protocolVersion"],
-              "capabilities": {"tools": {}}, "serverInfo": {"name": "probe", "version": "1"}}})
-    elif method == "tools/call":
-        name, args = params["name"], params.get("arguments") or {}
-        token = (params.get("_meta") or {}).get("progressToken")
-        text = name
-        if name == "env":
-            text = os.environ.get(args["name"], "")
-        elif name == "crash":
-            os._exit(3)
-        elif name == "hang":
-            continue
-        elif name == "garbage":
-            sys.stdout.write("this is not JSON\n")
-        elif name == "big":
-            body = json.dumps({"content": [{"type": "text", "text": "x" * args["bytes"]}]})
-            sys.stdout.write('{"jsonrpc": "2.0", "result": ' + body + ', "id": ' + json.dumps(id) + "}\n")
-            sys.stdout.flush()
-            continue
-        elif name == "progress":
-            send({"jsonrpc": "2.0", "method": "notifications/progress", "params": {"progressToken": token, "progress": 1}})
-        elif name == "notify":
-            send({"jsonrpc": "2.0", "method": "notifications/message", "params": {"level": "info", "data": "hello"}})
-        send({"jsonrpc": "2.0", "id": id, "result": {"content": [{"type": "text", "text": text}]}})
-    elif method == "notifications/cancelled":
-        print("cancelled", json.dumps(params), file=sys.stderr, flush=True)
-    elif method is not None and id is not None:
-        send({"jsonrpc": "2.0", "id": id, "error": {"code": -32601, "message": "no such method"}})
-"#;
+    /// The fake MCP server of every test (`mcp/fake_server.py`; its modes
+    /// and tools are described there).
+    const STDIO_SERVER: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/src/mcp/fake_server.py");
 
-    /// A [`STDIO_SERVER`] named `name`, its script in `dir`.
-    fn stdio_server(dir: &Path, name: &str) -> McpServer {
-        let script = dir.join("stdio-server.py");
-        std::fs::write(&script, STDIO_SERVER).expect("write the stdio server");
-        let mut spec = server(name, &["python3", &script.display().to_string()]);
+    /// A [`STDIO_SERVER`] named `name`.
+    fn stdio_server(name: &str) -> McpServer {
+        let mut spec = server(name, &["python3", STDIO_SERVER]);
         spec.transport = Some(McpTransport::Stdio);
         spec
     }
@@ -1119,7 +1059,7 @@ for line in sys.stdin:
         http.transport = Some(McpTransport::Http);
         http.url = Some("http://127.0.0.1:7001/mcp".to_owned());
         let plain = server("plain", &["sleep", "300"]);
-        let stdio = stdio_server(dir.path(), "stdio");
+        let stdio = stdio_server("stdio");
         // Ready at once: the HTTP server's readiness is tried on a port that
         // accepts (the test's own listener).
         let listener = TcpListener::bind("127.0.0.1:0").expect("a listener");
@@ -1214,7 +1154,7 @@ http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
     #[tokio::test]
     async fn a_stdio_server_is_served_at_its_url_and_keeps_it_across_restarts() {
         let dir = tempfile::tempdir().expect("a workspace");
-        let mut spec = stdio_server(dir.path(), "probe");
+        let mut spec = stdio_server("probe");
         spec.env = BTreeMap::from([("MODE_OF_RUN".to_owned(), "standby".to_owned())]);
         let mut supervisor = McpSupervisor::start(&[spec], dir.path(), TIMEOUT).await.expect("starts");
         let url = listed_url(dir.path(), "probe");
@@ -1255,7 +1195,7 @@ http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
     #[tokio::test]
     async fn bad_output_and_crashes_are_isolated() {
         let dir = tempfile::tempdir().expect("a workspace");
-        let specs = [stdio_server(dir.path(), "flaky"), stdio_server(dir.path(), "steady")];
+        let specs = [stdio_server("flaky"), stdio_server("steady")];
         let mut supervisor = McpSupervisor::start(&specs, dir.path(), TIMEOUT).await.expect("starts");
         let flaky = Client::connect(&listed_url(dir.path(), "flaky")).await;
         let steady = Client::connect(&listed_url(dir.path(), "steady")).await;
@@ -1280,8 +1220,7 @@ http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
     #[tokio::test]
     async fn sessions_streams_progress_and_cancellation() {
         let dir = tempfile::tempdir().expect("a workspace");
-        let mut supervisor =
-            McpSupervisor::start(&[stdio_server(dir.path(), "probe")], dir.path(), TIMEOUT).await.expect("starts");
+        let mut supervisor = McpSupervisor::start(&[stdio_server("probe")], dir.path(), TIMEOUT).await.expect("starts");
         let url = listed_url(dir.path(), "probe");
         let client = Client::connect(&url).await;
 
@@ -1351,7 +1290,7 @@ http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
     #[tokio::test]
     async fn a_stdio_server_that_fails_its_handshake_fails_with_its_name_and_log() {
         let dir = tempfile::tempdir().expect("a workspace");
-        let mut silent = stdio_server(dir.path(), "silent");
+        let mut silent = stdio_server("silent");
         silent.env = BTreeMap::from([("MODE".to_owned(), "silent".to_owned())]);
         let error = McpSupervisor::start(&[silent], dir.path(), Duration::from_secs(1)).await.expect_err("never ready");
         assert!(matches!(error, McpError::NeverReady { .. }), "{error:?}");
@@ -1364,7 +1303,7 @@ http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
         );
         assert!(message.ends_with("mcp-silent.log:\nnot answering on purpose"), "{message}");
 
-        let mut refusing = stdio_server(dir.path(), "refusing");
+        let mut refusing = stdio_server("refusing");
         refusing.env = BTreeMap::from([("MODE".to_owned(), "refuse".to_owned())]);
         let error = McpSupervisor::start(&[refusing], dir.path(), TIMEOUT).await.expect_err("refused");
         let message = error.to_string();
@@ -1375,7 +1314,7 @@ http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
             "{message}"
         );
 
-        let mut exiting = stdio_server(dir.path(), "exiting");
+        let mut exiting = stdio_server("exiting");
         exiting.env = BTreeMap::from([("MODE".to_owned(), "exit".to_owned())]);
         let error = McpSupervisor::start(&[exiting], dir.path(), TIMEOUT).await.expect_err("exits");
         let McpError::ExitedEarly { server, status, tail, .. } = &error else { panic!("{error:?}") };

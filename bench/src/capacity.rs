@@ -3,16 +3,16 @@
 //! --provider spool` (the server mints a standby credential per sandbox
 //! and writes it to a file instead of launching an agent).
 //!
-//! Each connection upgrades `/ws` with its standby credential, sends a
-//! `ready` heartbeat at once and then every heartbeat interval. Once all
-//! are connected and a heartbeat round has passed, the server's memory
-//! and idle CPU are read from `/proc`; then runs are submitted one at a
-//! time and the dispatch latency is taken from just before `POST /v1/runs`
-//! to the moment the chosen connection reads the assignment frame (one
-//! process, one monotonic clock). The chosen connection then does what an
-//! agent does: connects with the run credential, awaits the replay,
-//! reports `started` and `exited`, so the server retires the sandbox and
-//! tops the pool up with a new credential, which the generator connects.
+//! Each connection ([`standby`]) upgrades `/ws` with its standby
+//! credential, sends a `ready` heartbeat at once and then every heartbeat
+//! interval. When assigned a run it does what an agent does: connects with
+//! the run credential, awaits the replay, reports `started` and `exited`,
+//! so the server retires the sandbox and tops the pool up with a new
+//! credential, which the generator connects.
+//!
+//! The plain capacity test ([`run`]) is the spread one
+//! ([`crate::spread_capacity`]) over a single replica on SQLite, reported
+//! per server against an empty one.
 
 use std::collections::HashSet;
 use std::ffi::OsString;
@@ -37,7 +37,8 @@ use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
 
 use crate::procfs::{self, ProcSample};
 use crate::server::{ServerProc, http_client};
-use crate::stats::{Summary, summarize};
+use crate::spread_capacity::{self, SpreadLevel, SpreadOptions};
+use crate::stats::Summary;
 
 #[derive(Debug, Clone)]
 pub struct CapacityOptions {
@@ -322,8 +323,10 @@ pub async fn wait_for(what: &str, timeout: Duration, mut done: impl AsyncFnMut()
     Ok(())
 }
 
+/// The plain capacity test is the spread one with one replica on SQLite,
+/// one load-generator process (as few as hold the connections) and no
+/// burst, with an empty server measured first as the reference point.
 pub async fn run(options: &CapacityOptions, server_bin: &Path, work: &Path) -> Result<CapacityResults> {
-    // The reference point: a server with no sandbox at all.
     let dir = work.join("capacity-empty");
     let empty =
         ServerProc::start("capacity-empty", server_bin, &dir, &spool_args(0, options.heartbeat, &dir.join("spool")))
@@ -331,161 +334,57 @@ pub async fn run(options: &CapacityOptions, server_bin: &Path, work: &Path) -> R
     tokio::time::sleep(Duration::from_secs(2)).await;
     let empty_sample = procfs::sample(empty.pid)?;
     empty.stop(Duration::from_secs(30)).await?;
-    let mut levels = Vec::new();
-    for &connections in &options.levels {
-        levels.push(level(options, server_bin, work, connections, &empty_sample).await?);
-    }
+    let spread = SpreadOptions {
+        levels: options.levels.clone(),
+        replicas: 1,
+        workers: None,
+        store: None,
+        dispatches: options.dispatches,
+        burst_runs: 0,
+        burst_concurrency: 1,
+        heartbeat: options.heartbeat,
+        cpu_window: options.cpu_window,
+        dispatch_budget: options.dispatch_budget,
+    };
+    let measured = spread_capacity::run(&spread, server_bin, work).await?;
     Ok(CapacityResults {
         heartbeat_s: options.heartbeat.as_secs_f64(),
         rss_empty_kib: empty_sample.rss_kib,
         rss_anon_empty_kib: empty_sample.rss_anon_kib,
-        levels,
+        levels: measured.levels.into_iter().map(|level| Level::of(level, &empty_sample, options.heartbeat)).collect(),
     })
 }
 
-async fn level(
-    options: &CapacityOptions,
-    server_bin: &Path,
-    work: &Path,
-    connections: usize,
-    empty: &ProcSample,
-) -> Result<Level> {
-    let dir = work.join(format!("capacity-{connections}"));
-    let spool = dir.join("spool");
-    let name = format!("capacity-{connections}");
-    let server =
-        ServerProc::start(&name, server_bin, &dir, &spool_args(connections, options.heartbeat, &spool)).await?;
-    let (sender, receiver) = mpsc::unbounded_channel();
-    let shared = Arc::new(Shared::new(&server, options.heartbeat, sender)?);
-    let mut tasks = JoinSet::new();
-    let mut level = Level { connections, ..Level::default() };
-    let result = drive(options, &server, &shared, &spool, empty, receiver, &mut tasks, &mut level).await;
-    let stopped = server.stop(Duration::from_secs(60)).await;
-    tasks.abort_all();
-    while tasks.join_next().await.is_some() {}
-    if let Err(error) = result {
-        // A level the server cannot hold is a result, not the end of the
-        // benchmark: the next level and the report still run.
-        progress(&format!("  {connections} standbys: not measured to the end: {error:#}"));
-        level.error = Some(format!("{error:#}"));
-    }
-    stopped?;
-    Ok(level)
-}
-
-/// Measures one level into `level`, phase by phase.
-#[allow(clippy::too_many_arguments)]
-async fn drive(
-    options: &CapacityOptions,
-    server: &ServerProc,
-    shared: &Arc<Shared>,
-    spool: &Path,
-    empty: &ProcSample,
-    mut assignments: mpsc::UnboundedReceiver<(String, Instant)>,
-    tasks: &mut JoinSet<()>,
-    level: &mut Level,
-) -> Result<()> {
-    let connections = level.connections;
-    progress(&format!("  {connections} standbys: minting credentials"));
-    wait_for("the spooled credentials", Duration::from_secs(600), async || {
-        Ok(procfs::count_entries(spool, ".token") >= connections)
-    })
-    .await?;
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    let minted = procfs::sample(server.pid)?;
-    level.rss_minted_kib = minted.rss_kib;
-    level.rss_anon_minted_kib = minted.rss_anon_kib;
-
-    progress(&format!("  {connections} standbys: connecting"));
-    let connecting = Instant::now();
-    let mut seen = HashSet::new();
-    connect_new(shared, spool, &mut seen, tasks);
-    let mut registered = 0;
-    wait_for("every standby to connect", Duration::from_secs(300), async || {
-        let settled = shared.connected.load(Ordering::Relaxed) + shared.failed.load(Ordering::Relaxed);
-        registered = server.metric("standby_connected_standbys").await? as usize;
-        Ok(settled >= connections && registered >= shared.connected.load(Ordering::Relaxed))
-    })
-    .await
-    .with_context(|| {
-        format!(
-            "{} of {connections} upgraded, {registered} registered by the server",
-            shared.connected.load(Ordering::Relaxed)
-        )
-    })?;
-    level.connect_s = connecting.elapsed().as_secs_f64();
-    let failures = shared.failed.load(Ordering::Relaxed);
-    level.connect_failures = failures;
-    if failures > 0 {
-        bail!("{failures} of {connections} standbys could not connect:\n{}", server.log_tail(20));
-    }
-
-    // One whole heartbeat round, so every connection has settled.
-    tokio::time::sleep(options.heartbeat + Duration::from_secs(2)).await;
-    progress(&format!("  {connections} standbys: idle for {:?}", options.cpu_window));
-    let window_start = Instant::now();
-    let first = procfs::sample(server.pid)?;
-    let mut readings = vec![first];
-    while window_start.elapsed() < options.cpu_window {
-        tokio::time::sleep(Duration::from_secs(1)).await;
-        readings.push(procfs::sample(server.pid)?);
-    }
-    let window = window_start.elapsed().as_secs_f64();
-    let last = *readings.last().unwrap_or(&first);
-    let ticks = procfs::clock_ticks() as f64;
-    let cpu_ms = (last.cpu_ticks.saturating_sub(first.cpu_ticks) as f64 * 1000.0 / ticks)
-        .max(last.cpu_ns.saturating_sub(first.cpu_ns) as f64 / 1e6);
-    let rss = summarize(&readings.iter().map(|r| r.rss_kib as f64).collect::<Vec<_>>());
-    let rss_median = rss.map_or(0.0, |s| s.median);
-    level.rss_connected_kib = rss;
-    level.rss_anon_connected_kib = summarize(&readings.iter().map(|r| r.rss_anon_kib as f64).collect::<Vec<_>>());
-    level.kib_per_connection = (rss_median - minted.rss_kib as f64) / connections as f64;
-    level.kib_per_standby = (rss_median - empty.rss_kib as f64) / connections as f64;
-    level.server_threads = last.threads;
-    level.idle_window_s = window;
-    level.idle_cpu_percent_of_core = cpu_ms / (window * 1000.0) * 100.0;
-    level.heartbeats_per_s = connections as f64 / options.heartbeat.as_secs_f64();
-    level.lost = shared.lost.load(Ordering::Relaxed);
-
-    progress(&format!("  {connections} standbys: {} dispatches", options.dispatches));
-    let mut latencies = Vec::new();
-    let budget = Instant::now() + options.dispatch_budget;
-    for _ in 0..options.dispatches {
-        if Instant::now() > budget {
-            level.error = Some(format!(
-                "dispatching stopped after {} of {} runs: the {:?} budget ran out",
-                latencies.len(),
-                options.dispatches,
-                options.dispatch_budget
-            ));
-            break;
+impl Level {
+    /// The one server's figures of a spread level, with those relative to
+    /// the empty server.
+    fn of(spread: SpreadLevel, empty: &ProcSample, heartbeat: Duration) -> Self {
+        let mut level = Self {
+            connections: spread.connections,
+            error: spread.error,
+            connect_s: spread.connect_s,
+            connect_failures: spread.connect_failures,
+            lost: spread.lost,
+            dispatch_ms: spread.dispatch_ms,
+            dispatches: spread.dispatches,
+            ..Self::default()
+        };
+        // A level that ended before its idle window has no server figures.
+        if let Some(server) = spread.servers.into_iter().next() {
+            let connections = level.connections as f64;
+            let rss_median = server.rss_connected_kib.map_or(0.0, |s| s.median);
+            level.rss_minted_kib = server.rss_minted_kib;
+            level.rss_connected_kib = server.rss_connected_kib;
+            level.rss_anon_minted_kib = server.rss_anon_minted_kib;
+            level.rss_anon_connected_kib = server.rss_anon_connected_kib;
+            level.kib_per_connection = server.kib_per_connection;
+            level.kib_per_standby = (rss_median - empty.rss_kib as f64) / connections;
+            level.server_threads = server.threads;
+            level.idle_window_s = spread.idle_window_s;
+            level.idle_cpu_percent_of_core = server.idle_cpu_percent_of_core;
+            level.heartbeats_per_s = connections / heartbeat.as_secs_f64();
+            level.rss_after_dispatch_kib = server.rss_after_dispatch_kib;
         }
-        let submitted = Instant::now();
-        let run = server.submit(&json!({"command": ["true"]})).await?;
-        let id = run["id"].as_str().ok_or_else(|| anyhow!("no run id in {run}"))?.to_owned();
-        let received = tokio::time::timeout(Duration::from_secs(60), async {
-            while let Some((execution_id, at)) = assignments.recv().await {
-                if execution_id == id {
-                    return Some(at);
-                }
-            }
-            None
-        })
-        .await
-        .map_err(|_| anyhow!("run {id}: no assignment frame within 60 s"))?
-        .ok_or_else(|| anyhow!("the load generator stopped"))?;
-        latencies.push(received.duration_since(submitted).as_secs_f64() * 1000.0);
-        level.dispatch_ms = summarize(&latencies);
-        level.dispatches = latencies.len();
-        server.wait_run(&id, Duration::from_secs(60)).await?;
-        // The pool was topped up with a new credential: connect it, so the
-        // server keeps holding as many standbys.
-        wait_for("the replacement credential", Duration::from_secs(30), async || {
-            Ok(connect_new(shared, spool, &mut seen, tasks) > 0)
-        })
-        .await?;
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        level
     }
-    level.rss_after_dispatch_kib = procfs::sample(server.pid)?.rss_kib;
-    Ok(())
 }

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use anyhow::{Context as _, Result, anyhow};
 use serde_json::Value;
-use tokio_postgres::NoTls;
+use standby_e2e::postgres::TestSchema;
 
 use crate::capacity::{spool_args, wait_for};
 use crate::procfs;
@@ -21,59 +21,12 @@ use crate::server::{API_KEY, ServerProc, http_client};
 /// replica deposed at start ends the level), so a longer one.
 const LEASE_TTL: &str = "30s";
 
-/// A schema of the bench's own on the PostgreSQL database.
-struct Schema {
-    base: String,
-    name: String,
-}
-
-impl Schema {
-    async fn create(base: &str) -> Result<Self> {
-        let name = format!("bench_{}_{}", std::process::id(), jiff::Timestamp::now().as_second());
-        execute(base, &format!("CREATE SCHEMA {name}")).await?;
-        Ok(Self { base: base.to_owned(), name })
-    }
-
-    /// The URL whose tables live in this schema (its `search_path`).
-    fn url(&self) -> String {
-        let separator = if self.base.contains('?') { '&' } else { '?' };
-        format!("{}{separator}options=-csearch_path%3D{}", self.base, self.name)
-    }
-
-    async fn drop(self) -> Result<()> {
-        execute(&self.base, &format!("DROP SCHEMA {} CASCADE", self.name)).await
-    }
-}
-
-/// The cluster secret every replica of a level shares (`dir/cluster.secret`,
-/// mode 0600, made once).
-fn cluster_secret(dir: &Path) -> Result<std::path::PathBuf> {
-    use std::os::unix::fs::OpenOptionsExt as _;
-    let path = dir.join("cluster.secret");
-    if !path.exists() {
-        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-        let mut secret = [0u8; 32];
-        std::io::Read::read_exact(&mut std::fs::File::open("/dev/urandom")?, &mut secret)?;
-        let hex: String = secret.iter().map(|byte| format!("{byte:02x}")).collect();
-        let mut file = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&path)?;
-        std::io::Write::write_all(&mut file, hex.as_bytes())?;
-    }
-    Ok(path)
-}
-
-async fn execute(url: &str, sql: &str) -> Result<()> {
-    let (client, connection) = tokio_postgres::connect(url, NoTls).await.context("connecting to PostgreSQL")?;
-    let driver = tokio::spawn(connection);
-    client.batch_execute(sql).await.with_context(|| format!("PostgreSQL: {sql}"))?;
-    drop(client);
-    let _ = driver.await;
-    Ok(())
-}
-
 /// The servers of one level.
 pub struct Replicas {
     pub servers: Vec<ServerProc>,
-    schema: Option<Schema>,
+    /// Made fresh for the level; dropped (with its tables) when the
+    /// replicas are.
+    schema: Option<TestSchema>,
 }
 
 impl Replicas {
@@ -90,11 +43,14 @@ impl Replicas {
     ) -> Result<Self> {
         let spool = dir.join("spool");
         let schema = match store {
-            Some(base) => Some(Schema::create(base).await?),
+            Some(base) => {
+                Some(TestSchema::on(base, &dir.display().to_string()).map_err(|problem| anyhow!("{problem}"))?)
+            }
             None if count > 1 => return Err(anyhow!("{count} replicas need a PostgreSQL store (--store)")),
             None => None,
         };
         if schema.is_some() {
+            std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
             // Replicas on PostgreSQL share a key made beforehand.
             let keygen = std::process::Command::new(server_bin).arg("keygen").arg(dir.join("secret.key")).output();
             let keygen = keygen.context("run standby-server keygen")?;
@@ -112,15 +68,18 @@ impl Replicas {
                     ("--lease-ttl", LEASE_TTL.into()),
                     // Every replica opens what any of them sealed.
                     ("--secret-key-file", dir.join("secret.key").into_os_string()),
-                    // And proves itself to the others with one secret.
-                    ("--cluster-secret-file", cluster_secret(dir)?.into_os_string()),
                 ] {
                     args.push(flag.into());
                     args.push(value);
                 }
             }
-            let started =
-                ServerProc::start(&format!("r{index}"), server_bin, &dir.join(format!("r{index}")), &args).await;
+            let name = format!("r{index}");
+            // Replicas prove themselves to each other with one secret.
+            let replicated = schema.is_some();
+            let started = ServerProc::start_with(&name, server_bin, &dir.join(&name), &args, |server| {
+                if replicated { server.cluster_secret(&dir.join("cluster.secret")) } else { server }
+            })
+            .await;
             match started {
                 Ok(server) => servers.push(server),
                 Err(error) => {
@@ -188,8 +147,8 @@ impl Replicas {
             .ok_or_else(|| anyhow!("no replica leads: {roles:?}"))
     }
 
-    /// Stops every server and drops the schema; the first error is
-    /// returned once everything was tried.
+    /// Stops every server, then drops the schema; the first error is
+    /// returned once every server was tried.
     pub async fn stop(self) -> Result<()> {
         let mut first_error = None;
         for server in self.servers.into_iter().rev() {
@@ -197,11 +156,7 @@ impl Replicas {
                 first_error.get_or_insert(error);
             }
         }
-        if let Some(schema) = self.schema
-            && let Err(error) = schema.drop().await
-        {
-            first_error.get_or_insert(error);
-        }
+        drop(self.schema);
         first_error.map_or(Ok(()), Err)
     }
 }

@@ -1,20 +1,18 @@
-//! A `standby-server serve` child process and the few user-API calls the
-//! benchmarks make.
+//! A `standby-server serve` child process (the tests' [`ServerProcess`],
+//! started from the build being measured) and the few user-API calls the
+//! benchmarks make, as errors a benchmark records instead of the tests'
+//! panics.
 
 use std::ffi::OsString;
-use std::path::{Path, PathBuf};
-use std::process::Stdio;
+use std::path::Path;
 use std::time::Duration;
 
 use anyhow::{Context as _, Result, anyhow, bail};
-use nix::sys::signal::{Signal, kill};
-use nix::unistd::Pid;
+use nix::sys::signal::Signal;
 use serde_json::Value;
-use tokio::io::{AsyncBufReadExt as _, BufReader};
-use tokio::process::{Child, Command};
+use standby_e2e::server_process::{ServerBuilder, ServerProcess};
 
-/// The API key of every server the benchmarks start (loopback only).
-pub const API_KEY: &str = "standby-bench-key";
+pub use standby_e2e::server_process::API_KEY;
 
 /// A running `standby-server serve`.
 #[derive(Debug)]
@@ -22,9 +20,7 @@ pub struct ServerProc {
     pub name: String,
     pub url: String,
     pub pid: u32,
-    log: PathBuf,
-    child: Child,
-    http: reqwest::Client,
+    process: ServerProcess,
 }
 
 /// The HTTP client of the benchmarks: plain HTTP on loopback, no proxy.
@@ -38,57 +34,44 @@ pub fn http_client() -> Result<reqwest::Client> {
 }
 
 impl ServerProc {
-    /// Starts `server_bin serve` on `127.0.0.1:0` with `data_dir` and the
-    /// extra `args`; returns once it printed its URL.
+    /// Starts `server_bin serve` on a free port of 127.0.0.1 with
+    /// `data_dir` (its log in `data_dir/server.log`) and the extra `args`;
+    /// returns once it printed its URL.
     pub async fn start(name: &str, server_bin: &Path, data_dir: &Path, args: &[OsString]) -> Result<Self> {
-        std::fs::create_dir_all(data_dir).with_context(|| format!("creating {}", data_dir.display()))?;
-        let log = data_dir.join("server.log");
-        let log_file = std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
-        let mut child = Command::new(server_bin)
-            .arg("serve")
-            .arg("--listen")
-            .arg("127.0.0.1:0")
-            .arg("--data-dir")
-            .arg(data_dir)
-            .args(args)
-            .env("STANDBY_SERVER_API_KEY", API_KEY)
-            .env("STANDBY_SERVER_LOG", "info")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(log_file)
-            .kill_on_drop(true)
-            .spawn()
-            .with_context(|| format!("starting {}", server_bin.display()))?;
-        let pid = child.id().ok_or_else(|| anyhow!("the server {name} exited at once"))?;
-        let stdout = child.stdout.take().ok_or_else(|| anyhow!("no stdout of the server"))?;
-        let mut lines = BufReader::new(stdout).lines();
-        let line = tokio::time::timeout(Duration::from_secs(60), lines.next_line())
-            .await
-            .map_err(|_| anyhow!("the server {name} printed no URL within 60 s (log: {})", log.display()))?
-            .context("reading the server's stdout")?
-            .ok_or_else(|| anyhow!("the server {name} exited before listening:\n{}", tail(&log, 20)))?;
-        let url = line
-            .strip_prefix("standby-server listening on ")
-            .ok_or_else(|| anyhow!("unexpected first line from the server: {line}"))?
-            .trim()
-            .to_owned();
-        // Nothing else is printed on stdout; keep reading so it never blocks.
-        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
-        Ok(Self { name: name.to_owned(), url, pid, log, child, http: http_client()? })
+        Self::start_with(name, server_bin, data_dir, args, |server| server).await
+    }
+
+    /// [`ServerProc::start`] with more of the tests' settings (a replica's
+    /// cluster secret).
+    pub async fn start_with(
+        name: &str,
+        server_bin: &Path,
+        data_dir: &Path,
+        args: &[OsString],
+        configure: impl FnOnce(ServerBuilder) -> ServerBuilder,
+    ) -> Result<Self> {
+        let args: Vec<&str> = args
+            .iter()
+            .map(|arg| arg.to_str().ok_or_else(|| anyhow!("a server argument is not UTF-8: {arg:?}")))
+            .collect::<Result<_>>()?;
+        let server = ServerBuilder::of(server_bin, data_dir, &data_dir.join("server.log"), &format!("bench-{name}"))
+            .args(&args)
+            .env("STANDBY_SERVER_LOG", "info");
+        let process = configure(server).try_start().await.map_err(|problem| anyhow!("the server {name}: {problem}"))?;
+        let pid = u32::try_from(process.pid())?;
+        Ok(Self { name: name.to_owned(), url: process.url(), pid, process })
     }
 
     async fn call(&self, method: reqwest::Method, path: &str, body: Option<&Value>) -> Result<Value> {
-        let mut request = self.http.request(method.clone(), format!("{}{path}", self.url)).bearer_auth(API_KEY);
-        if let Some(body) = body {
-            request = request.json(body);
+        let (status, answer) = self
+            .process
+            .try_call(method.clone(), path, Some(API_KEY), body)
+            .await
+            .ok_or_else(|| anyhow!("{method} {path} on {}: no answer", self.name))?;
+        if !(200..300).contains(&status) {
+            bail!("{method} {path} on {}: {status}: {answer}", self.name);
         }
-        let response = request.send().await.with_context(|| format!("{method} {path} on {}", self.name))?;
-        let status = response.status();
-        let text = response.text().await.with_context(|| format!("{method} {path} on {}", self.name))?;
-        if !status.is_success() {
-            bail!("{method} {path} on {}: {status}: {text}", self.name);
-        }
-        Ok(serde_json::from_str(&text).unwrap_or(Value::String(text)))
+        Ok(answer)
     }
 
     /// `POST /v1/runs`: the run as created.
@@ -141,29 +124,15 @@ impl ServerProc {
     }
 
     pub fn log_tail(&self, lines: usize) -> String {
-        tail(&self.log, lines)
+        standby_e2e::server_process::tail(self.process.log_path(), lines)
     }
 
     /// SIGTERM, then SIGKILL if it has not exited within `grace`; reaped.
-    pub async fn stop(mut self, grace: Duration) -> Result<()> {
-        let pid = Pid::from_raw(i32::try_from(self.pid).unwrap_or(i32::MAX));
-        let _ = kill(pid, Signal::SIGTERM);
-        match tokio::time::timeout(grace, self.child.wait()).await {
-            Ok(status) => {
-                status.with_context(|| format!("waiting for the server {}", self.name))?;
-            }
-            Err(_) => {
-                let _ = self.child.kill().await;
-                bail!("the server {} did not stop within {grace:?} after SIGTERM: killed", self.name);
-            }
-        }
+    pub async fn stop(self, grace: Duration) -> Result<()> {
+        self.process
+            .try_stop(Signal::SIGTERM, grace)
+            .await
+            .map_err(|problem| anyhow!("the server {}: {problem}", self.name))?;
         Ok(())
     }
-}
-
-/// The last `lines` lines of a text file.
-pub fn tail(path: &Path, lines: usize) -> String {
-    let text = std::fs::read_to_string(path).unwrap_or_default();
-    let all: Vec<&str> = text.lines().collect();
-    all[all.len().saturating_sub(lines)..].join("\n")
 }

@@ -70,6 +70,13 @@ pub struct ReplicaFigures {
     pub kib_per_socket: f64,
     pub threads: u64,
     pub idle_cpu_percent_of_core: f64,
+    /// Read for the plain capacity test's table, not in the spread's.
+    #[serde(skip)]
+    pub rss_anon_minted_kib: u64,
+    #[serde(skip)]
+    pub rss_anon_connected_kib: Option<Summary>,
+    #[serde(skip)]
+    pub rss_after_dispatch_kib: u64,
 }
 
 #[derive(Debug, Clone, Default, Serialize)]
@@ -93,6 +100,9 @@ pub struct SpreadLevel {
     pub burst_submit_to_frame_ms: Option<Summary>,
     /// The machine's 1, 5 and 15 minute load averages at the end of the idle window.
     pub load_average: [f64; 3],
+    /// The idle window's length, for the plain capacity test's table.
+    #[serde(skip)]
+    pub idle_window_s: f64,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -348,6 +358,9 @@ async fn drive(
         })
         .await?;
     }
+    for (figures, server) in level.servers.iter_mut().zip(&replicas.servers) {
+        figures.rss_after_dispatch_kib = procfs::sample(server.pid)?.rss_kib;
+    }
     burst(options, replicas, &mut assigned, &mut early, level).await
 }
 
@@ -395,6 +408,7 @@ async fn idle(
     let window = started.elapsed().as_secs_f64();
     let ticks = procfs::clock_ticks() as f64;
     level.load_average = procfs::load_average();
+    level.idle_window_s = window;
     for (index, server) in replicas.servers.iter().enumerate() {
         let (first, last) = (readings[0][index], readings[readings.len() - 1][index]);
         let cpu_ms = (last.cpu_ticks.saturating_sub(first.cpu_ticks) as f64 * 1000.0 / ticks)
@@ -415,6 +429,11 @@ async fn idle(
             kib_per_socket: grown / sockets.max(1) as f64,
             threads: last.threads,
             idle_cpu_percent_of_core: cpu_ms / (window * 1000.0) * 100.0,
+            rss_anon_minted_kib: minted[index].rss_anon_kib,
+            rss_anon_connected_kib: summarize(
+                &readings.iter().map(|r| r[index].rss_anon_kib as f64).collect::<Vec<_>>(),
+            ),
+            rss_after_dispatch_kib: 0,
         });
     }
     Ok(())

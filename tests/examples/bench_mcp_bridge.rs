@@ -1,7 +1,8 @@
 //! Measures the MCP bridge (run it through `scripts/bench-mcp-bridge`):
 //!
 //! 1. the overhead of a tool call through the bridge against a direct stdio
-//!    call: one agent in standby serves `standby-test-mcp` at its bridge
+//!    call: one agent in standby serves the tests' fake MCP server
+//!    ([`FAKE_MCP_SERVER`], run with `python3`) at its bridge
 //!    URL; the official SDK's client (rmcp) calls the server's `env` tool
 //!    `--calls` times through that URL (streamable HTTP, one session) and
 //!    as many times over the stdio of a second copy of the same server it
@@ -11,8 +12,7 @@
 //!    agents are each assigned a run, and the `mcp` step of their `run
 //!    started` log line (stop, start, `initialize` handshake) is collected.
 //!
-//! `STANDBY_BIN` names the agent (required), `STANDBY_TEST_MCP` the server
-//! (else `standby-test-mcp` next to this example's directory).
+//! `STANDBY_BIN` names the agent (required).
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -23,7 +23,7 @@ use rmcp::model::CallToolRequestParams;
 use rmcp::service::{RoleClient, RunningService};
 use rmcp::transport::{StreamableHttpClientTransport, TokioChildProcess};
 use serde_json::{Value, json};
-use standby_e2e::harness::write_json;
+use standby_e2e::harness::{FAKE_MCP_SERVER, write_json};
 use standby_e2e::server::ExecutionSetup;
 use standby_e2e::{AgentBuilder, TestServer};
 use standby_protocol::AgentState;
@@ -38,16 +38,6 @@ fn option(args: &[String], name: &str, default: usize) -> usize {
         .position(|arg| arg == name)
         .and_then(|at| args.get(at + 1))
         .map_or(default, |value| value.parse().unwrap_or_else(|_| panic!("{name} takes a number, not {value:?}")))
-}
-
-/// A binary next to this example's directory, unless `variable` names it.
-fn sibling(variable: &str, name: &str) -> PathBuf {
-    if let Some(path) = std::env::var_os(variable) {
-        return PathBuf::from(path);
-    }
-    let exe = std::env::current_exe().expect("the example's path");
-    let profile = exe.parent().and_then(Path::parent).expect("target/<profile>/examples/<this>");
-    profile.join(name)
 }
 
 async fn call(client: &Client) -> Duration {
@@ -68,10 +58,10 @@ fn micros(duration: Duration) -> String {
     format!("{:>8.1} µs", duration.as_secs_f64() * 1e6)
 }
 
-fn spec_file(dir: &Path, server: &Path) -> PathBuf {
+fn spec_file(dir: &Path) -> PathBuf {
     let path = dir.join("spec.json");
     let spec = json!({"workspace": {}, "mcp_servers": [{
-        "name": "probe", "command": [server.display().to_string()], "env": {"WHO": "standby"}, "transport": "stdio",
+        "name": "probe", "command": ["python3", FAKE_MCP_SERVER], "env": {"WHO": "standby"}, "transport": "stdio",
     }]});
     write_json(&path, &spec);
     path
@@ -94,13 +84,12 @@ async fn main() {
     let args: Vec<String> = std::env::args().collect();
     let calls = option(&args, "--calls", 1000);
     let restarts = option(&args, "--restarts", 5);
-    let server_bin = sibling("STANDBY_TEST_MCP", "standby-test-mcp");
     assert!(std::env::var_os("STANDBY_BIN").is_some(), "set STANDBY_BIN to the agent (scripts/bench-mcp-bridge does)");
     let _ = rustls::crypto::ring::default_provider().install_default();
     let mut out = std::io::stdout().lock();
     let server = TestServer::start().await;
     let dir = tempfile::tempdir().expect("a scratch directory");
-    let spec = spec_file(dir.path(), &server_bin);
+    let spec = spec_file(dir.path());
 
     // 1. Tool calls, bridged and direct, side by side.
     let token = server.add_standby();
@@ -113,7 +102,8 @@ async fn main() {
     .expect("mcp.json is JSON");
     let url = config["mcpServers"]["probe"]["url"].as_str().expect("the probe is listed").to_owned();
     let bridged = ().serve(StreamableHttpClientTransport::from_uri(url.as_str())).await.expect("bridged client");
-    let mut command = tokio::process::Command::new(&server_bin);
+    let mut command = tokio::process::Command::new("python3");
+    command.arg(FAKE_MCP_SERVER);
     command.env("WHO", "direct");
     let direct = ().serve(TokioChildProcess::new(command).expect("spawn the server")).await.expect("direct client");
     for _ in 0..WARM_UP {

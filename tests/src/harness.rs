@@ -27,6 +27,11 @@ pub use standby_protocol::vars;
 /// It deliberately does not start with `STANDBY_`.
 const MARK: &str = "E2E_AGENT_MARK";
 
+/// The fake MCP server of every test: a stdio server speaking JSON-RPC by
+/// hand (so the agent's own tests can make it misbehave), run with
+/// `python3`; its modes and tools are described in the file.
+pub const FAKE_MCP_SERVER: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../agent/src/mcp/fake_server.py");
+
 /// The `standby` binary under test: `$STANDBY_BIN`, else `standby` next to
 /// the test executable's `deps/` directory (`target/<profile>/standby`).
 pub fn standby_bin() -> PathBuf {

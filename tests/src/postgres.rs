@@ -28,18 +28,25 @@ impl TestSchema {
             unavailable(test, &format!("{URL_VAR} is unset"));
             return None;
         };
-        let schema = format!("t_{:016x}", RandomState::new().hash_one((test, std::process::id())));
-        let created = off_runtime(|| async {
-            let client = connect(&base).await?;
-            client.batch_execute(&format!("CREATE SCHEMA {schema}")).await.map_err(|e| describe(&e))
-        });
-        match created {
-            Ok(()) => Some(Self { base, schema }),
+        match Self::on(&base, test) {
+            Ok(schema) => Some(schema),
             Err(problem) => {
                 unavailable(test, &format!("the database of {URL_VAR} is unreachable: {problem}"));
                 None
             }
         }
+    }
+
+    /// A fresh schema for `owner` on the database at `base`: for a caller
+    /// given its database (the benchmarks' `--store`), which reports a
+    /// missing one itself.
+    pub fn on(base: &str, owner: &str) -> Result<Self, String> {
+        let schema = format!("t_{:016x}", RandomState::new().hash_one((owner, std::process::id())));
+        off_runtime(|| async {
+            let client = connect(base).await?;
+            client.batch_execute(&format!("CREATE SCHEMA {schema}")).await.map_err(|e| describe(&e))
+        })?;
+        Ok(Self { base: base.to_owned(), schema })
     }
 
     /// The connection URL whose tables live in this schema (its

@@ -7,6 +7,7 @@
 //! agents to their children), so a test can find, check and kill all of
 //! them, including after the server itself was killed.
 
+use std::ffi::OsStr;
 use std::net::SocketAddr;
 use std::os::unix::fs::PermissionsExt as _;
 use std::path::{Path, PathBuf};
@@ -79,7 +80,10 @@ pub struct ServerBuilder {
     data: PathBuf,
     log: PathBuf,
     mark: String,
-    agent_bin: PathBuf,
+    server_bin: PathBuf,
+    /// `--agent-bin`; `None` for a server launching no agents (the spool
+    /// provider of the benchmarks), or one given it among its arguments.
+    agent_bin: Option<PathBuf>,
     listen: Option<SocketAddr>,
     args: Vec<String>,
     env: Vec<(String, String)>,
@@ -131,11 +135,18 @@ impl ServerBuilder {
     /// A server on `data` (kept across restarts), its stderr appended to
     /// `log`, its processes marked with `mark`.
     pub fn new(data: &Path, log: &Path, mark: &str) -> Self {
+        Self { agent_bin: Some(standby_bin()), ..Self::of(&server_bin(), data, log, mark) }
+    }
+
+    /// [`ServerBuilder::new`] of the binary `server_bin` (the benchmarks
+    /// measure a given build) and without `--agent-bin`.
+    pub fn of(server_bin: &Path, data: &Path, log: &Path, mark: &str) -> Self {
         Self {
             data: data.to_owned(),
             log: log.to_owned(),
             mark: mark.to_owned(),
-            agent_bin: standby_bin(),
+            server_bin: server_bin.to_owned(),
+            agent_bin: None,
             listen: None,
             args: Vec::new(),
             env: Vec::new(),
@@ -156,7 +167,7 @@ impl ServerBuilder {
             .expect("make the wrapper executable");
         self.env.push(("E2E_AGENT_LOG_DIR".into(), dir.display().to_string()));
         self.env.push(("E2E_REAL_AGENT".into(), standby_bin().display().to_string()));
-        self.agent_bin = wrapper;
+        self.agent_bin = Some(wrapper);
         self
     }
 
@@ -209,9 +220,15 @@ impl ServerBuilder {
     /// Starts the server on a free port of 127.0.0.1 and waits for its
     /// "listening" line.
     pub async fn start(&self) -> ServerProcess {
+        self.try_start().await.unwrap_or_else(|problem| panic!("{problem}"))
+    }
+
+    /// [`ServerBuilder::start`] that reports a server that did not start
+    /// instead of panicking: a benchmark records it and goes on.
+    pub async fn try_start(&self) -> Result<ServerProcess, String> {
         let bind = self.listen.unwrap_or_else(free_addr);
         let addr = if bind.ip().is_unspecified() { SocketAddr::from(([127, 0, 0, 1], bind.port())) } else { bind };
-        let mut command = tokio::process::Command::new(server_bin());
+        let mut command = tokio::process::Command::new(&self.server_bin);
         for (name, _) in std::env::vars_os() {
             if let Some(name) = name.to_str()
                 && (name.starts_with("STANDBY_") || name == "RUST_LOG")
@@ -219,23 +236,25 @@ impl ServerBuilder {
                 command.env_remove(name);
             }
         }
+        if let Some(parent) = self.log.parent() {
+            std::fs::create_dir_all(parent).map_err(|error| format!("create {}: {error}", parent.display()))?;
+        }
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(&self.log)
-            .unwrap_or_else(|error| panic!("open {}: {error}", self.log.display()));
+            .map_err(|error| format!("open {}: {error}", self.log.display()))?;
         // The key from a file, as operators are told to pass it: a command
         // line is readable by every local user.
         let key_file = self.data.with_extension("api-key");
         std::fs::write(&key_file, format!("{API_KEY}\n"))
-            .unwrap_or_else(|error| panic!("write {}: {error}", key_file.display()));
-        std::fs::set_permissions(&key_file, std::fs::Permissions::from_mode(0o600)).expect("chmod the API key file");
+            .and_then(|()| std::fs::set_permissions(&key_file, std::fs::Permissions::from_mode(0o600)))
+            .map_err(|error| format!("write {}: {error}", key_file.display()))?;
         command
             .arg("serve")
             .args(["--listen", &bind.to_string(), "--api-key-file"])
             .arg(&key_file)
-            .arg("--agent-bin")
-            .arg(&self.agent_bin)
+            .args(self.agent_bin.iter().flat_map(|bin| [OsStr::new("--agent-bin"), bin.as_os_str()]))
             .arg("--data-dir")
             .arg(&self.data)
             .args(&self.args)
@@ -245,18 +264,24 @@ impl ServerBuilder {
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(log);
-        let mut child = command.spawn().expect("start standby-server");
-        let stdout = child.stdout.take().expect("a piped stdout");
+        let mut child = command.spawn().map_err(|error| format!("start {}: {error}", self.server_bin.display()))?;
+        let stdout = child.stdout.take().ok_or("no piped stdout")?;
         let mut lines = BufReader::new(stdout).lines();
         let tail = || tail(&self.log, 40);
         let line = tokio::time::timeout(START, lines.next_line())
             .await
-            .unwrap_or_else(|_| panic!("standby-server did not start\n{}", tail()))
-            .expect("read the server's stdout")
-            .unwrap_or_else(|| panic!("standby-server exited\n{}", tail()));
-        let url = line.strip_prefix("standby-server listening on ").expect("the listening line").trim().to_owned();
+            .map_err(|_| format!("standby-server did not start within {START:?}\n{}", tail()))?
+            .map_err(|error| format!("read the server's stdout: {error}"))?
+            .ok_or_else(|| format!("standby-server exited\n{}", tail()))?;
+        let url = line
+            .strip_prefix("standby-server listening on ")
+            .ok_or_else(|| format!("not the listening line: {line}"))?
+            .trim()
+            .to_owned();
+        // Nothing else is printed on stdout; keep reading so it never blocks.
+        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
         let _ = rustls::crypto::ring::default_provider().install_default();
-        ServerProcess {
+        Ok(ServerProcess {
             child,
             addr,
             public_url: url,
@@ -264,7 +289,7 @@ impl ServerBuilder {
             data: self.data.clone(),
             log: self.log.clone(),
             http: reqwest::Client::new(),
-        }
+        })
     }
 }
 
@@ -504,12 +529,23 @@ impl ServerProcess {
     }
 
     /// Sends `signal` and waits for the server to exit; its exit status.
-    pub async fn stop(mut self, signal: Signal) -> std::process::ExitStatus {
-        let _ = kill(Pid::from_raw(self.pid()), signal);
-        tokio::time::timeout(START, self.child.wait())
-            .await
-            .unwrap_or_else(|_| panic!("the server did not exit on {signal}\n{}", tail(&self.log, 40)))
-            .expect("wait for the server")
+    pub async fn stop(self, signal: Signal) -> std::process::ExitStatus {
+        self.try_stop(signal, START).await.unwrap_or_else(|problem| panic!("{problem}"))
+    }
+
+    /// Sends `signal` and waits up to `grace` for the server to exit; one
+    /// that does not is killed and reported (a benchmark goes on).
+    pub async fn try_stop(mut self, signal: Signal, grace: Duration) -> Result<std::process::ExitStatus, String> {
+        if let Some(pid) = self.child.id().and_then(|pid| i32::try_from(pid).ok()) {
+            let _ = kill(Pid::from_raw(pid), signal);
+        }
+        match tokio::time::timeout(grace, self.child.wait()).await {
+            Ok(status) => status.map_err(|error| format!("wait for the server: {error}")),
+            Err(_) => {
+                let _ = self.child.kill().await;
+                Err(format!("the server did not exit within {grace:?} on {signal}: killed\n{}", tail(&self.log, 40)))
+            }
+        }
     }
 
     /// Sends `signal`, waits for the server to exit (with 0 on SIGTERM) and

@@ -1,5 +1,5 @@
-//! The MCP bridge through the real `standby` binary: a stdio MCP server
-//! built with rmcp (`standby-test-mcp`) started in standby, served at the
+//! The MCP bridge through the real `standby` binary: the tests' fake stdio
+//! MCP server ([`FAKE_MCP_SERVER`]) started in standby, served at the
 //! URL `mcp.json` lists, restarted with the run's `mcp_env` at assignment,
 //! and called by the run through that URL; an HTTP server listed by its
 //! `url`; a server that never answers `initialize`; a server that crashes
@@ -15,7 +15,7 @@ use rmcp::model::CallToolRequestParams;
 use rmcp::service::{RoleClient, RunningService};
 use rmcp::transport::StreamableHttpClientTransport;
 use serde_json::{Value, json};
-use standby_e2e::harness::{assert_exit, event_kinds, write_json};
+use standby_e2e::harness::{FAKE_MCP_SERVER, assert_exit, event_kinds, write_json};
 use standby_e2e::server::ExecutionSetup;
 use standby_e2e::{AgentBuilder, AgentProcess, TestServer};
 use standby_protocol::layout::StateDir;
@@ -90,9 +90,9 @@ fn free_port() -> u16 {
     listener.local_addr().expect("a bound listener has an address").port()
 }
 
-/// The rmcp stdio server as a spec entry.
+/// The fake stdio server as a spec entry.
 fn stdio_server(name: &str, env: &Value) -> Value {
-    json!({"name": name, "command": [env!("CARGO_BIN_EXE_standby-test-mcp")], "env": env, "transport": "stdio"})
+    json!({"name": name, "command": ["python3", FAKE_MCP_SERVER], "env": env, "transport": "stdio"})
 }
 
 /// A run of [`RUN_CLIENT`] making `calls`, writing to `out`, held by `gate`.
@@ -228,10 +228,9 @@ async fn a_stdio_server_that_never_answers_initialize_fails_preparation_naming_i
     let server = TestServer::start().await;
     let dir = scratch();
     let token = server.add_standby();
-    let mute = "import sys, time\nprint('stuck before the handshake', file=sys.stderr, flush=True)\ntime.sleep(300)";
     let spec = json!({"workspace": {}, "mcp_servers": [
         stdio_server("fine", &json!({})),
-        {"name": "mute", "command": ["python3", "-c", mute], "transport": "stdio"},
+        stdio_server("mute", &json!({"MODE": "silent"})),
     ]});
     let path = dir.path().join("spec.json");
     write_json(&path, &spec);
@@ -243,7 +242,7 @@ async fn a_stdio_server_that_never_answers_initialize_fails_preparation_naming_i
     // The error is logged as a quoted string: its own quotes are escaped.
     let error = r#"MCP server \"mute\" never became ready: it answered no MCP initialize on stdio within 2s"#;
     assert!(output.contains(error), "{}", agent.output_tail());
-    assert!(output.contains("stuck before the handshake"), "the server's stderr is quoted\n{}", agent.output_tail());
+    assert!(output.contains("not answering on purpose"), "the server's stderr is quoted\n{}", agent.output_tail());
     agent.wait_no_leftovers(EXIT).await;
 }
 
