@@ -413,7 +413,11 @@ struct ProcStat {
 }
 
 fn proc_stat(pid: i32) -> Option<ProcStat> {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    proc_stat_at(&format!("/proc/{pid}/stat"), pid)
+}
+
+fn proc_stat_at(path: &str, pid: i32) -> Option<ProcStat> {
+    let text = std::fs::read_to_string(path).ok()?;
     // The command name is in parentheses and may contain anything.
     let rest = &text[text.rfind(')')? + 1..];
     let mut fields = rest.split_whitespace();
@@ -430,10 +434,18 @@ fn all_processes() -> Vec<ProcStat> {
     entries.filter_map(|entry| entry.ok()?.file_name().to_str()?.parse::<i32>().ok()).filter_map(proc_stat).collect()
 }
 
-/// Whether `pid` is a live process; a zombie counts as gone (it runs
-/// nothing, and its reaper may be a container init that never reaps).
+/// Whether `pid` is a live process: one of its threads has not exited. A
+/// zombie counts as gone (it runs nothing, and its reaper may be a
+/// container init that never reaps). Its main thread turns zombie before
+/// the other threads end, and the process's files (a listening socket)
+/// are released only with the last one: so every thread is looked at.
 pub fn process_alive(pid: i32) -> bool {
-    proc_stat(pid).is_some_and(|stat| !matches!(stat.state, 'Z' | 'X'))
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return false;
+    };
+    tasks.filter_map(|task| task.ok()?.file_name().to_str()?.parse::<i32>().ok()).any(|tid| {
+        proc_stat_at(&format!("/proc/{pid}/task/{tid}/stat"), tid).is_some_and(|stat| !matches!(stat.state, 'Z' | 'X'))
+    })
 }
 
 /// Live members of process group `pgid`.

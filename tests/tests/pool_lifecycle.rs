@@ -203,8 +203,19 @@ async fn tier_2_a_follow_up_in_the_warm_window_takes_the_running_sandbox_without
     let server_log = std::fs::read_to_string(server.log_path()).expect("the server log");
     let stopped = server_log.lines().any(|line| line.contains("parked sandbox stopped") && line.contains(&sandbox_id));
     assert!(!stopped, "no stop between the turns");
+    // The turn ran in the kept agent: after it a fresh agent is started
+    // again. Once that one is ready, each of the two fresh agents skipped
+    // preparation and only the first turn's cold agent cloned.
+    server
+        .until("a third agent in the kept sandbox", async || {
+            let sandbox = server.sandbox(&sandbox_id).await;
+            let fresh = sandbox["pid"].as_i64().is_some_and(|other| other != i64::from(pid));
+            (sandbox["park"]["mode"] == "running" && sandbox["last_state"] == "ready" && fresh).then_some(())
+        })
+        .await;
     let agent_log = std::fs::read_to_string(dir.join("agent.log")).expect("the agent log");
-    assert_eq!(count(&agent_log, "clone and setup are skipped"), 1);
+    assert_eq!(count(&agent_log, "clone and setup are skipped"), 2, "{agent_log}");
+    assert_eq!(count(&agent_log, "cloning "), 1, "{agent_log}");
     server.stop().await;
 }
 
