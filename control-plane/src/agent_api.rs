@@ -19,10 +19,10 @@ use tokio::sync::mpsc;
 
 use crate::app::{ApiError, AppState, Unread, bearer, from_store, parse_json, read_body};
 use crate::bounds::{EVENT_BODY_MAX, LOG_BODY_MAX, bound_event};
-use crate::dispatch::{Admission, Call, ConnId, LogError, Refusal};
-use crate::engine::{EngineHandle, LogInput, Outbound};
+use crate::dispatch::{Admission, Call, ConnId, Input, LogError, Refusal};
+use crate::engine::{EngineHandle, Outbound};
 use crate::listener::ConnectionSlot;
-use crate::model::RunRequest;
+use crate::model::{RunRequest, SandboxRecord};
 
 /// Agents send heartbeats of under a hundred bytes: a small read buffer per
 /// socket keeps thousands of idle standbys cheap.
@@ -91,7 +91,8 @@ fn presented(headers: &HeaderMap) -> Result<&str, ApiError> {
 
 async fn admit(state: &AppState, headers: &HeaderMap, call: Call) -> Result<Admission, ApiError> {
     let token = presented(headers)?;
-    state.engine.check(token, call).await?.map_err(refused)
+    let token = token.to_owned();
+    state.engine.ask::<Result<Admission, Refusal>>(Input::Check { token, call }).await?.map_err(refused)
 }
 
 /// Admits only the run credential of execution `execution_id`. A standby
@@ -110,7 +111,8 @@ async fn admit_run(
         )
     };
     let token = presented(headers)?;
-    match state.engine.check(token, call).await? {
+    let token = token.to_owned();
+    match state.engine.ask(Input::Check { token, call }).await? {
         Ok(Admission::Run { run_id, attempt, .. }) if run_id == execution_id => Ok((run_id, attempt)),
         Ok(_) | Err(Refusal::Gone) => Err(wrong()),
         Err(refusal) => Err(refused(refusal)),
@@ -181,7 +183,7 @@ pub(crate) async fn socket(
         Err(rejection) => return ApiError::new(StatusCode::BAD_REQUEST, rejection.body_text()).into_response(),
     };
     let conn = state.engine.next_conn_id();
-    let admission = match state.engine.claim_socket(conn, &token).await {
+    let admission = match state.engine.ask(Input::ClaimSocket { conn, token: token.clone() }).await {
         Ok(Ok(admission)) => admission,
         Ok(Err(refusal @ Refusal::Duplicate { retry_after })) => {
             // When the live socket counts as gone if it stays silent: an
@@ -225,7 +227,7 @@ async fn connection(state: AppState, mut socket: WebSocket, conn: ConnId, admiss
                 Some(Ok(Message::Text(text))) => {
                     idle.as_mut().reset(tokio::time::Instant::now() + state.idle_timeout);
                     match serde_json::from_str::<AgentMessage>(text.as_str()) {
-                    Ok(AgentMessage::Heartbeat { state, .. }) => engine.heartbeat(conn, state).await,
+                    Ok(AgentMessage::Heartbeat { state, .. }) => engine.tell(Input::Heartbeat { conn, state }).await,
                         Err(error) => {
                             tracing::debug!(conn, problem = %standby_protocol::describe_json_error(&error), "frame skipped");
                         }
@@ -255,7 +257,7 @@ async fn connection(state: AppState, mut socket: WebSocket, conn: ConnId, admiss
                         break;
                     }
                     if let Some(run_id) = assignment_of {
-                        engine.assignment_sent(&run_id).await;
+                        engine.tell(Input::AssignmentSent { run_id }).await;
                     }
                 }
             },
@@ -276,7 +278,7 @@ pub(crate) async fn spec(State(state): State<AppState>, headers: HeaderMap) -> R
     };
     let sandbox = state
         .engine
-        .sandbox(&sandbox_id)
+        .ask::<Option<SandboxRecord>>(Input::Sandbox { sandbox_id: sandbox_id.clone() })
         .await?
         .ok_or_else(|| ApiError::new(Refusal::Gone.status(), "the sandbox is gone"))?;
     let mut spec = (*state.spec).clone();
@@ -284,7 +286,7 @@ pub(crate) async fn spec(State(state): State<AppState>, headers: HeaderMap) -> R
         spec.workspace = workspace;
     }
     // The credential was checked: a run bound to the sandbox may be told now.
-    state.engine.spec_served(&sandbox_id).await;
+    state.engine.tell(Input::SpecServed { sandbox_id }).await;
     Ok(Json(spec))
 }
 
@@ -421,7 +423,7 @@ pub(crate) async fn events(
     };
     let event = bound_event(event)?;
     tracing::info!(run_id, attempt, event_id = %event.event_id, kind = ?event.kind, "event");
-    state.engine.event(&run_id, attempt, event).await?;
+    state.engine.ask::<()>(Input::Event { run_id, attempt, event }).await?;
     Ok(Json(serde_json::json!({})).into_response())
 }
 
@@ -441,8 +443,8 @@ pub(crate) async fn log(
     let data = chunk
         .bytes()
         .map_err(|_| ApiError::new(StatusCode::BAD_REQUEST, "data: not valid base64").with_field("data"))?;
-    let input = LogInput { run_id, offset: chunk.offset, dropped: chunk.dropped, data };
-    match state.engine.log(input).await? {
+    let input = Input::Log { run_id, offset: chunk.offset, dropped: chunk.dropped, data };
+    match state.engine.ask(input).await? {
         Ok(received) => Ok(Json(LogReceived { received }).into_response()),
         Err(error @ LogError::Conflict { received, .. }) => {
             let body = serde_json::json!({ "received": received, "error": error.to_string(), "field": "offset" });

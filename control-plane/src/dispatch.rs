@@ -50,8 +50,10 @@
 //!   recorded. Turns of one thread take the sandbox one at a time, through
 //!   a pointer written compare-and-set.
 //!
-//! One file per input, each an `impl Dispatch` block over the state below:
-//! `admission` (credentials, one socket each), `connections` (control
+//! Every input comes in through [`Dispatch::handle`] (`input`: the one
+//! [`Input`] type and its [`Reply`]), which hands it to the rule of its
+//! concern. One file per concern, each an `impl Dispatch` block over the
+//! state below: `admission` (credentials, one socket each), `connections` (control
 //! sockets, heartbeats, delivery), `runs` (submit, cancel, and how a run
 //! ends), `events`, `logs`, `sandboxes` (launch, exit, loss, probes after
 //! a restart), `ticks` (time passing), `placement` (binding queued runs),
@@ -65,6 +67,7 @@ mod bounds;
 mod connections;
 mod events;
 mod idempotency;
+mod input;
 mod logs;
 mod placement;
 mod pool;
@@ -90,6 +93,7 @@ use crate::policy::AutoStop;
 pub use admission::{Admission, Call, Refusal};
 pub use bounds::{Evicted, MAX_EVENTS_PER_RUN, RunBounds};
 pub use idempotency::{IdempotencyKey, KeyReused, Submitted};
+pub use input::{Answer, Input, Reply};
 pub use logs::{LogError, LogLedger};
 pub use resume::{ResumeFailure, ResumeStart};
 pub use runs::CancelError;
@@ -211,12 +215,16 @@ pub enum Effect {
     /// Launch the agent of a sandbox with its standby credential, after the
     /// provider has made the sandbox ready as `provision` says (with the
     /// provider auto-stop `auto_stop`, in provider minutes, when created).
-    Launch { sandbox_id: String, token: Secret, provision: Provision, auto_stop: u32 },
+    /// Its exit is reported with `credential_id` (the token's), so that a
+    /// late notice of an earlier agent is told from this one's.
+    Launch { sandbox_id: String, credential_id: String, token: Secret, provision: Provision, auto_stop: u32 },
     /// Let the sandbox exit on its own for up to `linger`, then stop it and
     /// delete it.
     Retire { sandbox_id: String, linger: Duration },
-    /// Ask the provider what became of a sandbox (after a restart).
-    Probe { sandbox_id: String },
+    /// Ask the provider what became of a sandbox (after a restart). An agent
+    /// found running was started by another process with standby
+    /// credential `credential_id`: its exit is reported with it.
+    Probe { sandbox_id: String, credential_id: String },
     /// A turn ended and its sandbox is kept: let its agent exit on its own
     /// for up to `linger` (stop it then), make sure no process is left,
     /// and set the provider auto-stop (best effort).
@@ -229,7 +237,7 @@ pub enum Effect {
     /// by its provider state, raise a shorter auto-stop (bounded, best
     /// effort), and launch a fresh agent with `token`. Failures come back
     /// as [`Dispatch::resume_failed`].
-    Resume { sandbox_id: String, token: Secret, auto_stop: u32 },
+    Resume { sandbox_id: String, credential_id: String, token: Secret, auto_stop: u32 },
     /// The sandbox is busy (preparing, installing or running): the
     /// provider's idle auto-stop clock starts over.
     Touch { sandbox_id: String },
@@ -250,12 +258,8 @@ pub enum Provision {
 pub struct Step {
     pub writes: Vec<Write>,
     pub effects: Vec<Effect>,
-}
-
-impl Step {
-    pub fn is_empty(&self) -> bool {
-        self.writes.is_empty() && self.effects.is_empty()
-    }
+    /// For whoever asked, once the writes are committed.
+    pub reply: Reply,
 }
 
 /// What a provider says about a sandbox after a restart, or before a
@@ -463,7 +467,10 @@ impl Dispatch {
             let agent = if record.state == SandboxState::Retired {
                 Agent::Exited
             } else {
-                step.effects.push(Effect::Probe { sandbox_id: record.id.clone() });
+                step.effects.push(Effect::Probe {
+                    sandbox_id: record.id.clone(),
+                    credential_id: record.standby_credential_id.clone(),
+                });
                 Agent::Running
             };
             let id = record.id.clone();
@@ -485,7 +492,7 @@ impl Dispatch {
 
     /// The server is stopping: nothing new is dispatched or launched, and
     /// exits of the sandboxes it stops change no state.
-    pub fn shutdown(&mut self) {
+    fn shutdown(&mut self) {
         self.draining = true;
     }
 

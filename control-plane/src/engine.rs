@@ -22,20 +22,19 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use standby_protocol::{AgentState, Event, Run, Secret, ServerMessage};
+use standby_protocol::{Secret, ServerMessage};
 use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::dispatch::{
-    Admission, Call, CancelError, ConnId, Dispatch, Effect, Found, IdempotencyKey, KeyReused, LogError,
-    MetricsSnapshot, Provision, Refusal, ResumeFailure, ResumeStart, SandboxPage, SandboxView, Step, Submitted,
+    Answer, ConnId, Dispatch, Effect, Found, Input, Provision, Reply, ResumeFailure, ResumeStart, SandboxPage,
+    SandboxView, Step,
 };
-use crate::model::{Millis, ParkMode, RunRecord, RunRequest, RunState, SandboxRecord, ThreadRecord};
+use crate::model::{Clock, ParkMode};
 use crate::policy::raised_auto_stop;
 use crate::provider::{AgentLaunch, Details, Launched, SandboxProvider};
 use crate::store::{Store, StoreError};
 
-use self::adopted::Adopted;
-use self::batch::{After, Batch, reply};
+use self::batch::{After, Batch};
 
 /// Bound on setting a sandbox's auto-stop: it is best effort, and never
 /// holds up a launch or a resume for longer.
@@ -65,110 +64,35 @@ enum Flow {
 #[error("the dispatch engine is not running")]
 pub struct EngineGone;
 
+/// What the engine's queue carries: inputs for the machine, which it
+/// forwards without knowing them, and the few things that are the
+/// engine's own (a socket's writer, the provider's details, the end).
 #[derive(Debug)]
 enum Command {
-    Check {
-        token: String,
-        call: Call,
-        reply: oneshot::Sender<Result<Admission, Refusal>>,
+    /// An input for the machine; its reply goes to `reply` (when someone
+    /// waits) once the input's writes are committed.
+    Input {
+        input: Input,
+        reply: Option<oneshot::Sender<Reply>>,
     },
-    ClaimSocket {
-        conn: ConnId,
-        token: String,
-        reply: oneshot::Sender<Result<Admission, Refusal>>,
-    },
+    /// A control connection opened: its writer is attached before the
+    /// machine hears of it (its effects may use it).
     Connect {
         conn: ConnId,
         sender: mpsc::UnboundedSender<Outbound>,
         credential_id: String,
         presented: Secret,
     },
+    /// A control connection closed: its writer is dropped.
     Disconnect {
         conn: ConnId,
     },
-    Heartbeat {
-        conn: ConnId,
-        state: AgentState,
-    },
-    AssignmentSent {
-        run_id: String,
-    },
-    Submit {
-        run: Box<Run>,
-        request: Box<RunRequest>,
-        thread_id: Option<String>,
-        key: Option<IdempotencyKey>,
-        reply: oneshot::Sender<Result<(Submitted, Option<RunRecord>), KeyReused>>,
-    },
-    GetThread {
-        thread_id: String,
-        reply: oneshot::Sender<Option<ThreadRecord>>,
-    },
-    Cancel {
-        run_id: String,
-        reply: oneshot::Sender<Result<RunState, CancelError>>,
-    },
-    GetRun {
-        run_id: String,
-        reply: oneshot::Sender<Option<RunRecord>>,
-    },
-    GetSandbox {
-        sandbox_id: String,
-        reply: oneshot::Sender<Option<SandboxRecord>>,
-    },
+    /// A page of sandboxes, with what the provider knows of each.
     Sandboxes {
         page: SandboxPage,
         reply: oneshot::Sender<Vec<(SandboxView, Details)>>,
     },
-    Event {
-        run_id: String,
-        attempt: u32,
-        event: Event,
-        reply: oneshot::Sender<()>,
-    },
-    Log {
-        chunk: LogInput,
-        reply: oneshot::Sender<Result<u64, LogError>>,
-    },
-    Metrics {
-        reply: oneshot::Sender<MetricsSnapshot>,
-    },
-    Exited {
-        sandbox_id: String,
-        code: Option<i32>,
-    },
-    /// An agent this process did not start ([`adopted`]) no longer runs.
-    AdoptedExited {
-        sandbox_id: String,
-    },
-    LaunchFailed {
-        sandbox_id: String,
-        error: String,
-    },
-    SpecServed {
-        sandbox_id: String,
-    },
-    ResumeFailed {
-        sandbox_id: String,
-        failure: ResumeFailure,
-    },
-    Probed {
-        sandbox_id: String,
-        found: Found,
-    },
-    Drain {
-        reply: oneshot::Sender<()>,
-    },
     Stop,
-}
-
-/// A log chunk as the agent sent it, decoded.
-#[derive(Debug)]
-pub struct LogInput {
-    pub run_id: String,
-    pub offset: u64,
-    pub dropped: u64,
-    pub data: Vec<u8>,
 }
 
 /// How the engine launches and stops agents.
@@ -185,6 +109,8 @@ pub struct EngineConfig {
     pub tick: Duration,
     /// Bound on each provider call of a resume (state, start).
     pub resume_timeout: Duration,
+    /// The time every input is stamped with.
+    pub clock: Clock,
 }
 
 /// A cheap, cloneable way to talk to the engine.
@@ -195,13 +121,25 @@ pub struct EngineHandle {
 }
 
 impl EngineHandle {
-    async fn ask<T>(&self, make: impl FnOnce(oneshot::Sender<T>) -> Command) -> Result<T, EngineGone> {
+    /// Asks the machine: its answer once the input's writes are committed.
+    /// `A` is the kind of answer the input gives (see [`Reply`]).
+    pub async fn ask<A: Answer>(&self, input: Input) -> Result<A, EngineGone> {
         let (reply, answer) = oneshot::channel();
-        self.tx.send(make(reply)).await.map_err(|_| EngineGone)?;
-        answer.await.map_err(|_| EngineGone)
+        self.tx.send(Command::Input { input, reply: Some(reply) }).await.map_err(|_| EngineGone)?;
+        let reply = answer.await.map_err(|_| EngineGone)?;
+        let kind = format!("{reply:?}");
+        A::from_reply(reply).ok_or_else(|| {
+            tracing::error!(reply = kind, "the machine answered another kind of reply than asked for");
+            EngineGone
+        })
     }
 
-    async fn tell(&self, command: Command) {
+    /// Tells the machine, without waiting for its answer.
+    pub async fn tell(&self, input: Input) {
+        self.send(Command::Input { input, reply: None }).await;
+    }
+
+    async fn send(&self, command: Command) {
         // Only fails when the engine has stopped; the caller is then being
         // torn down too.
         let _ = self.tx.send(command).await;
@@ -211,20 +149,8 @@ impl EngineHandle {
         self.next_conn.fetch_add(1, Ordering::Relaxed)
     }
 
-    /// Who `token` is for `call`, or why it is refused.
-    pub async fn check(&self, token: &str, call: Call) -> Result<Result<Admission, Refusal>, EngineGone> {
-        let token = token.to_owned();
-        self.ask(|reply| Command::Check { token, call, reply }).await
-    }
-
-    /// Admits the upgrade of control connection `conn` with `token`,
-    /// claiming the credential's one socket for it; [`Self::disconnect`]
-    /// frees the claim (also when the upgrade never completes).
-    pub async fn claim_socket(&self, conn: ConnId, token: &str) -> Result<Result<Admission, Refusal>, EngineGone> {
-        let token = token.to_owned();
-        self.ask(|reply| Command::ClaimSocket { conn, token, reply }).await
-    }
-
+    /// Control connection `conn` (claimed with [`Input::ClaimSocket`]) is
+    /// open: frames for it go to `sender`.
     pub async fn connect(
         &self,
         conn: ConnId,
@@ -232,103 +158,25 @@ impl EngineHandle {
         credential_id: &str,
         presented: Secret,
     ) {
-        self.tell(Command::Connect { conn, sender, credential_id: credential_id.to_owned(), presented }).await;
+        self.send(Command::Connect { conn, sender, credential_id: credential_id.to_owned(), presented }).await;
     }
 
+    /// Control connection `conn` closed (or its upgrade never completed):
+    /// its claim is freed.
     pub async fn disconnect(&self, conn: ConnId) {
-        self.tell(Command::Disconnect { conn }).await;
+        self.send(Command::Disconnect { conn }).await;
     }
 
-    pub async fn heartbeat(&self, conn: ConnId, state: AgentState) {
-        self.tell(Command::Heartbeat { conn, state }).await;
-    }
-
-    pub async fn assignment_sent(&self, run_id: &str) {
-        self.tell(Command::AssignmentSent { run_id: run_id.to_owned() }).await;
-    }
-
-    pub async fn submit(&self, run: Run, request: RunRequest) -> Result<RunRecord, EngineGone> {
-        self.submit_turn(run, request, None).await
-    }
-
-    /// Submits a run as a turn of `thread_id` (when given).
-    pub async fn submit_turn(
-        &self,
-        run: Run,
-        request: RunRequest,
-        thread_id: Option<String>,
-    ) -> Result<RunRecord, EngineGone> {
-        match self.submit_keyed(run, request, thread_id, None).await? {
-            Ok((_, Some(record))) => Ok(record),
-            // Without a key there is always a new run, in memory.
-            Ok((_, None)) | Err(_) => Err(EngineGone),
-        }
-    }
-
-    /// Submits a run under an `Idempotency-Key` (when given): the run it
-    /// made (and its record while in memory), or [`KeyReused`].
-    pub async fn submit_keyed(
-        &self,
-        run: Run,
-        request: RunRequest,
-        thread_id: Option<String>,
-        key: Option<IdempotencyKey>,
-    ) -> Result<Result<(Submitted, Option<RunRecord>), KeyReused>, EngineGone> {
-        self.ask(|reply| Command::Submit { run: Box::new(run), request: Box::new(request), thread_id, key, reply })
-            .await
-    }
-
-    /// A sandbox's agent was served its spec.
-    pub async fn spec_served(&self, sandbox_id: &str) {
-        self.tell(Command::SpecServed { sandbox_id: sandbox_id.to_owned() }).await;
-    }
-
-    pub async fn thread(&self, thread_id: &str) -> Result<Option<ThreadRecord>, EngineGone> {
-        let thread_id = thread_id.to_owned();
-        self.ask(|reply| Command::GetThread { thread_id, reply }).await
-    }
-
-    pub async fn cancel(&self, run_id: &str) -> Result<Result<RunState, CancelError>, EngineGone> {
-        let run_id = run_id.to_owned();
-        self.ask(|reply| Command::Cancel { run_id, reply }).await
-    }
-
-    pub async fn run(&self, run_id: &str) -> Result<Option<RunRecord>, EngineGone> {
-        let run_id = run_id.to_owned();
-        self.ask(|reply| Command::GetRun { run_id, reply }).await
-    }
-
-    pub async fn sandbox(&self, sandbox_id: &str) -> Result<Option<SandboxRecord>, EngineGone> {
-        let sandbox_id = sandbox_id.to_owned();
-        self.ask(|reply| Command::GetSandbox { sandbox_id, reply }).await
-    }
-
-    /// A page of sandboxes, in creation order.
+    /// A page of sandboxes, in creation order, with the provider's details.
     pub async fn sandboxes(&self, page: SandboxPage) -> Result<Vec<(SandboxView, Details)>, EngineGone> {
-        self.ask(|reply| Command::Sandboxes { page, reply }).await
-    }
-
-    pub async fn event(&self, run_id: &str, attempt: u32, event: Event) -> Result<(), EngineGone> {
-        let run_id = run_id.to_owned();
-        self.ask(|reply| Command::Event { run_id, attempt, event, reply }).await
-    }
-
-    pub async fn log(&self, chunk: LogInput) -> Result<Result<u64, LogError>, EngineGone> {
-        self.ask(|reply| Command::Log { chunk, reply }).await
-    }
-
-    pub async fn metrics(&self) -> Result<MetricsSnapshot, EngineGone> {
-        self.ask(|reply| Command::Metrics { reply }).await
-    }
-
-    /// Stops dispatching and launching; exits no longer change state.
-    pub async fn drain(&self) -> Result<(), EngineGone> {
-        self.ask(|reply| Command::Drain { reply }).await
+        let (reply, answer) = oneshot::channel();
+        self.tx.send(Command::Sandboxes { page, reply }).await.map_err(|_| EngineGone)?;
+        answer.await.map_err(|_| EngineGone)
     }
 
     /// Ends the engine task, closing every control connection.
     pub async fn stop(&self) {
-        self.tell(Command::Stop).await;
+        self.send(Command::Stop).await;
     }
 }
 
@@ -343,7 +191,6 @@ pub struct Engine<P> {
     /// resume, retire) run one after another in the order the machine
     /// emitted them.
     ops: HashMap<String, mpsc::UnboundedSender<Op>>,
-    adopted: Adopted,
     rx: mpsc::Receiver<Command>,
     handle: EngineHandle,
 }
@@ -397,17 +244,7 @@ impl<P: SandboxProvider> Engine<P> {
         config: EngineConfig,
     ) -> Self {
         let Mailbox { rx, handle } = mailbox;
-        Self {
-            machine,
-            store,
-            provider,
-            config,
-            conns: HashMap::new(),
-            ops: HashMap::new(),
-            adopted: Adopted::default(),
-            rx,
-            handle,
-        }
+        Self { machine, store, provider, config, conns: HashMap::new(), ops: HashMap::new(), rx, handle }
     }
 
     /// Runs until stopped or until the store fails; `fatal` is set on a
@@ -429,7 +266,7 @@ impl<P: SandboxProvider> Engine<P> {
                     }
                 },
                 _ = ticker.tick() => {
-                    let step = self.machine.tick(Millis::now());
+                    let step = self.machine.handle(self.config.clock.now(), Input::Tick);
                     self.apply(step).await.map(|()| Flow::Continue)
                 }
             };
@@ -468,54 +305,27 @@ impl<P: SandboxProvider> Engine<P> {
     /// Runs one command through the machine into `batch`: its writes, then
     /// what to do once they are committed.
     fn stage(&mut self, batch: &mut Batch<After>, command: Command) {
-        let now = Millis::now();
+        let now = self.config.clock.now();
         match command {
-            Command::Check { token, call, reply: to } => {
-                batch.then(reply(to, self.machine.check(&token, call)));
-            }
-            Command::ClaimSocket { conn, token, reply: to } => match self.machine.claim_socket(now, conn, &token) {
-                Ok((admission, step)) => {
-                    batch.stage(step);
-                    batch.then(reply(to, Ok(admission)));
+            Command::Input { input, reply: to } => {
+                let reply = batch.stage(self.machine.handle(now, input));
+                if let Some(to) = to {
+                    batch.then(batch::reply(to, reply));
                 }
-                Err(refusal) => batch.then(reply(to, Err(refusal))),
-            },
+            }
             Command::Connect { conn, sender, credential_id, presented } => {
                 batch.then(After::Attach(conn, sender));
-                batch.stage(self.machine.connected(now, conn, &credential_id, &presented));
+                batch.stage(self.machine.handle(now, Input::Connected { conn, credential_id, presented }));
             }
             Command::Disconnect { conn } => {
                 batch.then(After::Detach(conn));
-                self.machine.disconnected(conn);
-            }
-            Command::Heartbeat { conn, state } => batch.stage(self.machine.heartbeat(now, conn, state)),
-            Command::AssignmentSent { run_id } => batch.stage(self.machine.assignment_sent(now, &run_id)),
-            Command::Submit { run, request, thread_id, key, reply: to } => {
-                match self.machine.submit_keyed(now, *run, *request, thread_id, key) {
-                    Ok((step, submitted)) => {
-                        batch.stage(step);
-                        let record = self.machine.run(submitted.run_id()).cloned();
-                        batch.then(reply(to, Ok((submitted, record))));
-                    }
-                    Err(reused) => batch.then(reply(to, Err(reused))),
-                }
-            }
-            Command::Cancel { run_id, reply: to } => match self.machine.cancel(now, &run_id) {
-                Ok((step, state)) => {
-                    batch.stage(step);
-                    batch.then(reply(to, Ok(state)));
-                }
-                Err(error) => batch.then(reply(to, Err(error))),
-            },
-            Command::GetRun { run_id, reply: to } => batch.then(reply(to, self.machine.run(&run_id).cloned())),
-            Command::GetThread { thread_id, reply: to } => {
-                batch.then(reply(to, self.machine.thread(&thread_id).cloned()));
-            }
-            Command::GetSandbox { sandbox_id, reply: to } => {
-                batch.then(reply(to, self.machine.sandbox(&sandbox_id).cloned()));
+                batch.stage(self.machine.handle(now, Input::Disconnected { conn }));
             }
             Command::Sandboxes { page, reply: to } => {
-                let views = self.machine.sandbox_page(now, &page);
+                let views = match batch.stage(self.machine.handle(now, Input::Sandboxes { page })) {
+                    Reply::Sandboxes(views) => views,
+                    _ => Vec::new(),
+                };
                 let with_details = views
                     .into_iter()
                     .map(|view| {
@@ -523,47 +333,7 @@ impl<P: SandboxProvider> Engine<P> {
                         (view, details)
                     })
                     .collect();
-                batch.then(reply(to, with_details));
-            }
-            Command::Event { run_id, attempt, event, reply: to } => {
-                batch.stage(self.machine.event(now, &run_id, attempt, event));
-                batch.then(reply(to, ()));
-            }
-            Command::Log { chunk, reply: to } => {
-                match self.machine.log(&chunk.run_id, chunk.offset, chunk.dropped, &chunk.data) {
-                    Ok((step, received)) => {
-                        batch.stage(step);
-                        batch.then(reply(to, Ok(received)));
-                    }
-                    Err(error) => batch.then(reply(to, Err(error))),
-                }
-            }
-            Command::Metrics { reply: to } => batch.then(reply(to, self.machine.metrics())),
-            Command::Exited { sandbox_id, code } => batch.stage(self.machine.sandbox_exited(now, &sandbox_id, code)),
-            Command::LaunchFailed { sandbox_id, error } => {
-                batch.stage(self.machine.launch_failed(now, &sandbox_id, &error));
-            }
-            Command::SpecServed { sandbox_id } => batch.stage(self.machine.spec_served(&sandbox_id)),
-            Command::ResumeFailed { sandbox_id, failure } => {
-                batch.stage(self.machine.resume_failed(now, &sandbox_id, &failure));
-            }
-            Command::AdoptedExited { sandbox_id } => {
-                if self.adopted.ended(&sandbox_id) {
-                    batch.stage(self.machine.sandbox_exited(now, &sandbox_id, None));
-                }
-            }
-            Command::Probed { sandbox_id, found } => {
-                if found == Found::Running {
-                    let handle = self.handle.clone();
-                    self.adopted.watch(Arc::clone(&self.provider), sandbox_id.clone(), |sandbox_id| async move {
-                        handle.tell(Command::AdoptedExited { sandbox_id }).await;
-                    });
-                }
-                batch.stage(self.machine.probed(now, &sandbox_id, found));
-            }
-            Command::Drain { reply: to } => {
-                self.machine.shutdown();
-                batch.then(reply(to, ()));
+                batch.then(batch::reply(to, with_details));
             }
             // The batch ends before it (see `handle_batch`).
             Command::Stop => {}
@@ -651,8 +421,7 @@ impl<P: SandboxProvider> Engine<P> {
                     let _ = sender.send(Outbound::Close);
                 }
             }
-            Effect::Launch { sandbox_id, token, provision, auto_stop } => {
-                self.adopted.forget(&sandbox_id);
+            Effect::Launch { sandbox_id, credential_id, token, provision, auto_stop } => {
                 let provider = Arc::clone(&self.provider);
                 let handle = self.handle.clone();
                 let launch = self.agent_launch(token);
@@ -670,16 +439,15 @@ impl<P: SandboxProvider> Engine<P> {
                         Err(error) => Err(error),
                     };
                     match launched {
-                        Ok(launched) => watch_exit(handle, sandbox_id, launched),
+                        Ok(launched) => watch_exit(handle, sandbox_id, credential_id, launched),
                         Err(error) => {
                             tracing::error!(%error, "launch failed");
-                            handle.tell(Command::LaunchFailed { sandbox_id, error: error.to_string() }).await;
+                            handle.tell(Input::LaunchFailed { sandbox_id, error: error.to_string() }).await;
                         }
                     }
                 });
             }
-            Effect::Resume { sandbox_id, token, auto_stop } => {
-                self.adopted.forget(&sandbox_id);
+            Effect::Resume { sandbox_id, credential_id, token, auto_stop } => {
                 let provider = Arc::clone(&self.provider);
                 let handle = self.handle.clone();
                 let launch = self.agent_launch(token);
@@ -687,10 +455,10 @@ impl<P: SandboxProvider> Engine<P> {
                 let id = sandbox_id.clone();
                 self.queue(&id, async move {
                     match resume(provider.as_ref(), &sandbox_id, launch, auto_stop, bound, grace).await {
-                        Ok(launched) => watch_exit(handle, sandbox_id, launched),
+                        Ok(launched) => watch_exit(handle, sandbox_id, credential_id, launched),
                         Err(failure) => {
                             tracing::warn!(sandbox_id, %failure, "resuming a kept sandbox failed");
-                            handle.tell(Command::ResumeFailed { sandbox_id, failure }).await;
+                            handle.tell(Input::ResumeFailed { sandbox_id, failure }).await;
                         }
                     }
                 });
@@ -724,7 +492,6 @@ impl<P: SandboxProvider> Engine<P> {
             }
             Effect::Touch { sandbox_id } => self.provider.touch(&sandbox_id),
             Effect::Retire { sandbox_id, linger } => {
-                self.adopted.forget(&sandbox_id);
                 let provider = Arc::clone(&self.provider);
                 let grace = self.config.stop_grace;
                 let id = sandbox_id.clone();
@@ -739,7 +506,7 @@ impl<P: SandboxProvider> Engine<P> {
                 // Nothing follows a retirement: the queue ends once drained.
                 self.ops.remove(&id);
             }
-            Effect::Probe { sandbox_id } => {
+            Effect::Probe { sandbox_id, credential_id } => {
                 let provider = Arc::clone(&self.provider);
                 let handle = self.handle.clone();
                 tokio::spawn(async move {
@@ -747,18 +514,23 @@ impl<P: SandboxProvider> Engine<P> {
                         tracing::warn!(%error, "probing a sandbox failed: taken as missing");
                         Found::Missing
                     });
-                    handle.tell(Command::Probed { sandbox_id, found }).await;
+                    handle.tell(Input::Probed { sandbox_id: sandbox_id.clone(), found }).await;
+                    if found == Found::Running {
+                        adopted::until_ended(provider.as_ref(), &sandbox_id).await;
+                        handle.tell(Input::Exited { sandbox_id, credential_id, code: None }).await;
+                    }
                 });
             }
         }
     }
 }
 
-/// Reports the agent's exit to the engine when it comes.
-fn watch_exit(handle: EngineHandle, sandbox_id: String, launched: Launched) {
+/// Reports the exit of the agent started with `credential_id` to the
+/// engine when it comes.
+fn watch_exit(handle: EngineHandle, sandbox_id: String, credential_id: String, launched: Launched) {
     tokio::spawn(async move {
         let code = launched.exited.await.unwrap_or(None);
-        handle.tell(Command::Exited { sandbox_id, code }).await;
+        handle.tell(Input::Exited { sandbox_id, credential_id, code }).await;
     });
 }
 

@@ -20,9 +20,10 @@ use tokio::task::JoinHandle;
 use crate::app::AppState;
 use crate::cluster::{Cluster, ClusterConfig, ClusterView, Role};
 use crate::credential::{RandomMint, TokenHash};
-use crate::dispatch::{Dispatch, DispatchConfig, PoolPolicy, RunBounds};
+use crate::dispatch::{Dispatch, DispatchConfig, Input, PoolPolicy, RunBounds};
 use crate::engine::{Engine, EngineConfig, EngineHandle, Mailbox};
 use crate::listener::{ListenerLimits, ListenerStats};
+use crate::model::Clock;
 use crate::provider::SandboxProvider;
 use crate::store::{LeaseStore, Store, StoreError};
 use crate::{agent_api, user_api};
@@ -346,8 +347,8 @@ impl<P: SandboxProvider> Launch<P> {
             pool_policy: config.pool_policy.clone(),
             bounds: config.bounds,
         };
-        let now = crate::model::Millis::now();
-        let (machine, initial) = Dispatch::restore(dispatch_config, Box::new(RandomMint), snapshot, now);
+        let clock = Clock::system();
+        let (machine, initial) = Dispatch::restore(dispatch_config, Box::new(RandomMint), snapshot, clock.now());
         let engine_config = EngineConfig {
             server_url: url,
             heartbeat_interval: config.heartbeat_interval,
@@ -355,6 +356,7 @@ impl<P: SandboxProvider> Launch<P> {
             stop_grace: config.stop_grace,
             tick: (config.heartbeat_interval / 2).clamp(Duration::from_millis(50), Duration::from_secs(1)),
             resume_timeout: config.pool_policy.resume_timeout,
+            clock,
         };
         Ok((Engine::new(mailbox, machine, store, provider, engine_config), initial))
     }
@@ -444,7 +446,7 @@ impl<P: SandboxProvider> RunningServer<P> {
     pub async fn shutdown(self) -> Result<(), ServerError> {
         if self.cluster.is_none() {
             tracing::info!("shutting down: stopping sandboxes");
-            let _ = self.engine.drain().await;
+            let _ = self.engine.ask::<()>(Input::Drain).await;
             self.provider.stop_all(self.stop_grace).await;
         } else {
             tracing::info!("shutting down a replica: its sandboxes stay for the next leader");

@@ -28,8 +28,8 @@ use self::problem::{PROBLEM_JSON, Problem};
 use self::views::{RunView, ThreadView, view};
 use crate::app::{ApiError, AppState, bad, bearer, from_store, parse_json, read_body};
 use crate::credential::hex;
-use crate::dispatch::{CancelError, IdempotencyKey, Submitted};
-use crate::model::{RunRecord, RunRequest, StoredAttachment, ThreadRecord};
+use crate::dispatch::{CancelError, IdempotencyKey, Input, KeyReused, Submitted};
+use crate::model::{RunRecord, RunRequest, RunState, StoredAttachment, ThreadRecord};
 use crate::store::Store;
 
 /// `POST /v1/runs`: a run to start on a prepared sandbox.
@@ -338,7 +338,9 @@ pub(crate) async fn submit(State(state): State<AppState>, headers: HeaderMap, bo
     let submission: Submission = parse_json(&body)?;
     let key = idempotency_key(state.store.as_ref(), &headers, &body)?;
     let (run, request, thread_id) = submission.accept()?;
-    let (submitted, record) = state.engine.submit_keyed(run, request, thread_id, key).await?.map_err(|reused| {
+    let submit = Input::Submit { run: Box::new(run), request: Box::new(request), thread_id, key };
+    let submitted: Result<(Submitted, Option<RunRecord>), KeyReused> = state.engine.ask(submit).await?;
+    let (submitted, record) = submitted.map_err(|reused| {
         Problem::of_type(problem::KEY_REUSED, StatusCode::UNPROCESSABLE_ENTITY, reused.to_string())
             .with_header("Idempotency-Key")
     })?;
@@ -355,7 +357,7 @@ pub(crate) async fn submit(State(state): State<AppState>, headers: HeaderMap, bo
 
 /// The run, from memory or (finished and evicted) from the store.
 pub(crate) async fn find(state: &AppState, run_id: &str) -> Result<RunRecord, Problem> {
-    if let Some(run) = state.engine.run(run_id).await? {
+    if let Some(run) = state.engine.ask::<Option<RunRecord>>(Input::Run { run_id: run_id.to_owned() }).await? {
         return Ok(run);
     }
     let id = run_id.to_owned();
@@ -413,7 +415,7 @@ pub(crate) async fn cancel(
 ) -> Result<Response, Problem> {
     authorize(&state, &headers)?;
     let Path(run_id) = run_id?;
-    match state.engine.cancel(&run_id).await? {
+    match state.engine.ask::<Result<RunState, CancelError>>(Input::Cancel { run_id: run_id.clone() }).await? {
         Ok(_) => Ok(Json(view(&find(&state, &run_id).await?)).into_response()),
         // Not in memory: finished and evicted, or unknown.
         Err(CancelError::NotFound(_)) => {
@@ -448,7 +450,7 @@ pub(crate) async fn thread(
     let Path(thread_id) = thread_id?;
     let thread: ThreadRecord = state
         .engine
-        .thread(&thread_id)
+        .ask::<Option<ThreadRecord>>(Input::Thread { thread_id: thread_id.clone() })
         .await?
         .ok_or_else(|| Problem::new(StatusCode::NOT_FOUND, format!("no thread `{thread_id}`")))?;
     Ok(Json(ThreadView::from(thread)).into_response())
@@ -472,8 +474,10 @@ pub(crate) async fn metrics(State(state): State<AppState>, headers: HeaderMap) -
     let text = match &state.cluster {
         // A follower runs no engine: its own gauges only.
         Some(cluster) if !cluster.leading() => server + &cluster.render_metrics(),
-        Some(cluster) => crate::metrics::render(&state.engine.metrics().await?) + &server + &cluster.render_metrics(),
-        None => crate::metrics::render(&state.engine.metrics().await?) + &server,
+        Some(cluster) => {
+            crate::metrics::render(&state.engine.ask(Input::Metrics).await?) + &server + &cluster.render_metrics()
+        }
+        None => crate::metrics::render(&state.engine.ask(Input::Metrics).await?) + &server,
     };
     Ok(([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response())
 }

@@ -10,7 +10,7 @@ use std::time::Duration;
 use futures::{SinkExt, StreamExt};
 use serde_json::{Value, json};
 use standby_control_plane::bounds;
-use standby_control_plane::dispatch::{Found, RunBounds};
+use standby_control_plane::dispatch::{Found, Input, RunBounds};
 use standby_control_plane::provider::{AgentLaunch, Details, Launched, ProviderError, SandboxProvider};
 use standby_control_plane::seal::SealKey;
 use standby_control_plane::server::{RunningServer, ServerConfig, start};
@@ -470,7 +470,7 @@ async fn a_restart_keeps_runs_and_relaunches_standbys() {
     let open = |path: &Path| -> Arc<dyn Store> { Arc::new(SqliteStore::open(path, &key).expect("the store opens")) };
     let mut harness = harness(1, open(&path), Found::Stopped).await;
     let (sandbox_id, old_token, _socket) = ready_standby(&mut harness).await;
-    harness.server.engine().drain().await.expect("draining");
+    harness.server.engine().ask::<()>(Input::Drain).await.expect("draining");
     let (_, created) = harness.api(reqwest::Method::POST, "/v1/runs", Some(json!({"command": ["true"]}))).await;
     let run_id = created["id"].as_str().expect("an id").to_owned();
     assert_eq!(created["state"], "queued");
@@ -669,7 +669,7 @@ async fn log_ranges_of_a_large_log_are_its_bytes() {
 #[tokio::test]
 async fn paging_returns_every_run_exactly_once() {
     let harness = bounded(Arc::new(SqliteStore::in_memory().expect("a store")), BOUNDS).await;
-    harness.server.engine().drain().await.expect("draining: runs stay queued");
+    harness.server.engine().ask::<()>(Input::Drain).await.expect("draining: runs stay queued");
     let mut submitted = Vec::new();
     for _ in 0..25 {
         let (_, created) = harness.api(reqwest::Method::POST, "/v1/runs", Some(json!({"command": ["true"]}))).await;

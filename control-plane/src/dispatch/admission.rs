@@ -158,7 +158,7 @@ impl Dispatch {
     /// credential is `401`; an unknown or retired standby credential is
     /// `410`; a run credential whose run is over is `410`, and so is one in
     /// its cancel grace for anything but its run's events and log.
-    pub fn check(&self, token: &str, call: Call) -> Result<Admission, Refusal> {
+    pub(super) fn check(&self, token: &str, call: Call) -> Result<Admission, Refusal> {
         let parsed = credential::parse(token).ok_or(Refusal::Unauthorized)?;
         let record = self.credentials.get(parsed.id);
         let standing = match record {
@@ -196,14 +196,20 @@ impl Dispatch {
 
     /// Who `token` is, or why it is refused, for anything but a run's
     /// events and log (see [`Dispatch::check`]).
-    pub fn authenticate(&self, token: &str) -> Result<Admission, Refusal> {
+    #[cfg(test)]
+    pub(super) fn authenticate(&self, token: &str) -> Result<Admission, Refusal> {
         self.check(token, Call::Fetch)
     }
 
     /// The upgrade of control connection `conn` with `token`: admitted (the
     /// socket claimed for it), or refused. A live socket of the same
     /// credential refuses it (`409`); a silent one is closed and replaced.
-    pub fn claim_socket(&mut self, now: Millis, conn: ConnId, token: &str) -> Result<(Admission, Step), Refusal> {
+    pub(super) fn claim_socket(
+        &mut self,
+        now: Millis,
+        conn: ConnId,
+        token: &str,
+    ) -> Result<(Admission, Step), Refusal> {
         let admission = self.check(token, Call::Socket)?;
         let mut step = Step::default();
         let credential_id = admission.credential_id().to_owned();

@@ -93,7 +93,8 @@ impl Dispatch {
 
     /// Runs held in memory (unfinished ones, and finished ones within the
     /// retention window).
-    pub fn runs_in_memory(&self) -> usize {
+    #[cfg(test)]
+    pub(super) fn runs_in_memory(&self) -> usize {
         self.runs.len()
     }
 }

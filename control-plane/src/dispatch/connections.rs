@@ -13,7 +13,7 @@ use crate::model::{CredentialState, Millis, RunState, SandboxKind, SandboxState}
 impl Dispatch {
     /// A connection was admitted with `credential_id` (checked again here:
     /// it may have been revoked between the upgrade and now).
-    pub fn connected(&mut self, now: Millis, conn: ConnId, credential_id: &str, presented: &Secret) -> Step {
+    pub(super) fn connected(&mut self, now: Millis, conn: ConnId, credential_id: &str, presented: &Secret) -> Step {
         let mut step = Step::default();
         let Some(credential) = self.credentials.get(credential_id).cloned() else {
             step.effects.push(Effect::Close { conn });
@@ -138,7 +138,7 @@ impl Dispatch {
 
     /// The sandbox's agent was served its spec: a withheld assignment can
     /// go out now.
-    pub fn spec_served(&mut self, sandbox_id: &str) -> Step {
+    pub(super) fn spec_served(&mut self, sandbox_id: &str) -> Step {
         let mut step = Step::default();
         let Some(live) = self.sandboxes.get_mut(sandbox_id) else { return step };
         live.spec_served = true;
@@ -164,7 +164,7 @@ impl Dispatch {
         }
     }
 
-    pub fn disconnected(&mut self, conn: ConnId) {
+    pub(super) fn disconnected(&mut self, conn: ConnId) {
         let Some(gone) = self.conns.remove(&conn) else {
             self.socket_closed(conn, None);
             return;
@@ -176,7 +176,7 @@ impl Dispatch {
     }
 
     /// The writer put an assignment on the wire.
-    pub fn assignment_sent(&mut self, now: Millis, run_id: &str) -> Step {
+    pub(super) fn assignment_sent(&mut self, now: Millis, run_id: &str) -> Step {
         let mut step = Step::default();
         let unsent =
             self.runs.get(run_id).and_then(|run| run.current()).is_some_and(|a| a.assignment_sent_at.is_none());
@@ -190,7 +190,7 @@ impl Dispatch {
         step
     }
 
-    pub fn heartbeat(&mut self, now: Millis, conn: ConnId, state: AgentState) -> Step {
+    pub(super) fn heartbeat(&mut self, now: Millis, conn: ConnId, state: AgentState) -> Step {
         let mut step = Step::default();
         let Some((sandbox_id, credential_id)) =
             self.conns.get(&conn).map(|c| (c.sandbox_id.clone(), c.credential_id.clone()))

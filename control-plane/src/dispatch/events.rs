@@ -13,7 +13,7 @@ impl Dispatch {
     /// An event arrived with the credential of `attempt`. Duplicates (same
     /// `event_id`) are acknowledged and ignored. The agent's last event
     /// (anything but `started`) ends that credential's cancel grace.
-    pub fn event(&mut self, now: Millis, run_id: &str, attempt: u32, event: Event) -> Step {
+    pub(super) fn event(&mut self, now: Millis, run_id: &str, attempt: u32, event: Event) -> Step {
         let last = event.kind.is_terminal();
         let mut step = self.record_event(now, run_id, attempt, event);
         if last {

@@ -54,7 +54,7 @@ impl Dispatch {
     /// Submits a run (a turn of `thread_id` when given), unless `key` was
     /// used before within the window: then the run it made, or
     /// [`KeyReused`] when the body differs.
-    pub fn submit_keyed(
+    pub(super) fn submit_keyed(
         &mut self,
         now: Millis,
         run: Run,

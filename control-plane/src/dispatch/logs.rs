@@ -43,7 +43,13 @@ impl Dispatch {
     /// chunk is acknowledged and counted, not stored. A chunk for a run not
     /// in memory (finished and evicted, or unknown) is acknowledged and
     /// dropped. Returns the bytes accounted for, to acknowledge.
-    pub fn log(&mut self, run_id: &str, offset: u64, dropped: u64, data: &[u8]) -> Result<(Step, u64), LogError> {
+    pub(super) fn log(
+        &mut self,
+        run_id: &str,
+        offset: u64,
+        dropped: u64,
+        data: &[u8],
+    ) -> Result<(Step, u64), LogError> {
         let mut step = Step::default();
         let len = data.len() as u64;
         in_range(offset, dropped, len).map_err(|field| LogError::OutOfRange { field })?;
@@ -75,7 +81,8 @@ impl Dispatch {
         Ok((step, end))
     }
 
-    pub fn log_ledger(&self, run_id: &str) -> LogLedger {
+    #[cfg(test)]
+    pub(super) fn log_ledger(&self, run_id: &str) -> LogLedger {
         self.logs.get(run_id).copied().unwrap_or_default()
     }
 }

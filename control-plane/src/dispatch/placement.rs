@@ -204,11 +204,18 @@ impl Dispatch {
         let run = self.runs.get(run_id)?;
         let workspace = run.run.workspace.clone();
         let fingerprint = run.fingerprint.clone().unwrap_or_else(|| self.config.pool_fingerprint.clone());
-        let (sandbox_id, token) = self.create_sandbox(now, step, SandboxKind::Cold, workspace, fingerprint);
+        let (sandbox_id, credential_id, token) =
+            self.create_sandbox(now, step, SandboxKind::Cold, workspace, fingerprint);
         let auto_stop = self.config.pool_policy.auto_stop.minutes;
         self.update_sandbox(step, &sandbox_id, |record| record.auto_stop_minutes = Some(auto_stop));
         self.commit(now, step, run_id, &sandbox_id, RunPath::Cold);
-        let launch = Effect::Launch { sandbox_id: sandbox_id.clone(), token, provision: Provision::Create, auto_stop };
+        let launch = Effect::Launch {
+            sandbox_id: sandbox_id.clone(),
+            credential_id,
+            token,
+            provision: Provision::Create,
+            auto_stop,
+        };
         step.effects.push(launch);
         Some(sandbox_id)
     }

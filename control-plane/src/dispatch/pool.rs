@@ -50,14 +50,21 @@ impl Dispatch {
         let room = if cap == 0 { usize::MAX } else { cap.saturating_sub(self.running_count()) };
         for _ in 0..self.config.pool_size.saturating_sub(live).min(room) {
             let fingerprint = self.config.pool_fingerprint.clone();
-            let (sandbox_id, token) = self.create_sandbox(now, step, SandboxKind::Warm, None, fingerprint);
+            let (sandbox_id, credential_id, token) =
+                self.create_sandbox(now, step, SandboxKind::Warm, None, fingerprint);
             let schedule = ttl_schedule(&sandbox_id, now, self.config.pool_policy.standby_ttl);
             self.update_sandbox(step, &sandbox_id, |record| {
                 record.expires_at = schedule.map(|s| s.expires_at);
                 record.deadline = schedule.map(|s| s.deadline);
                 record.auto_stop_minutes = Some(0);
             });
-            step.effects.push(Effect::Launch { sandbox_id, token, provision: Provision::Create, auto_stop: 0 });
+            step.effects.push(Effect::Launch {
+                sandbox_id,
+                credential_id,
+                token,
+                provision: Provision::Create,
+                auto_stop: 0,
+            });
         }
     }
 

@@ -231,7 +231,7 @@ impl Dispatch {
         let auto_stop = policy.auto_stop.effective(policy.warm_idle);
         let (credential_id, token) = self.new_credential(step, CredentialKind::Standby, sandbox_id, None);
         self.update_sandbox(step, sandbox_id, |record| {
-            record.standby_credential_id = credential_id;
+            record.standby_credential_id = credential_id.clone();
             record.exit_code = None;
             record.auto_stop_minutes = Some(auto_stop);
         });
@@ -245,7 +245,7 @@ impl Dispatch {
             live.spec_served = false;
             live.assignment_withheld = false;
         }
-        step.effects.push(Effect::Resume { sandbox_id: sandbox_id.to_owned(), token, auto_stop });
+        step.effects.push(Effect::Resume { sandbox_id: sandbox_id.to_owned(), credential_id, token, auto_stop });
     }
 
     /// Why the run cannot use this sandbox: the workspace it was prepared
@@ -319,7 +319,7 @@ impl Dispatch {
     }
 
     /// The provider could not make `sandbox_id` run again.
-    pub fn resume_failed(&mut self, now: Millis, sandbox_id: &str, failure: &ResumeFailure) -> Step {
+    pub(super) fn resume_failed(&mut self, now: Millis, sandbox_id: &str, failure: &ResumeFailure) -> Step {
         let mut step = Step::default();
         let Some(live) = self.sandboxes.get_mut(sandbox_id) else { return step };
         live.exited = true;

@@ -57,13 +57,14 @@ enum Fence {
 
 impl Dispatch {
     /// Queues a run and dispatches it at once if it can be.
-    pub fn submit(&mut self, now: Millis, run: Run, request: RunRequest) -> (Step, String) {
+    #[cfg(test)]
+    pub(super) fn submit(&mut self, now: Millis, run: Run, request: RunRequest) -> (Step, String) {
         self.submit_turn(now, run, request, None)
     }
 
     /// Queues a run, as a turn of `thread_id` when given, and dispatches it
     /// at once if it can be.
-    pub fn submit_turn(
+    pub(super) fn submit_turn(
         &mut self,
         now: Millis,
         run: Run,
@@ -104,7 +105,7 @@ impl Dispatch {
     /// Cancels a run. Before it starts: its credential is revoked first, the
     /// run never starts, its sandbox is told and retired. Once started: the
     /// sandbox is told and the run ends when the agent reports it.
-    pub fn cancel(&mut self, now: Millis, run_id: &str) -> Result<(Step, RunState), CancelError> {
+    pub(super) fn cancel(&mut self, now: Millis, run_id: &str) -> Result<(Step, RunState), CancelError> {
         let mut step = Step::default();
         let run = self.runs.get(run_id).ok_or_else(|| CancelError::NotFound(run_id.to_owned()))?;
         match run.state {

@@ -58,7 +58,7 @@ impl Retirement {
 
 impl Dispatch {
     /// The sandbox's agent process ended.
-    pub fn sandbox_exited(&mut self, now: Millis, sandbox_id: &str, code: Option<i32>) -> Step {
+    pub(super) fn sandbox_exited(&mut self, now: Millis, sandbox_id: &str, code: Option<i32>) -> Step {
         let mut step = Step::default();
         let Some(live) = self.sandboxes.get_mut(sandbox_id) else {
             return step;
@@ -144,7 +144,7 @@ impl Dispatch {
     }
 
     /// Launching a sandbox failed.
-    pub fn launch_failed(&mut self, now: Millis, sandbox_id: &str, error: &str) -> Step {
+    pub(super) fn launch_failed(&mut self, now: Millis, sandbox_id: &str, error: &str) -> Step {
         let mut step = Step::default();
         let Some(live) = self.sandboxes.get(sandbox_id) else {
             return step;
@@ -166,7 +166,7 @@ impl Dispatch {
     /// standby is started again (its workspace is kept, so its agent skips
     /// the clone and setup) with a new standby credential: only the hash
     /// of the old one was kept. A sandbox that held a run is written off.
-    pub fn probed(&mut self, now: Millis, sandbox_id: &str, found: Found) -> Step {
+    pub(super) fn probed(&mut self, now: Millis, sandbox_id: &str, found: Found) -> Step {
         let mut step = Step::default();
         let Some(live) = self.sandboxes.get_mut(sandbox_id) else {
             return step;
@@ -203,7 +203,7 @@ impl Dispatch {
                 self.set_credential(&mut step, &old, CredentialState::Revoked);
                 let (credential_id, token) = self.new_credential(&mut step, CredentialKind::Standby, sandbox_id, None);
                 self.update_sandbox(&mut step, sandbox_id, |record| {
-                    record.standby_credential_id = credential_id;
+                    record.standby_credential_id = credential_id.clone();
                     record.exit_code = None;
                 });
                 if let Some(live) = self.sandboxes.get_mut(sandbox_id) {
@@ -211,7 +211,8 @@ impl Dispatch {
                     live.exited = false;
                 }
                 let sandbox_id = sandbox_id.to_owned();
-                step.effects.push(Effect::Launch { sandbox_id, token, provision: Provision::Start, auto_stop: 0 });
+                let provision = Provision::Start;
+                step.effects.push(Effect::Launch { sandbox_id, credential_id, token, provision, auto_stop: 0 });
             }
             (Found::Stopped | Found::Archived | Found::Missing, _) => {
                 let reason = match found {
@@ -227,7 +228,8 @@ impl Dispatch {
     }
 
     /// A new sandbox record, prepared with `workspace` (`None`: the pool
-    /// spec's) and with its own standby credential; the caller launches it.
+    /// spec's) and with its own standby credential (its id and token are
+    /// returned after the sandbox's); the caller launches it.
     pub(super) fn create_sandbox(
         &mut self,
         now: Millis,
@@ -235,7 +237,7 @@ impl Dispatch {
         kind: SandboxKind,
         workspace: Option<Workspace>,
         fingerprint: Fingerprint,
-    ) -> (String, Secret) {
+    ) -> (String, String, Secret) {
         let sandbox_id = self.mint.id("sbx");
         let (credential_id, token) = self.new_credential(step, CredentialKind::Standby, &sandbox_id, None);
         let record = SandboxRecord {
@@ -243,7 +245,7 @@ impl Dispatch {
             kind,
             state: SandboxState::Standby,
             created_at: now,
-            standby_credential_id: credential_id,
+            standby_credential_id: credential_id.clone(),
             workspace,
             fingerprint,
             run_id: None,
@@ -260,7 +262,7 @@ impl Dispatch {
         };
         step.writes.push(Write::Sandbox(Box::new(record.clone())));
         self.sandboxes.insert(sandbox_id.clone(), Live::new(record, now, Agent::Running));
-        (sandbox_id, token)
+        (sandbox_id, credential_id, token)
     }
 
     /// Retires a sandbox as `retirement` says: its standby credential

@@ -336,7 +336,9 @@ fn resumes(step: &Step) -> Vec<(String, Secret, u32)> {
     step.effects
         .iter()
         .filter_map(|effect| match effect {
-            Effect::Resume { sandbox_id, token, auto_stop } => Some((sandbox_id.clone(), token.clone(), *auto_stop)),
+            Effect::Resume { sandbox_id, token, auto_stop, .. } => {
+                Some((sandbox_id.clone(), token.clone(), *auto_stop))
+            }
             _ => None,
         })
         .collect()
@@ -398,6 +400,7 @@ mod bounds;
 mod connections;
 mod events;
 mod idempotency;
+mod input;
 mod logs;
 mod placement;
 mod pool;
@@ -407,3 +410,10 @@ mod sandboxes;
 mod threads;
 mod ticks;
 mod views;
+
+impl Step {
+    /// No writes and no effects.
+    fn is_empty(&self) -> bool {
+        self.writes.is_empty() && self.effects.is_empty()
+    }
+}

@@ -18,7 +18,7 @@ struct Silent {
 impl Dispatch {
     /// Time passed: write off silent committed sandboxes, retire silent
     /// standbys, refill the pool once its backoff expired.
-    pub fn tick(&mut self, now: Millis) -> Step {
+    pub(super) fn tick(&mut self, now: Millis) -> Step {
         let mut step = Step::default();
         if self.draining {
             return step;

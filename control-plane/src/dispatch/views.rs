@@ -64,25 +64,27 @@ pub struct MetricsSnapshot {
 }
 
 impl Dispatch {
-    pub fn run(&self, run_id: &str) -> Option<&RunRecord> {
+    pub(super) fn run(&self, run_id: &str) -> Option<&RunRecord> {
         self.runs.get(run_id)
     }
 
-    pub fn runs(&self) -> impl Iterator<Item = &RunRecord> {
+    #[cfg(test)]
+    pub(super) fn runs(&self) -> impl Iterator<Item = &RunRecord> {
         self.runs.values()
     }
 
-    pub fn sandbox(&self, sandbox_id: &str) -> Option<&SandboxRecord> {
+    pub(super) fn sandbox(&self, sandbox_id: &str) -> Option<&SandboxRecord> {
         self.sandboxes.get(sandbox_id).map(|live| &live.record)
     }
 
     /// Every sandbox.
-    pub fn sandbox_views(&self, now: Millis) -> Vec<SandboxView> {
+    #[cfg(test)]
+    pub(super) fn sandbox_views(&self, now: Millis) -> Vec<SandboxView> {
         self.sandbox_page(now, &SandboxPage { limit: usize::MAX, ..SandboxPage::default() })
     }
 
     /// A page of sandboxes in creation order (`created_at`, then id).
-    pub fn sandbox_page(&self, now: Millis, page: &SandboxPage) -> Vec<SandboxView> {
+    pub(super) fn sandbox_page(&self, now: Millis, page: &SandboxPage) -> Vec<SandboxView> {
         let mut lives: Vec<&Live> = self
             .sandboxes
             .values()
@@ -107,11 +109,11 @@ impl Dispatch {
             .collect()
     }
 
-    pub fn thread(&self, thread_id: &str) -> Option<&ThreadRecord> {
+    pub(super) fn thread(&self, thread_id: &str) -> Option<&ThreadRecord> {
         self.threads.get(thread_id)
     }
 
-    pub fn metrics(&self) -> MetricsSnapshot {
+    pub(super) fn metrics(&self) -> MetricsSnapshot {
         let mut snapshot = MetricsSnapshot::default();
         for run in self.runs.values() {
             *snapshot.runs.entry((run.state, run.path())).or_default() += 1;

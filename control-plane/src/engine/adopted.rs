@@ -5,16 +5,14 @@
 //! would leave its run `running` until the run silence bound (minutes):
 //! the agent never reconnects, and nothing else says it died.
 //!
-//! Each such sandbox is watched by polling the provider's state until its
-//! agent no longer runs. A watch is forgotten once this process launches
-//! or resumes an agent in the sandbox, or retires it: a late notice of the
-//! adopted agent's end must not be taken for the new agent's.
+//! Each such sandbox is watched by polling the provider's state until no
+//! agent runs in it; the engine then reports the end with the adopted
+//! agent's standby credential. If this process started an agent of its own
+//! in the sandbox meanwhile, that one has another credential and the
+//! machine drops the late notice (`Input::Exited`): nothing here needs to
+//! know. Such a watch goes on until the sandbox stops or is deleted.
 
-use std::collections::HashMap;
-use std::sync::Arc;
 use std::time::Duration;
-
-use tokio::task::AbortHandle;
 
 use crate::dispatch::Found;
 use crate::provider::SandboxProvider;
@@ -24,75 +22,28 @@ use crate::provider::SandboxProvider;
 /// this long of its container's death.
 const POLL: Duration = Duration::from_secs(1);
 
-/// The watches of adopted agents, by sandbox.
-#[derive(Debug, Default)]
-pub(super) struct Adopted {
-    watches: HashMap<String, AbortHandle>,
-}
-
-impl Adopted {
-    /// Watches `sandbox_id`'s adopted agent: `ended(sandbox_id)` is called
-    /// once the provider no longer finds it running.
-    pub fn watch<P, F>(
-        &mut self,
-        provider: Arc<P>,
-        sandbox_id: String,
-        ended: impl FnOnce(String) -> F + Send + 'static,
-    ) where
-        P: SandboxProvider,
-        F: Future<Output = ()> + Send + 'static,
-    {
-        let id = sandbox_id.clone();
-        let task = tokio::spawn(async move {
-            let mut poll = tokio::time::interval(POLL);
-            poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            poll.tick().await;
-            loop {
-                poll.tick().await;
-                match provider.state(&sandbox_id).await {
-                    Ok(Found::Running) => {}
-                    Ok(found) => {
-                        tracing::info!(sandbox_id, ?found, "an adopted agent no longer runs");
-                        ended(sandbox_id).await;
-                        return;
-                    }
-                    Err(error) => tracing::debug!(sandbox_id, %error, "looking at an adopted agent failed"),
-                }
+/// Returns once the provider no longer finds an agent running in
+/// `sandbox_id` (a failed look is tried again at the next poll).
+pub(super) async fn until_ended<P: SandboxProvider>(provider: &P, sandbox_id: &str) {
+    let mut poll = tokio::time::interval(POLL);
+    poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    poll.tick().await;
+    loop {
+        poll.tick().await;
+        match provider.state(sandbox_id).await {
+            Ok(Found::Running) => {}
+            Ok(found) => {
+                tracing::info!(sandbox_id, ?found, "an adopted agent no longer runs");
+                return;
             }
-        });
-        if let Some(earlier) = self.watches.insert(id, task.abort_handle()) {
-            earlier.abort();
-        }
-    }
-
-    /// This process starts an agent of its own in the sandbox, or retires
-    /// it: the adopted agent's watch ends.
-    pub fn forget(&mut self, sandbox_id: &str) {
-        if let Some(watch) = self.watches.remove(sandbox_id) {
-            watch.abort();
-        }
-    }
-
-    /// Whether a notice of `sandbox_id`'s adopted agent's end still stands
-    /// (its watch was not forgotten since); the watch is done either way.
-    pub fn ended(&mut self, sandbox_id: &str) -> bool {
-        self.watches.remove(sandbox_id).is_some()
-    }
-}
-
-impl Drop for Adopted {
-    fn drop(&mut self) {
-        for watch in self.watches.values() {
-            watch.abort();
+            Err(error) => tracing::debug!(sandbox_id, %error, "looking at an adopted agent failed"),
         }
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Mutex;
-
-    use tokio::sync::mpsc;
+    use std::sync::{Arc, Mutex};
 
     use super::*;
     use crate::provider::{AgentLaunch, Details, Launched, ProviderError};
@@ -126,36 +77,16 @@ mod tests {
         }
     }
 
-    fn watched(adopted: &mut Adopted, provider: &Arc<Answering>) -> mpsc::UnboundedReceiver<String> {
-        let (tx, rx) = mpsc::unbounded_channel();
-        adopted.watch(Arc::clone(provider), "sbx_a".to_owned(), move |id| async move {
-            let _ = tx.send(id);
+    #[tokio::test(start_paused = true)]
+    async fn the_watch_ends_once_the_adopted_agent_no_longer_runs() {
+        let provider = Arc::new(Answering(Mutex::new(Found::Running)));
+        let watch = tokio::spawn({
+            let provider = Arc::clone(&provider);
+            async move { until_ended(provider.as_ref(), "sbx_a").await }
         });
-        rx
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn an_adopted_agent_that_stops_running_is_reported_once() {
-        let provider = Arc::new(Answering(Mutex::new(Found::Running)));
-        let mut adopted = Adopted::default();
-        let mut ended = watched(&mut adopted, &provider);
         tokio::time::sleep(POLL * 3).await;
-        assert!(ended.try_recv().is_err(), "still running: nothing reported");
+        assert!(!watch.is_finished(), "still running: the watch goes on");
         *provider.0.lock().expect("the state") = Found::Missing;
-        assert_eq!(ended.recv().await.as_deref(), Some("sbx_a"));
-        assert!(adopted.ended("sbx_a"), "the notice stands");
-        assert!(!adopted.ended("sbx_a"), "and only once");
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn a_forgotten_watch_reports_nothing_and_its_late_notice_is_dropped() {
-        let provider = Arc::new(Answering(Mutex::new(Found::Running)));
-        let mut adopted = Adopted::default();
-        let mut ended = watched(&mut adopted, &provider);
-        // A new agent of this process's own: the adopted one's watch ends.
-        adopted.forget("sbx_a");
-        *provider.0.lock().expect("the state") = Found::Stopped;
-        assert_eq!(ended.recv().await, None, "the watch ended without a notice");
-        assert!(!adopted.ended("sbx_a"), "a notice after the forget is not taken");
+        watch.await.expect("the watch ends");
     }
 }

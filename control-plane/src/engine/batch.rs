@@ -14,7 +14,7 @@
 use tokio::sync::{mpsc, oneshot};
 
 use super::Outbound;
-use crate::dispatch::{ConnId, Effect, Step, Write};
+use crate::dispatch::{ConnId, Effect, Reply, Step, Write};
 
 /// The most commands one transaction carries: enough to fold a burst into a
 /// few commits, few enough that the first command of a batch does not wait
@@ -75,11 +75,13 @@ impl<A> Default for Batch<A> {
 
 impl<A: From<Effect>> Batch<A> {
     /// Adds a step: its writes to the transaction, its effects after the
-    /// actions added before.
-    pub fn stage(&mut self, step: Step) {
-        let Step { writes, effects } = step;
+    /// actions added before. Its reply is the caller's to answer (after
+    /// the effects, with [`Self::then`]).
+    pub fn stage(&mut self, step: Step) -> Reply {
+        let Step { writes, effects, reply } = step;
         self.writes.extend(writes);
         self.after.extend(effects.into_iter().map(A::from));
+        reply
     }
 
     /// Adds an action (a reply, a connection's sender) after those added
@@ -134,11 +136,12 @@ mod tests {
     #[test]
     fn steps_and_actions_keep_their_order() {
         let mut batch = Batch::<Action>::default();
-        batch.stage(Step { writes: vec![write(1)], effects: vec![Effect::Close { conn: 1 }] });
+        batch.stage(Step { writes: vec![write(1)], effects: vec![Effect::Close { conn: 1 }], ..Step::default() });
         batch.then(Action::Reply(1));
         batch.stage(Step {
             writes: vec![write(2), write(3)],
             effects: vec![Effect::Close { conn: 2 }, Effect::Close { conn: 3 }],
+            ..Step::default()
         });
         batch.then(Action::Reply(2));
         let (writes, after) = batch.into_parts();

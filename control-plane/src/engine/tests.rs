@@ -10,7 +10,8 @@ use standby_protocol::{Run, Workspace, fingerprint};
 
 use super::*;
 use crate::credential::RandomMint;
-use crate::dispatch::{DispatchConfig, LogLedger, PoolPolicy, RunBounds, Snapshot, Write};
+use crate::dispatch::{DispatchConfig, KeyReused, LogLedger, PoolPolicy, RunBounds, Snapshot, Submitted, Write};
+use crate::model::{RunRecord, RunRequest};
 use crate::seal::SealKey;
 use crate::spool::SpoolProvider;
 use crate::store::{RunQuery, SqliteStore};
@@ -128,13 +129,20 @@ fn setup(held: bool, fail: bool) -> Setup {
         stop_grace: Duration::from_secs(1),
         tick: Duration::from_secs(3600),
         resume_timeout: Duration::from_secs(10),
+        clock: Clock::system(),
     };
     let (handle, mailbox) = EngineHandle::mailbox();
     let engine = Engine::new(mailbox, machine, Arc::clone(&store) as Arc<dyn Store>, provider, engine_config);
     Setup { store, engine, handle, entered, release, _dir: dir }
 }
 
-type SubmitReply = oneshot::Receiver<Result<(Submitted, Option<RunRecord>), KeyReused>>;
+type SubmitReply = oneshot::Receiver<Reply>;
+type Submission = Result<(Submitted, Option<RunRecord>), KeyReused>;
+
+/// The answer a submit's reply carries.
+fn submission(reply: Reply) -> Submission {
+    Submission::from_reply(reply).expect("a submit is answered as one")
+}
 
 /// Queues `count` submits while the engine is not running yet, so they
 /// all wait in its queue together.
@@ -150,8 +158,8 @@ async fn queue_submits(handle: &EngineHandle, count: usize) -> Vec<SubmitReply> 
             metadata: serde_json::Value::Null,
             attachments: Vec::new(),
         };
-        let command =
-            Command::Submit { run: Box::new(run), request: Box::new(request), thread_id: None, key: None, reply };
+        let input = Input::Submit { run: Box::new(run), request: Box::new(request), thread_id: None, key: None };
+        let command = Command::Input { input, reply: Some(reply) };
         handle.tx.send(command).await.expect("the engine's queue has room");
         replies.push(answer);
     }
@@ -174,7 +182,7 @@ async fn queued_submits_share_one_commit_and_are_answered_after_it() {
     }
     release.send(()).expect("the commit is released");
     for answer in replies {
-        let (submitted, record) = answer.await.expect("answered").expect("a new run");
+        let (submitted, record) = submission(answer.await.expect("answered")).expect("a new run");
         let record = record.expect("the run's record");
         assert_eq!(record.id, submitted.run_id());
         assert_eq!(*store.commits.lock().expect("the commits lock"), [40], "one commit held every submit");
@@ -191,7 +199,7 @@ async fn a_batch_holds_at_most_the_bound() {
     let (fatal, _fatal_rx) = watch::channel(None);
     let task = tokio::spawn(engine.run(Step::default(), fatal));
     for answer in replies {
-        answer.await.expect("answered").expect("a new run");
+        submission(answer.await.expect("answered")).expect("a new run");
     }
     assert_eq!(*store.commits.lock().expect("the commits lock"), [batch::BOUND, 44]);
     handle.stop().await;
@@ -211,5 +219,6 @@ async fn a_failed_commit_answers_nobody_and_stops_the_engine() {
     let reason = fatal_rx.borrow_and_update().clone().expect("the failure is reported");
     assert!(reason.contains("refused by the test"), "{reason}");
     assert!(store.commits.lock().expect("the commits lock").is_empty());
-    assert!(handle.run("anything").await.is_err(), "the engine still answers");
+    let run = handle.ask::<Option<RunRecord>>(Input::Run { run_id: "anything".into() }).await;
+    assert!(run.is_err(), "the engine still answers");
 }

@@ -236,7 +236,7 @@ fn a_restart_brings_parked_sandboxes_back_stopped_and_resumes_again() {
     // provider said what became of it.
     assert_eq!(machine.sandbox(&sandbox_id).map(|r| r.state), Some(SandboxState::Resuming));
     assert_eq!(machine.run(&second).map(|r| r.state), Some(RunState::Resuming));
-    assert!(step.effects.iter().any(|e| matches!(e, Effect::Probe { sandbox_id: id } if *id == sandbox_id)));
+    assert!(step.effects.iter().any(|e| matches!(e, Effect::Probe { sandbox_id: id, .. } if *id == sandbox_id)));
     assert!(resumes(&step).is_empty(), "not before the probe");
     let step = machine.probed(world.now, &sandbox_id, Found::Stopped);
     let resumed: Vec<String> = resumes(&step).into_iter().map(|(id, ..)| id).collect();
