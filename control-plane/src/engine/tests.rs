@@ -11,8 +11,8 @@ use standby_protocol::{Run, Workspace, fingerprint};
 use super::*;
 use crate::credential::RandomMint;
 use crate::dispatch::{DispatchConfig, LogLedger, PoolPolicy, RunBounds, Snapshot, Write};
+use crate::provider::spool::SpoolProvider;
 use crate::seal::SealKey;
-use crate::spool::SpoolProvider;
 use crate::store::{RunQuery, SqliteStore};
 
 /// A SQLite store that records how many runs each commit created, and

@@ -3,7 +3,7 @@
 //! a running one idle for its auto-stop is stopped, a stopped one older
 //! than `auto_archive` is archived to an image and one older than
 //! `auto_delete` removed, and so is an archive image past `auto_delete`
-//! ([`super::timers`] decides). Only containers and images carrying this
+//! ([`crate::provider::timers`] decides). Only containers and images carrying this
 //! instance's label are ever touched.
 
 use std::collections::{HashMap, HashSet};
@@ -12,9 +12,9 @@ use std::time::Instant;
 
 use bollard::query_parameters::ListContainersOptions;
 
-use super::timers::Retention;
-use super::{DockerInner, DockerProvider, archive, container, lock, timers};
+use super::{DockerInner, DockerProvider, archive, container, lock};
 use crate::provider::SandboxProvider as _;
+use crate::provider::timers::{self, Retention};
 
 /// One container of this instance.
 #[derive(Debug, Clone)]

@@ -29,7 +29,6 @@ mod archive;
 mod container;
 mod exec;
 mod sweeper;
-mod timers;
 
 use std::collections::{HashMap, HashSet};
 use std::net::IpAddr;
@@ -44,8 +43,8 @@ pub use container::{INSTANCE_LABEL, Limits, SANDBOX_LABEL, SANDBOX_USER};
 pub use exec::AGENT_PATH;
 use tokio::sync::watch;
 
+use super::{AgentLaunch, Details, Launched, ProviderError, SandboxProvider};
 use crate::dispatch::Found;
-use crate::provider::{AgentLaunch, Details, Launched, ProviderError, SandboxProvider};
 
 /// How the Docker provider makes and times its sandboxes.
 #[derive(Debug, Clone)]
@@ -179,7 +178,7 @@ impl DockerProvider {
     fn ensure_sweeper(&self) {
         let (weak, minute) = (Arc::downgrade(&self.inner), self.inner.options.minute);
         self.inner.sweeper.call_once(move || {
-            tokio::spawn(crate::provider::sweep_while_alive(weak, minute, sweeper::sweep_once));
+            tokio::spawn(super::sweep_while_alive(weak, minute, sweeper::sweep_once));
         });
     }
 

@@ -18,8 +18,8 @@ use std::time::Duration;
 
 use tokio::sync::oneshot;
 
+use super::{AgentLaunch, Details, Launched, ProviderError, SandboxProvider};
 use crate::dispatch::Found;
-use crate::provider::{AgentLaunch, Details, Launched, ProviderError, SandboxProvider};
 
 /// Sandboxes as credential files in one directory.
 #[derive(Debug, Clone)]
