@@ -26,12 +26,12 @@ use standby_protocol::{AgentState, Event, Run, Secret, ServerMessage};
 use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::dispatch::{
-    Admission, Call, CancelError, ConnId, Dispatch, Effect, Found, IdempotencyKey, KeyReused, LogError,
-    MetricsSnapshot, Provision, Refusal, ResumeFailure, ResumeStart, SandboxPage, SandboxView, Step, Submitted,
+    Admission, Call, CancelError, ConnId, Dispatch, Effect, IdempotencyKey, KeyReused, LogError, MetricsSnapshot,
+    Provision, Refusal, ResumeFailure, ResumeStart, SandboxPage, SandboxView, Step, Submitted,
 };
 use crate::model::{Millis, ParkMode, RunRecord, RunRequest, RunState, SandboxRecord, ThreadRecord};
 use crate::policy::raised_auto_stop;
-use crate::provider::{AgentLaunch, Details, Launched, SandboxProvider};
+use crate::provider::{AgentLaunch, Details, Found, Launched, SandboxProvider};
 use crate::store::{Store, StoreError};
 
 use self::adopted::Adopted;

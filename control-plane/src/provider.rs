@@ -26,8 +26,6 @@ use std::time::Duration;
 use standby_protocol::Secret;
 use tokio::sync::{oneshot, watch};
 
-use crate::dispatch::Found;
-
 #[derive(Debug, thiserror::Error)]
 pub enum ProviderError {
     #[error("sandbox {sandbox}: cannot {action} {path}: {source}")]
@@ -58,6 +56,24 @@ pub enum ProviderError {
     },
     #[error("sandbox {sandbox}: not started: the server is stopping")]
     Stopping { sandbox: String },
+}
+
+/// What a provider says of a sandbox ([`SandboxProvider::state`]), asked
+/// after a restart or before a resume. It speaks of the sandbox's agent,
+/// not of what runs it: a Docker container kept running between two agents
+/// (Tier 2) is [`Found::NoAgent`], as is a stopped one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Found {
+    /// An agent runs in it.
+    Running,
+    /// Exists, unpacked, and no agent runs in it: a start (which leaves a
+    /// running container running) and a launch make it serve again.
+    NoAgent,
+    /// Stopped long enough that the provider packed it away; it can be
+    /// started again, more slowly.
+    Archived,
+    /// The provider has no such sandbox (deleted, or never made).
+    Missing,
 }
 
 /// What the agent of a sandbox is started with: the contract's variables.

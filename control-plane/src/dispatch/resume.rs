@@ -19,9 +19,10 @@
 
 use super::placement::{Need, Placement, SlotQueue};
 use super::sandboxes::Retirement;
-use super::{Dispatch, Effect, Found, Live, Step};
+use super::{Dispatch, Effect, Live, Step};
 use crate::credential::CredentialKind;
 use crate::model::{CredentialState, Millis, Park, ParkMode, Resume, RunPath, RunState, SandboxState};
+use crate::provider::Found;
 
 /// Whether the sandbox was prepared with the workspace the turn expects.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -108,7 +109,7 @@ impl ResumeStart {
     /// `missing` → the resume fails, the sandbox gone.
     pub fn for_found(found: Found) -> Result<Self, ResumeFailure> {
         match found {
-            Found::Stopped | Found::Archived => Ok(Self::Start),
+            Found::NoAgent | Found::Archived => Ok(Self::Start),
             Found::Running => Ok(Self::StopFirst),
             Found::Missing => Err(ResumeFailure::Gone),
         }

@@ -16,8 +16,7 @@ use std::time::Duration;
 
 use tokio::task::AbortHandle;
 
-use crate::dispatch::Found;
-use crate::provider::SandboxProvider;
+use crate::provider::{Found, SandboxProvider};
 
 /// How often an adopted agent's sandbox is looked at: a few provider calls
 /// a second at most per adopted sandbox, and its run failed within about
@@ -154,7 +153,7 @@ mod tests {
         let mut ended = watched(&mut adopted, &provider);
         // A new agent of this process's own: the adopted one's watch ends.
         adopted.forget("sbx_a");
-        *provider.0.lock().expect("the state") = Found::Stopped;
+        *provider.0.lock().expect("the state") = Found::NoAgent;
         assert_eq!(ended.recv().await, None, "the watch ended without a notice");
         assert!(!adopted.ended("sbx_a"), "a notice after the forget is not taken");
     }

@@ -20,7 +20,7 @@
 //!
 //! A sandbox is [`Found::Running`] while an agent exec runs in its
 //! container; a running container without one (Tier 2, between agents) is
-//! [`Found::Stopped`] to the dispatcher: it can take a fresh agent, and a
+//! [`Found::NoAgent`] to the dispatcher: it can take a fresh agent, and a
 //! start leaves it running.
 //!
 //! [`clear`]: SandboxProvider::clear
@@ -43,8 +43,7 @@ pub use container::{INSTANCE_LABEL, Limits, SANDBOX_LABEL, SANDBOX_USER};
 pub use exec::AGENT_PATH;
 use tokio::sync::watch;
 
-use super::{AgentLaunch, Details, Launched, ProviderError, SandboxProvider};
-use crate::dispatch::Found;
+use super::{AgentLaunch, Details, Found, Launched, ProviderError, SandboxProvider};
 
 /// How the Docker provider makes and times its sandboxes.
 #[derive(Debug, Clone)]
@@ -350,17 +349,17 @@ impl SandboxProvider for DockerProvider {
             return Ok(if archived { Found::Archived } else { Found::Missing });
         };
         if !running {
-            return Ok(Found::Stopped);
+            return Ok(Found::NoAgent);
         }
         if let Some(agent) = self.agent(sandbox_id)
             && exec_ids.contains(&agent.exec_id)
         {
-            return Ok(if *agent.done.borrow() { Found::Stopped } else { Found::Running });
+            return Ok(if *agent.done.borrow() { Found::NoAgent } else { Found::Running });
         }
         Ok(if exec::agent_running(&self.inner.docker, sandbox_id, &exec_ids).await {
             Found::Running
         } else {
-            Found::Stopped
+            Found::NoAgent
         })
     }
 

@@ -51,9 +51,8 @@ use serde::{Deserialize, Serialize};
 use standby_protocol::vars;
 use tokio::sync::{oneshot, watch};
 
-use super::{AgentLaunch, Details, Launched, ProviderError, SandboxProvider, sweep_while_alive, wait_done};
+use super::{AgentLaunch, Details, Found, Launched, ProviderError, SandboxProvider, sweep_while_alive, wait_done};
 use crate::containment::{Containment, ContainmentChoice, ContainmentError};
-use crate::dispatch::Found;
 use crate::model::Millis;
 
 /// Environment variable set on every process of a local sandbox (the
@@ -529,7 +528,7 @@ impl SandboxProvider for LocalProvider {
         } else if self.archived(sandbox_id) {
             Found::Archived
         } else {
-            Found::Stopped
+            Found::NoAgent
         })
     }
 
@@ -629,7 +628,7 @@ mod tests {
         provider.stop("sbx_s", Duration::from_secs(2)).await;
         assert_eq!(first.exited.await.expect("an exit"), None, "stopped by a signal");
         assert!(!pid_alive(pid), "no process is left");
-        assert_eq!(provider.state("sbx_s").await.expect("state"), Found::Stopped);
+        assert_eq!(provider.state("sbx_s").await.expect("state"), Found::NoAgent);
         provider.start("sbx_s").await.expect("start");
         let second = provider.launch("sbx_s", launch()).await.expect("launch again");
         until("the second start", || std::fs::read_to_string(&starts).is_ok_and(|t| t.lines().count() == 2)).await;
@@ -660,7 +659,7 @@ mod tests {
         assert_eq!(provider.state("sbx_idle").await.expect("state"), Found::Running);
         let code = tokio::time::timeout(Duration::from_secs(20), idle.exited).await.expect("auto-stopped");
         assert_eq!(code.expect("an exit"), None);
-        assert_eq!(provider.state("sbx_idle").await.expect("state"), Found::Stopped, "the files are kept");
+        assert_eq!(provider.state("sbx_idle").await.expect("state"), Found::NoAgent, "the files are kept");
         assert_eq!(provider.state("sbx_never").await.expect("state"), Found::Running, "0 means never");
         provider.stop("sbx_never", Duration::from_secs(2)).await;
         assert!(never.exited.await.is_ok());
@@ -687,7 +686,7 @@ mod tests {
         // An archived sandbox starts again, more slowly, with its files.
         provider.start("sbx_old").await.expect("start");
         assert_eq!(std::fs::read_to_string(root.join("sbx_old/workspace/note")).expect("unpacked"), "kept");
-        assert_eq!(provider.state("sbx_old").await.expect("state"), Found::Stopped);
+        assert_eq!(provider.state("sbx_old").await.expect("state"), Found::NoAgent);
         drop(provider);
 
         let delete = LocalOptions { auto_delete: 2, ..options(100) };
@@ -701,7 +700,7 @@ mod tests {
             }
         };
         tokio::time::timeout(Duration::from_secs(20), deleted).await.expect("deleted");
-        assert_eq!(provider.state("sbx_new").await.expect("state"), Found::Stopped, "never stopped: not swept");
+        assert_eq!(provider.state("sbx_new").await.expect("state"), Found::NoAgent, "never stopped: not swept");
     }
 
     #[tokio::test]
@@ -720,7 +719,7 @@ mod tests {
             assert!(env.contains(expected), "{expected} missing from\n{env}");
         }
         assert!(env.contains(&format!("{SANDBOX_MARK}=sbx_a")));
-        assert_eq!(provider.state("sbx_a").await.expect("state"), Found::Stopped);
+        assert_eq!(provider.state("sbx_a").await.expect("state"), Found::NoAgent);
         provider.delete("sbx_a").await.expect("delete");
         assert_eq!(provider.state("sbx_a").await.expect("state"), Found::Missing);
         assert!(provider.start("sbx_a").await.is_err());

@@ -18,8 +18,7 @@ use std::time::Duration;
 
 use tokio::sync::oneshot;
 
-use super::{AgentLaunch, Details, Launched, ProviderError, SandboxProvider};
-use crate::dispatch::Found;
+use super::{AgentLaunch, Details, Found, Launched, ProviderError, SandboxProvider};
 
 /// Sandboxes as credential files in one directory.
 #[derive(Debug, Clone)]
