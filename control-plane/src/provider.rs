@@ -4,7 +4,7 @@
 //! - [`docker`]: a container of the Docker Engine (`--provider docker`);
 //! - [`spool`]: only a standby credential in a file, nothing launched (load
 //!   generation, an image smoke test, an external launcher);
-//! - [`timers`]: the idle auto-stop and the retention (archive, delete)
+//! - `timers`: the idle auto-stop and the retention (archive, delete)
 //!   rules, pure, that the sweeper of every provider without timers of its
 //!   own feeds with facts.
 //!
@@ -20,11 +20,13 @@ mod timers;
 use std::collections::HashSet;
 use std::future::Future;
 use std::path::PathBuf;
-use std::sync::{Arc, Weak};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 use std::time::Duration;
 
 use standby_protocol::Secret;
 use tokio::sync::{oneshot, watch};
+
+use self::timers::{IdleStop, Timers};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ProviderError {
@@ -173,15 +175,26 @@ pub trait SandboxProvider: Send + Sync + 'static {
     }
 }
 
-/// A provider's timers (auto-stop, archive, delete), swept four times per
-/// provider minute while the provider lives: the task ends once `inner`,
-/// the provider's state, is dropped. Every provider without timers of its
-/// own (local, Docker) runs its sweep through this one loop.
-pub(crate) async fn sweep_while_alive<T, F>(inner: Weak<T>, minute: Duration, sweep: impl Fn(Arc<T>) -> F)
+/// Starts a provider's sweeper on its first use (it needs the runtime,
+/// which a provider may be made without): `sweep` runs every
+/// [`Timers::period`] while `inner`, the provider's state, lives, and the
+/// task ends once it is dropped. Every provider without timers of its own
+/// (local, Docker) sweeps through this one loop.
+pub(crate) fn ensure_sweeper<T, F>(inner: &Arc<T>, timers: &Timers, sweep: impl Fn(Arc<T>) -> F + Send + 'static)
+where
+    T: Send + Sync + 'static,
+    F: Future<Output = ()> + Send + 'static,
+{
+    let (inner, period) = (Arc::downgrade(inner), timers.period());
+    timers.sweeper.call_once(move || {
+        tokio::spawn(sweep_while_alive(inner, period, sweep));
+    });
+}
+
+async fn sweep_while_alive<T, F>(inner: Weak<T>, period: Duration, sweep: impl Fn(Arc<T>) -> F)
 where
     F: Future<Output = ()>,
 {
-    let period = (minute / 4).clamp(Duration::from_millis(25), Duration::from_secs(15));
     let mut ticker = tokio::time::interval(period);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -191,7 +204,31 @@ where
     }
 }
 
+/// Stops the sandboxes the idle auto-stop claimed, each in a task of its
+/// own: a round of the sweeper does not wait out their grace periods. A
+/// claim ends with its stop.
+pub(crate) fn stop_idle<P: SandboxProvider + Clone>(provider: &P, due: Vec<IdleStop>, grace: Duration) {
+    for claim in due {
+        tracing::info!(
+            sandbox_id = claim.sandbox_id,
+            minutes = claim.minutes,
+            "idle auto-stop: no activity for its auto-stop minutes"
+        );
+        let provider = provider.clone();
+        tokio::spawn(async move {
+            provider.stop(&claim.sandbox_id, grace).await;
+            drop(claim);
+        });
+    }
+}
+
 /// Whether `done` turned `true` within `timeout`: an agent exited.
 pub(crate) async fn wait_done(mut done: watch::Receiver<bool>, timeout: Duration) -> bool {
     tokio::time::timeout(timeout, done.wait_for(|done| *done)).await.is_ok_and(|result| result.is_ok())
+}
+
+/// A provider's mutex, taken even if a panic poisoned it: what it guards
+/// (maps of sandboxes) stays consistent at every await-free step.
+pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }

@@ -37,12 +37,12 @@
 //!   next start kills what is left in the dead server's cgroups; in a PID
 //!   namespace the kernel kills it all at once.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::ffi::OsString;
 use std::os::unix::fs::OpenOptionsExt as _;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use nix::sys::signal::{Signal, kill, killpg};
@@ -51,7 +51,10 @@ use serde::{Deserialize, Serialize};
 use standby_protocol::vars;
 use tokio::sync::{oneshot, watch};
 
-use super::{AgentLaunch, Details, Found, Launched, ProviderError, SandboxProvider, sweep_while_alive, wait_done};
+use super::timers::{Retention, Timers};
+use super::{
+    AgentLaunch, Details, Found, Launched, ProviderError, SandboxProvider, ensure_sweeper, lock, stop_idle, wait_done,
+};
 use crate::containment::{Containment, ContainmentChoice, ContainmentError};
 use crate::model::Millis;
 
@@ -127,14 +130,10 @@ struct LocalInner {
     base_env: Vec<(OsString, OsString)>,
     options: LocalOptions,
     processes: Mutex<HashMap<String, Process>>,
-    /// Last activity of each running sandbox, for the idle auto-stop.
-    activity: Mutex<HashMap<String, Instant>>,
-    /// Sandboxes the auto-stop is stopping.
-    stopping: Mutex<HashSet<String>>,
-    /// Held by whatever changes a stopped sandbox's files (start, archive,
-    /// the sweeper's delete), so the sweeper never races a resume.
-    files: tokio::sync::Mutex<()>,
-    sweeper: std::sync::Once,
+    /// Idle auto-stop and retention; its lock is held by whatever changes
+    /// a stopped sandbox's files (start, archive, the sweeper's delete), so
+    /// the sweeper never races a resume.
+    timers: Arc<Timers>,
 }
 
 fn find_setpriv() -> Option<PathBuf> {
@@ -143,10 +142,6 @@ fn find_setpriv() -> Option<PathBuf> {
         .chain([PathBuf::from("/usr/bin"), PathBuf::from("/bin")])
         .map(|dir| dir.join("setpriv"))
         .find(|candidate| candidate.is_file())
-}
-
-fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 impl LocalProvider {
@@ -200,10 +195,7 @@ impl LocalProvider {
                 base_env,
                 options,
                 processes: Mutex::new(HashMap::new()),
-                activity: Mutex::new(HashMap::new()),
-                stopping: Mutex::new(HashSet::new()),
-                files: tokio::sync::Mutex::new(()),
-                sweeper: std::sync::Once::new(),
+                timers: Timers::new(options.minute, options.auto_archive, options.auto_delete),
             }),
         }
     }
@@ -245,13 +237,8 @@ impl LocalProvider {
             .map_err(Self::io(sandbox_id, "write", &path))
     }
 
-    /// Starts the timer task on first use: it needs the runtime, which
-    /// [`LocalProvider::new`] may be called without.
     fn ensure_sweeper(&self) {
-        let (weak, minute) = (Arc::downgrade(&self.inner), self.inner.options.minute);
-        self.inner.sweeper.call_once(move || {
-            tokio::spawn(sweep_while_alive(weak, minute, |inner| async { LocalProvider { inner }.sweep_once().await }));
-        });
+        ensure_sweeper(&self.inner, &self.inner.timers, |inner| async { LocalProvider { inner }.sweep_once().await });
     }
 
     fn archived(&self, sandbox_id: &str) -> bool {
@@ -295,33 +282,15 @@ impl LocalProvider {
         Ok(())
     }
 
-    /// One round of the timers: idle running sandboxes are stopped, long
-    /// stopped ones archived or deleted.
+    /// One round of the timers: the facts of each sandbox (running with
+    /// its auto-stop; stopped since when, archived or not) fed to the
+    /// shared rules, and what they decide carried out.
     async fn sweep_once(&self) {
-        let options = self.inner.options;
-        let now = Instant::now();
+        let timers = &self.inner.timers;
         let running: Vec<String> = lock(&self.inner.processes).keys().cloned().collect();
-        for sandbox_id in &running {
-            let minutes = self.read_meta(sandbox_id).auto_stop_minutes;
-            if minutes == 0 {
-                continue;
-            }
-            let idle_since = lock(&self.inner.activity).get(sandbox_id).copied().unwrap_or(now);
-            if now.duration_since(idle_since) < options.minute.saturating_mul(minutes) {
-                continue;
-            }
-            if !lock(&self.inner.stopping).insert(sandbox_id.clone()) {
-                continue;
-            }
-            tracing::info!(sandbox_id, minutes, "idle auto-stop: no activity for its auto-stop minutes");
-            let provider = self.clone();
-            let id = sandbox_id.clone();
-            tokio::spawn(async move {
-                provider.stop(&id, options.stop_grace).await;
-                lock(&provider.inner.stopping).remove(&id);
-            });
-        }
-        if options.auto_archive == 0 && options.auto_delete == 0 {
+        let auto_stops = running.iter().map(|id| (id.clone(), self.read_meta(id).auto_stop_minutes));
+        stop_idle(self, timers.idle(auto_stops, Instant::now()), self.inner.options.stop_grace);
+        if !timers.ages_stopped() {
             return;
         }
         let Ok(entries) = std::fs::read_dir(&self.inner.root) else { return };
@@ -331,25 +300,27 @@ impl LocalProvider {
             .filter_map(|entry| entry.file_name().to_str().map(str::to_owned))
             .filter(|id| !id.starts_with('.') && !running.contains(id))
             .collect();
-        let stopped_for = |minutes: u32, stopped_at: Millis| {
-            minutes > 0 && Millis::now().since(stopped_at) >= options.minute.saturating_mul(minutes).as_millis() as u64
-        };
         for sandbox_id in ids {
-            let _files = self.inner.files.lock().await;
+            let _retaining = timers.retaining().await;
             let Some(stopped_at) = self.read_meta(&sandbox_id).stopped_at else { continue };
             if self.process(&sandbox_id).is_some() {
                 continue;
             }
-            if stopped_for(options.auto_delete, stopped_at) {
-                tracing::info!(sandbox_id, minutes = options.auto_delete, "stopped sandbox deleted by the sweeper");
-                if let Err(error) = self.delete(&sandbox_id).await {
-                    tracing::warn!(%error, "the sweeper could not delete a stopped sandbox");
+            let stopped_for = Duration::from_millis(Millis::now().since(stopped_at));
+            match timers.retention(stopped_for, self.archived(&sandbox_id)) {
+                Retention::Keep => {}
+                Retention::Archive => {
+                    if let Err(error) = self.archive(&sandbox_id).await {
+                        tracing::warn!(%error, "the sweeper could not archive a stopped sandbox");
+                    }
                 }
-            } else if stopped_for(options.auto_archive, stopped_at)
-                && !self.archived(&sandbox_id)
-                && let Err(error) = self.archive(&sandbox_id).await
-            {
-                tracing::warn!(%error, "the sweeper could not archive a stopped sandbox");
+                Retention::Delete => {
+                    let minutes = self.inner.options.auto_delete;
+                    tracing::info!(sandbox_id, minutes, "stopped sandbox deleted by the sweeper");
+                    if let Err(error) = self.delete(&sandbox_id).await {
+                        tracing::warn!(%error, "the sweeper could not delete a stopped sandbox");
+                    }
+                }
             }
         }
     }
@@ -393,7 +364,7 @@ impl SandboxProvider for LocalProvider {
 
     async fn start(&self, sandbox_id: &str) -> Result<(), ProviderError> {
         self.ensure_sweeper();
-        let _files = self.inner.files.lock().await;
+        let _starting = self.inner.timers.starting().await;
         let dir = self.dir(sandbox_id);
         if !tokio::fs::metadata(&dir).await.is_ok_and(|meta| meta.is_dir()) {
             return Err(ProviderError::Missing { sandbox: sandbox_id.to_owned(), path: dir });
@@ -450,7 +421,7 @@ impl SandboxProvider for LocalProvider {
         let (done_tx, done) = watch::channel(false);
         let (exit_tx, exited) = oneshot::channel();
         lock(&inner.processes).insert(sandbox_id.to_owned(), Process { pid, done });
-        lock(&inner.activity).insert(sandbox_id.to_owned(), Instant::now());
+        inner.timers.active(sandbox_id, Instant::now());
         tracing::info!(sandbox_id, pid, "agent launched");
         let provider = self.clone();
         let id = sandbox_id.to_owned();
@@ -470,7 +441,7 @@ impl SandboxProvider for LocalProvider {
                 let mut processes = lock(&provider.inner.processes);
                 if processes.get(&id).is_some_and(|process| process.pid == pid) {
                     processes.remove(&id);
-                    lock(&provider.inner.activity).remove(&id);
+                    provider.inner.timers.forget(&id);
                 }
             }
             // The sweeper counts from here; a deleted sandbox has no file
@@ -506,7 +477,7 @@ impl SandboxProvider for LocalProvider {
 
     async fn delete(&self, sandbox_id: &str) -> Result<(), ProviderError> {
         let dir = self.dir(sandbox_id);
-        lock(&self.inner.activity).remove(sandbox_id);
+        self.inner.timers.forget(sandbox_id);
         match tokio::fs::remove_dir_all(&dir).await {
             Err(error) if error.kind() != std::io::ErrorKind::NotFound => {
                 Err(Self::io(sandbox_id, "delete", &dir)(error))
@@ -556,9 +527,7 @@ impl SandboxProvider for LocalProvider {
     }
 
     fn touch(&self, sandbox_id: &str) {
-        if let Some(last) = lock(&self.inner.activity).get_mut(sandbox_id) {
-            *last = Instant::now();
-        }
+        self.inner.timers.active(sandbox_id, Instant::now());
     }
 
     fn containment(&self) -> &'static str {

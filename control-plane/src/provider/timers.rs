@@ -1,42 +1,53 @@
-//! The Docker provider's timers as pure decisions: Docker has no idle
-//! auto-stop and no retention of its own, so the server's sweeper applies
-//! them, with time passed in. The auto-stop minutes arrive already floored
-//! by [`crate::policy::AutoStop::effective`] (seed 004: `ceil(warm idle /
-//! 1 min) + 5` for a sandbox kept warm); the rule lives there, once.
+//! The timers of a provider that has none of its own (local, Docker): the
+//! idle auto-stop and the retention of stopped sandboxes (archive, then
+//! delete), as pure decisions with time passed in, and what a sweeper
+//! remembers between its rounds ([`Timers`]). Each provider's sweeper only
+//! gathers facts (which sandboxes run, their auto-stop, how long each
+//! stopped one has been stopped, whether it is archived) and carries out
+//! what these rules decide; a new provider feeds the same rules, it does
+//! not write them again.
+//!
+//! The auto-stop minutes arrive already floored by
+//! [`crate::policy::AutoStop::effective`] (seed 004: `ceil(warm idle / 1
+//! min) + 5` for a sandbox kept warm); the rule lives there, once.
 
-use std::time::Duration;
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex, Once};
+use std::time::{Duration, Instant};
 
-/// Whether a running container idle for `idle_for` is stopped, with an
+use tokio::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
+
+use super::lock;
+
+/// Whether a running sandbox idle for `idle_for` is stopped, with an
 /// auto-stop of `minutes` provider minutes of `minute` each (`0`: never).
-pub(super) fn idle_stop(minutes: u32, idle_for: Duration, minute: Duration) -> bool {
+pub(crate) fn idle_stop(minutes: u32, idle_for: Duration, minute: Duration) -> bool {
     minutes > 0 && idle_for >= minute.saturating_mul(minutes)
 }
 
-/// Whether a container stopped for `stopped_for` is removed, with a
+/// Whether a sandbox stopped for `stopped_for` is deleted, with a
 /// retention of `auto_delete` provider minutes (`0`: never).
-pub(super) fn delete_stopped(auto_delete: u32, stopped_for: Duration, minute: Duration) -> bool {
+pub(crate) fn delete_stopped(auto_delete: u32, stopped_for: Duration, minute: Duration) -> bool {
     auto_delete > 0 && stopped_for >= minute.saturating_mul(auto_delete)
 }
 
-/// What becomes of a sandbox stopped for `stopped_for` (counted from the
-/// container's stop, also once it is archived).
+/// What becomes of a sandbox stopped for `stopped_for` (counted from its
+/// stop, also once it is archived).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Retention {
+pub(crate) enum Retention {
     Keep,
-    /// Committed to an image and the container removed: a stopped
-    /// container holds its writable layer and an entry in the engine; an
-    /// image holds the same files, and the container is made again from
-    /// it on a resume (slower).
+    /// Packed away, the files kept in less room (a local workspace into a
+    /// tarball, a container into an image); a start unpacks it (slower).
     Archive,
-    /// Removed for good (the container, or the archive's image).
+    /// Removed for good, archived or not.
     Delete,
 }
 
 /// The retention of a stopped sandbox: deleted past `auto_delete`, else
 /// archived past `auto_archive` unless it is already (minutes of `minute`
-/// each; `0`: never). Deletion wins when both are due, as for the local
-/// provider: an archive that is removed at once is work for nothing.
-pub(super) fn retention(
+/// each; `0`: never). Deletion wins when both are due: an archive that is
+/// removed at once is work for nothing.
+pub(crate) fn retention(
     (auto_archive, auto_delete): (u32, u32),
     stopped_for: Duration,
     archived: bool,
@@ -51,17 +62,119 @@ pub(super) fn retention(
     }
 }
 
-/// How long ago the engine's `FinishedAt` (RFC 3339) was, at `now`; `None`
-/// when it is missing, unreadable, or the engine's zero time
-/// (`0001-01-01T00:00:00Z`: a container created and never stopped, which
-/// is being started, not aged).
-pub(super) fn stopped_for(finished_at: Option<&str>, now: jiff::Timestamp) -> Option<Duration> {
-    let finished: jiff::Timestamp = finished_at?.parse().ok()?;
-    if finished <= jiff::Timestamp::UNIX_EPOCH {
-        return None;
+/// What a provider's sweeper remembers between its rounds, and the rules
+/// it applies, with that provider's limits: one per provider, shared by
+/// its operations (a launch or a heartbeat is activity, a start holds off
+/// the retention) and its sweeper.
+#[derive(Debug)]
+pub(crate) struct Timers {
+    /// How long a provider minute is: every limit counts in them.
+    minute: Duration,
+    /// Stopped for this many minutes: archived (`0`: never).
+    auto_archive: u32,
+    /// Stopped for this many minutes: deleted (`0`: never).
+    auto_delete: u32,
+    /// Last activity of each running sandbox, for the idle auto-stop.
+    activity: Mutex<HashMap<String, Instant>>,
+    /// Sandboxes the auto-stop is stopping: a stop outlasts a round (its
+    /// grace period), and one stop each is enough.
+    stopping: Mutex<HashSet<String>>,
+    /// Held for reading by a start, for writing by the sweeper while it
+    /// archives or deletes a stopped sandbox: a resume never starts a
+    /// sandbox being packed away or removed under it.
+    retention: RwLock<()>,
+    /// The sweeper is started once, on the provider's first use.
+    pub(super) sweeper: Once,
+}
+
+/// A sandbox the idle auto-stop claimed: no later round claims it again
+/// until this is dropped, once its stop has ended.
+#[derive(Debug)]
+pub(crate) struct IdleStop {
+    timers: Arc<Timers>,
+    pub sandbox_id: String,
+    /// Its auto-stop, for the log.
+    pub minutes: u32,
+}
+
+impl Drop for IdleStop {
+    fn drop(&mut self) {
+        lock(&self.timers.stopping).remove(&self.sandbox_id);
     }
-    let span = now.duration_since(finished);
-    Some(Duration::try_from(span).unwrap_or(Duration::ZERO))
+}
+
+impl Timers {
+    pub(crate) fn new(minute: Duration, auto_archive: u32, auto_delete: u32) -> Arc<Self> {
+        Arc::new(Self {
+            minute,
+            auto_archive,
+            auto_delete,
+            activity: Mutex::new(HashMap::new()),
+            stopping: Mutex::new(HashSet::new()),
+            retention: RwLock::new(()),
+            sweeper: Once::new(),
+        })
+    }
+
+    /// How often the sweeper runs: four times per provider minute, within
+    /// bounds that keep a test's short minute from spinning and a long one
+    /// from lagging.
+    pub(crate) fn period(&self) -> Duration {
+        (self.minute / 4).clamp(Duration::from_millis(25), Duration::from_secs(15))
+    }
+
+    /// The sandbox was busy at `now` (an agent launched, a heartbeat said
+    /// so): its idle clock starts over.
+    pub(crate) fn active(&self, sandbox_id: &str, now: Instant) {
+        lock(&self.activity).insert(sandbox_id.to_owned(), now);
+    }
+
+    /// The sandbox stopped or went away: it has no idle clock.
+    pub(crate) fn forget(&self, sandbox_id: &str) {
+        lock(&self.activity).remove(sandbox_id);
+    }
+
+    /// Of the running sandboxes, each with its auto-stop minutes, those the
+    /// idle auto-stop stops at `now`, each claimed. One first seen now (a
+    /// container adopted after a restart) is idle from now.
+    pub(crate) fn idle(
+        self: &Arc<Self>,
+        running: impl IntoIterator<Item = (String, u32)>,
+        now: Instant,
+    ) -> Vec<IdleStop> {
+        let mut due = Vec::new();
+        for (sandbox_id, minutes) in running {
+            let since = *lock(&self.activity).entry(sandbox_id.clone()).or_insert(now);
+            if idle_stop(minutes, now.duration_since(since), self.minute)
+                && lock(&self.stopping).insert(sandbox_id.clone())
+            {
+                due.push(IdleStop { timers: Arc::clone(self), sandbox_id, minutes });
+            }
+        }
+        due
+    }
+
+    /// Whether stopped sandboxes age at all (archive or delete set).
+    pub(crate) fn ages_stopped(&self) -> bool {
+        self.auto_archive > 0 || self.auto_delete > 0
+    }
+
+    /// What becomes of a sandbox stopped for `stopped_for`, [`retention`]
+    /// with this provider's limits.
+    pub(crate) fn retention(&self, stopped_for: Duration, archived: bool) -> Retention {
+        retention((self.auto_archive, self.auto_delete), stopped_for, archived, self.minute)
+    }
+
+    /// Held by a start while it makes a stopped sandbox runnable again.
+    pub(crate) async fn starting(&self) -> RwLockReadGuard<'_, ()> {
+        self.retention.read().await
+    }
+
+    /// Held by the sweeper from its look at a stopped sandbox until it is
+    /// archived or deleted: no start meanwhile.
+    pub(crate) async fn retaining(&self) -> RwLockWriteGuard<'_, ()> {
+        self.retention.write().await
+    }
 }
 
 #[cfg(test)]
@@ -109,12 +222,45 @@ mod tests {
     }
 
     #[test]
-    fn the_engines_finished_at_is_read_as_an_age() {
-        let now: jiff::Timestamp = "2026-12-01T20:00:00Z".parse().expect("a time");
-        assert_eq!(stopped_for(Some("2026-12-01T19:59:00.5Z"), now), Some(Duration::from_millis(59_500)));
-        assert_eq!(stopped_for(Some("2026-12-01T20:00:01Z"), now), Some(Duration::ZERO), "a clock step back");
-        assert_eq!(stopped_for(Some("0001-01-01T00:00:00Z"), now), None, "created, never stopped: not aged");
-        assert_eq!(stopped_for(Some("yesterday"), now), None);
-        assert_eq!(stopped_for(None, now), None);
+    fn the_idle_clock_starts_at_the_last_activity_and_a_stop_is_claimed_once() {
+        let minute = Duration::from_millis(100);
+        let timers = Timers::new(minute, 0, 0);
+        let start = Instant::now();
+        timers.active("sbx_a", start);
+        let running = || [("sbx_a".to_owned(), 2), ("sbx_never".to_owned(), 0)];
+        assert!(timers.idle(running(), start + 2 * minute - Duration::from_millis(1)).is_empty());
+        timers.active("sbx_a", start + minute);
+        assert!(timers.idle(running(), start + 2 * minute).is_empty(), "activity holds the auto-stop off");
+        let due = timers.idle(running(), start + 3 * minute);
+        assert_eq!(due.iter().map(|stop| (stop.sandbox_id.as_str(), stop.minutes)).collect::<Vec<_>>(), [("sbx_a", 2)]);
+        assert!(timers.idle(running(), start + 4 * minute).is_empty(), "claimed: not stopped twice");
+        drop(due);
+        assert_eq!(timers.idle(running(), start + 4 * minute).len(), 1, "claimable again once its stop ended");
+        assert!(timers.idle(running(), start + 100 * minute).iter().all(|stop| stop.sandbox_id != "sbx_never"));
+    }
+
+    #[test]
+    fn a_sandbox_first_seen_running_is_idle_from_then_and_a_forgotten_one_too() {
+        let minute = Duration::from_millis(100);
+        let timers = Timers::new(minute, 0, 0);
+        let seen = Instant::now();
+        assert!(timers.idle([("sbx_adopted".to_owned(), 1)], seen).is_empty(), "adopted: idle from now");
+        assert_eq!(timers.idle([("sbx_adopted".to_owned(), 1)], seen + minute).len(), 1);
+        timers.active("sbx_b", seen);
+        timers.forget("sbx_b");
+        let later = seen + 10 * minute;
+        assert!(timers.idle([("sbx_b".to_owned(), 1)], later).is_empty(), "stopped: its old activity is gone");
+    }
+
+    #[test]
+    fn the_providers_limits_reach_the_retention_rule_and_the_sweep_period() {
+        let timers = Timers::new(MINUTE, 60, 1440);
+        assert!(timers.ages_stopped());
+        assert_eq!(timers.retention(60 * MINUTE, false), Retention::Archive);
+        assert_eq!(timers.retention(1440 * MINUTE, false), Retention::Delete);
+        assert!(!Timers::new(MINUTE, 0, 0).ages_stopped());
+        assert_eq!(timers.period(), Duration::from_secs(15));
+        assert_eq!(Timers::new(Duration::from_millis(100), 0, 0).period(), Duration::from_millis(25));
+        assert_eq!(Timers::new(Duration::from_millis(400), 0, 0).period(), Duration::from_millis(100));
     }
 }
