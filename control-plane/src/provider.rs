@@ -5,12 +5,17 @@
 //! - [`spool`]: only a standby credential in a file, nothing launched (load
 //!   generation, an image smoke test, an external launcher);
 //! - `timers`: the idle auto-stop and the retention (archive, delete)
-//!   rules, pure, that the sweeper of every provider without timers of its
-//!   own feeds with facts.
+//!   rules, pure, and what a sweeper keeps between its rounds; the sweeper
+//!   of every provider without timers of its own feeds them with facts.
 //!
 //! A sandbox's life at a provider: created, running (an agent launched in
 //! it), stopped (no process, the filesystem kept), archived (stopped long
 //! enough to be packed away; it starts again more slowly), deleted.
+//!
+//! Another provider is one more module: it implements [`SandboxProvider`]
+//! and, when its platform has no idle stop or retention of its own, holds
+//! a `Timers`, starts its sweeper with `ensure_sweeper` and hands the
+//! rules its facts, as `local` and `docker` do.
 
 pub mod docker;
 pub mod local;

@@ -97,7 +97,8 @@ pub(super) fn follow_up(parked: Parked) -> FollowUp {
 /// fresh agent in it, by what the provider says of the sandbox.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ResumeStart {
-    /// Stopped or archived: start it.
+    /// No agent (stopped, or a container kept between agents) or
+    /// archived: start it.
     Start,
     /// Still running (an agent this server does not watch, or processes
     /// left behind): stop it, then start it.
@@ -105,7 +106,7 @@ pub enum ResumeStart {
 }
 
 impl ResumeStart {
-    /// The table: `running` → stop first; `stopped`, `archived` → start;
+    /// The table: `running` → stop first; `no agent`, `archived` → start;
     /// `missing` → the resume fails, the sandbox gone.
     pub fn for_found(found: Found) -> Result<Self, ResumeFailure> {
         match found {

@@ -163,8 +163,8 @@ impl Dispatch {
         step
     }
 
-    /// What the provider found of a sandbox after a restart. A stopped
-    /// standby is started again (its workspace is kept, so its agent skips
+    /// What the provider found of a sandbox after a restart. A standby
+    /// with no agent is started again (its workspace is kept, so its agent skips
     /// the clone and setup) with a new standby credential: only the hash
     /// of the old one was kept. A sandbox that held a run is written off.
     pub fn probed(&mut self, now: Millis, sandbox_id: &str, found: Found) -> Step {
