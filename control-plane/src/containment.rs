@@ -362,7 +362,8 @@ fn cgroup2_mount(mountinfo: &str) -> Option<(String, String)> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::provider::{AgentLaunch, LocalOptions, LocalProvider, SandboxProvider};
+    use crate::provider::local::{LocalOptions, LocalProvider};
+    use crate::provider::{AgentLaunch, SandboxProvider};
     use standby_protocol::Secret;
 
     /// Live processes whose command line is exactly `argv`.

@@ -24,7 +24,8 @@ use std::time::Duration;
 use serde_json::{Value, json};
 use standby_protocol::{McpServer, Repo, Secret, SetupStep, Spec, Workspace};
 
-use standby_control_plane::provider::{LocalProvider, SandboxProvider};
+use standby_control_plane::provider::SandboxProvider;
+use standby_control_plane::provider::local::LocalProvider;
 use standby_control_plane::seal::SealKey;
 use standby_control_plane::server::{RunningServer, ServerConfig, ServerError, start};
 use standby_control_plane::store::{SqliteStore, StoreError};
@@ -53,7 +54,7 @@ pub enum DemoError {
     #[error("the demo did not go as expected: {0}")]
     Unexpected(String),
     #[error(transparent)]
-    Docker(#[from] standby_control_plane::docker_provider::DockerError),
+    Docker(#[from] standby_control_plane::provider::docker::DockerError),
     #[error("the Docker Engine failed to {action}: {source}")]
     Engine {
         action: String,

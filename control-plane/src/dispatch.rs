@@ -262,19 +262,6 @@ pub struct Step {
     pub reply: Reply,
 }
 
-/// What a provider says about a sandbox after a restart, or before a
-/// resume.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Found {
-    Running,
-    /// Exists but its agent is not running: it can be started again.
-    Stopped,
-    /// Stopped long enough that the provider packed it away; it can be
-    /// started again, more slowly.
-    Archived,
-    Missing,
-}
-
 /// What the store holds, to rebuild the machine after a restart.
 #[derive(Debug, Default)]
 pub struct Snapshot {

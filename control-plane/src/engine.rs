@@ -26,12 +26,12 @@ use standby_protocol::{Secret, ServerMessage};
 use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::dispatch::{
-    Answer, ConnId, Dispatch, Effect, Found, Input, Provision, Reply, ResumeFailure, ResumeStart, SandboxPage,
-    SandboxView, Step,
+    Answer, ConnId, Dispatch, Effect, Input, Provision, Reply, ResumeFailure, ResumeStart, SandboxPage, SandboxView,
+    Step,
 };
 use crate::model::{Clock, ParkMode};
 use crate::policy::raised_auto_stop;
-use crate::provider::{AgentLaunch, Details, Launched, SandboxProvider};
+use crate::provider::{AgentLaunch, Details, Found, Launched, SandboxProvider};
 use crate::store::{Store, StoreError};
 
 use self::batch::{After, Batch};

@@ -10,11 +10,12 @@
 //! - [`agent_api`]: the agent-facing contract's handlers.
 //! - [`user_api`]: the user API's handlers.
 //! - [`listener`]: the accept loop: header timeout, connection cap.
-//! - [`provider`]: where sandboxes come from; the `local` provider.
+//! - [`provider`]: where sandboxes come from: the trait, and the `local`,
+//!   `docker` (a container per sandbox, Engine API) and `spool` (standby
+//!   credentials as files, for load generation) providers, one module each,
+//!   their timers' rules shared.
 //! - [`containment`]: how the local provider keeps every process of a sandbox killable.
 //! - [`policy`]: the pool's numeric rules (auto-stop floor, TTL schedule).
-//! - [`docker_provider`]: the `docker` provider, a container per sandbox (Engine API).
-//! - [`spool`]: the `spool` provider, standby credentials as files (load generation).
 //! - [`bounds`]: what one request may carry and one answer hold (pure).
 //! - [`metrics`]: the Prometheus text of `/metrics`.
 
@@ -25,7 +26,6 @@ pub mod cluster;
 pub mod containment;
 pub mod credential;
 pub mod dispatch;
-pub mod docker_provider;
 pub mod engine;
 pub mod listener;
 pub mod metrics;
@@ -34,7 +34,6 @@ pub mod policy;
 pub mod provider;
 pub mod seal;
 pub mod server;
-pub mod spool;
 pub mod store;
 mod submit_checks;
 pub mod user_api;

@@ -10,8 +10,8 @@ use std::time::Duration;
 use futures::{SinkExt, StreamExt};
 use serde_json::{Value, json};
 use standby_control_plane::bounds;
-use standby_control_plane::dispatch::{Found, Input, RunBounds};
-use standby_control_plane::provider::{AgentLaunch, Details, Launched, ProviderError, SandboxProvider};
+use standby_control_plane::dispatch::{Input, RunBounds};
+use standby_control_plane::provider::{AgentLaunch, Details, Found, Launched, ProviderError, SandboxProvider};
 use standby_control_plane::seal::SealKey;
 use standby_control_plane::server::{RunningServer, ServerConfig, start};
 use standby_control_plane::store::{SqliteStore, Store};
@@ -104,7 +104,7 @@ async fn harness_with(pool_size: usize, store: Arc<dyn Store>, found: Found, hea
 async fn configured(change: impl FnOnce(&mut ServerConfig)) -> Harness {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let (tx, launches) = mpsc::unbounded_channel();
-    let provider = Arc::new(FakeProvider { launches: tx, running: Mutex::new(HashMap::new()), found: Found::Stopped });
+    let provider = Arc::new(FakeProvider { launches: tx, running: Mutex::new(HashMap::new()), found: Found::NoAgent });
     let spec = Spec { workspace: Workspace::default(), mcp_servers: Vec::new(), shell: None, deadline: None };
     let mut config = ServerConfig::new(Secret::new(KEY), spec);
     config.pool_size = 1;
@@ -115,7 +115,7 @@ async fn configured(change: impl FnOnce(&mut ServerConfig)) -> Harness {
 }
 
 async fn memory(pool_size: usize) -> Harness {
-    harness(pool_size, Arc::new(SqliteStore::in_memory().expect("a store")), Found::Stopped).await
+    harness(pool_size, Arc::new(SqliteStore::in_memory().expect("a store")), Found::NoAgent).await
 }
 
 type Socket = tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
@@ -468,7 +468,7 @@ async fn a_restart_keeps_runs_and_relaunches_standbys() {
     let path = dir.path().join("standby.db");
     let key = SealKey::random();
     let open = |path: &Path| -> Arc<dyn Store> { Arc::new(SqliteStore::open(path, &key).expect("the store opens")) };
-    let mut harness = harness(1, open(&path), Found::Stopped).await;
+    let mut harness = harness(1, open(&path), Found::NoAgent).await;
     let (sandbox_id, old_token, _socket) = ready_standby(&mut harness).await;
     harness.server.engine().ask::<()>(Input::Drain).await.expect("draining");
     let (_, created) = harness.api(reqwest::Method::POST, "/v1/runs", Some(json!({"command": ["true"]}))).await;
@@ -476,7 +476,7 @@ async fn a_restart_keeps_runs_and_relaunches_standbys() {
     assert_eq!(created["state"], "queued");
     harness.server.shutdown().await.expect("a clean shutdown");
 
-    let mut harness = self::harness(1, open(&path), Found::Stopped).await;
+    let mut harness = self::harness(1, open(&path), Found::NoAgent).await;
     // The queued run may get a cold sandbox before the probe of the
     // standby answers: launches come in either order.
     let new_token = loop {
@@ -496,7 +496,7 @@ async fn a_restart_keeps_runs_and_relaunches_standbys() {
 #[tokio::test]
 async fn a_silent_control_connection_is_closed() {
     let store = Arc::new(SqliteStore::in_memory().expect("a store"));
-    let mut harness = harness_with(1, store, Found::Stopped, Duration::from_millis(100)).await;
+    let mut harness = harness_with(1, store, Found::NoAgent, Duration::from_millis(100)).await;
     let (_, token) = harness.next_launch().await;
     let mut socket = harness.connect(token.expose()).await.expect("admitted");
     // No heartbeat: the server closes the socket (after telling a silent
@@ -534,7 +534,7 @@ async fn a_stopping_server_closes_control_sockets_with_1012() {
 async fn bounded(store: Arc<dyn Store>, bounds: RunBounds) -> Harness {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let (tx, launches) = mpsc::unbounded_channel();
-    let provider = Arc::new(FakeProvider { launches: tx, running: Mutex::new(HashMap::new()), found: Found::Stopped });
+    let provider = Arc::new(FakeProvider { launches: tx, running: Mutex::new(HashMap::new()), found: Found::NoAgent });
     let spec = Spec { workspace: Workspace::default(), mcp_servers: Vec::new(), shell: None, deadline: None };
     let mut config = ServerConfig::new(Secret::new(KEY), spec);
     config.pool_size = 0;

@@ -7,8 +7,8 @@ use std::sync::Arc;
 
 use reqwest::Method;
 use serde_json::{Value, json};
+use standby_control_plane::provider::spool::SpoolProvider;
 use standby_control_plane::server::{RunningServer, ServerConfig, start};
-use standby_control_plane::spool::SpoolProvider;
 use standby_control_plane::store::SqliteStore;
 use standby_protocol::{Secret, Spec};
 

@@ -19,7 +19,7 @@ use axum::http::{StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use bollard::Docker;
 use bollard::query_parameters::{ListContainersOptions, ListNetworksOptions, RemoveContainerOptions};
-use standby_control_plane::docker_provider::{DockerOptions, DockerProvider, INSTANCE_LABEL, Limits};
+use standby_control_plane::provider::docker::{DockerOptions, DockerProvider, INSTANCE_LABEL, Limits};
 use tokio::sync::oneshot;
 
 use super::{

@@ -12,10 +12,11 @@
 use standby_protocol::{AgentState, Event, Run, Secret};
 
 use super::{
-    Admission, Call, CancelError, ConnId, Dispatch, Found, IdempotencyKey, KeyReused, LogError, MetricsSnapshot,
-    Refusal, ResumeFailure, SandboxPage, SandboxView, Step, Submitted,
+    Admission, Call, CancelError, ConnId, Dispatch, IdempotencyKey, KeyReused, LogError, MetricsSnapshot, Refusal,
+    ResumeFailure, SandboxPage, SandboxView, Step, Submitted,
 };
 use crate::model::{Millis, RunRecord, RunRequest, RunState, SandboxRecord, ThreadRecord};
+use crate::provider::Found;
 
 /// Something that happened, or a question, for the machine.
 #[derive(Debug)]

@@ -19,9 +19,10 @@
 
 use super::placement::{Need, Placement, SlotQueue};
 use super::sandboxes::Retirement;
-use super::{Dispatch, Effect, Found, Live, Step};
+use super::{Dispatch, Effect, Live, Step};
 use crate::credential::CredentialKind;
 use crate::model::{CredentialState, Millis, Park, ParkMode, Resume, RunPath, RunState, SandboxState};
+use crate::provider::Found;
 
 /// Whether the sandbox was prepared with the workspace the turn expects.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -96,7 +97,8 @@ pub(super) fn follow_up(parked: Parked) -> FollowUp {
 /// fresh agent in it, by what the provider says of the sandbox.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ResumeStart {
-    /// Stopped or archived: start it.
+    /// No agent (stopped, or a container kept between agents) or
+    /// archived: start it.
     Start,
     /// Still running (an agent this server does not watch, or processes
     /// left behind): stop it, then start it.
@@ -104,11 +106,11 @@ pub enum ResumeStart {
 }
 
 impl ResumeStart {
-    /// The table: `running` → stop first; `stopped`, `archived` → start;
+    /// The table: `running` → stop first; `no agent`, `archived` → start;
     /// `missing` → the resume fails, the sandbox gone.
     pub fn for_found(found: Found) -> Result<Self, ResumeFailure> {
         match found {
-            Found::Stopped | Found::Archived => Ok(Self::Start),
+            Found::NoAgent | Found::Archived => Ok(Self::Start),
             Found::Running => Ok(Self::StopFirst),
             Found::Missing => Err(ResumeFailure::Gone),
         }

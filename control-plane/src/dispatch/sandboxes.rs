@@ -7,11 +7,12 @@ use std::time::Duration;
 use standby_protocol::{ExitCode, Fingerprint, Retired, Secret, ServerMessage, Workspace};
 
 use super::runs::{Retry, SandboxFate};
-use super::{Agent, Dispatch, Effect, Found, Live, Provision, Step, Write};
+use super::{Agent, Dispatch, Effect, Live, Provision, Step, Write};
 use crate::credential::CredentialKind;
 use crate::model::{
     AttemptOutcome, CredentialState, Millis, RunRecord, RunState, SandboxKind, SandboxRecord, SandboxState,
 };
+use crate::provider::Found;
 
 /// How a sandbox is retired: why, what its standby credential becomes,
 /// whether its agent is told, and how long it has to exit on its own.
@@ -162,8 +163,8 @@ impl Dispatch {
         step
     }
 
-    /// What the provider found of a sandbox after a restart. A stopped
-    /// standby is started again (its workspace is kept, so its agent skips
+    /// What the provider found of a sandbox after a restart. A standby
+    /// with no agent is started again (its workspace is kept, so its agent skips
     /// the clone and setup) with a new standby credential: only the hash
     /// of the old one was kept. A sandbox that held a run is written off.
     pub(super) fn probed(&mut self, now: Millis, sandbox_id: &str, found: Found) -> Step {
@@ -192,13 +193,13 @@ impl Dispatch {
                 live.exited = true;
             }
             (Found::Running, _) => {}
-            (Found::Stopped | Found::Archived, SandboxState::Parked | SandboxState::Resuming) => {
+            (Found::NoAgent | Found::Archived, SandboxState::Parked | SandboxState::Resuming) => {
                 // A turn claimed it before the probe answered: start it now.
                 if live.resume_after_exit && !self.draining {
                     self.emit_resume(now, &mut step, sandbox_id);
                 }
             }
-            (Found::Stopped, SandboxState::Standby) if !self.draining && !expired => {
+            (Found::NoAgent, SandboxState::Standby) if !self.draining && !expired => {
                 let old = live.record.standby_credential_id.clone();
                 self.set_credential(&mut step, &old, CredentialState::Revoked);
                 let (credential_id, token) = self.new_credential(&mut step, CredentialKind::Standby, sandbox_id, None);
@@ -214,7 +215,7 @@ impl Dispatch {
                 let provision = Provision::Start;
                 step.effects.push(Effect::Launch { sandbox_id, credential_id, token, provision, auto_stop: 0 });
             }
-            (Found::Stopped | Found::Archived | Found::Missing, _) => {
+            (Found::NoAgent | Found::Archived | Found::Missing, _) => {
                 let reason = match found {
                     Found::Missing => "the sandbox was missing after a server restart",
                     _ if expired => "its standby TTL ran out while the server was down",

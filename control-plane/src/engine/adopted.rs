@@ -14,8 +14,7 @@
 
 use std::time::Duration;
 
-use crate::dispatch::Found;
-use crate::provider::SandboxProvider;
+use crate::provider::{Found, SandboxProvider};
 
 /// How often an adopted agent's sandbox is looked at: a few provider calls
 /// a second at most per adopted sandbox, and its run failed within about

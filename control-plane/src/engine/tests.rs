@@ -12,8 +12,8 @@ use super::*;
 use crate::credential::RandomMint;
 use crate::dispatch::{DispatchConfig, KeyReused, LogLedger, PoolPolicy, RunBounds, Snapshot, Submitted, Write};
 use crate::model::{RunRecord, RunRequest};
+use crate::provider::spool::SpoolProvider;
 use crate::seal::SealKey;
-use crate::spool::SpoolProvider;
 use crate::store::{RunQuery, SqliteStore};
 
 /// A SQLite store that records how many runs each commit created, and

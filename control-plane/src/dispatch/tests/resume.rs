@@ -73,7 +73,7 @@ fn follow_up_tier_2_with_its_fresh_agent_starting_awaits_it() {
 
 #[test]
 fn resume_start_by_what_the_provider_found() {
-    assert_eq!(ResumeStart::for_found(Found::Stopped), Ok(ResumeStart::Start));
+    assert_eq!(ResumeStart::for_found(Found::NoAgent), Ok(ResumeStart::Start));
     assert_eq!(ResumeStart::for_found(Found::Archived), Ok(ResumeStart::Start));
     assert_eq!(ResumeStart::for_found(Found::Running), Ok(ResumeStart::StopFirst));
     assert_eq!(ResumeStart::for_found(Found::Missing), Err(ResumeFailure::Gone));
@@ -238,7 +238,7 @@ fn a_restart_brings_parked_sandboxes_back_stopped_and_resumes_again() {
     assert_eq!(machine.run(&second).map(|r| r.state), Some(RunState::Resuming));
     assert!(step.effects.iter().any(|e| matches!(e, Effect::Probe { sandbox_id: id, .. } if *id == sandbox_id)));
     assert!(resumes(&step).is_empty(), "not before the probe");
-    let step = machine.probed(world.now, &sandbox_id, Found::Stopped);
+    let step = machine.probed(world.now, &sandbox_id, Found::NoAgent);
     let resumed: Vec<String> = resumes(&step).into_iter().map(|(id, ..)| id).collect();
     assert_eq!(resumed, std::slice::from_ref(&sandbox_id), "the run resumes its thread's sandbox again");
     assert_eq!(machine.run(&second).map(|r| r.state), Some(RunState::Resuming));

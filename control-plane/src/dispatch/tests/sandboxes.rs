@@ -75,7 +75,7 @@ fn a_restart_probes_sandboxes_and_resumes_stopped_standbys_with_a_new_credential
     assert_eq!(probes.len(), 1, "only the live standby is probed: {probes:?}");
     assert!(launches(&step).is_empty(), "the live standby still counts for the pool");
     let _ = standby;
-    let step = machine.probed(world.now, &replacement.record.id, Found::Stopped);
+    let step = machine.probed(world.now, &replacement.record.id, Found::NoAgent);
     let relaunch = launches(&step).remove(0);
     assert_eq!(relaunch.sandbox_id, replacement.record.id);
     assert!(step.effects.iter().any(|e| matches!(e, Effect::Launch { provision: Provision::Start, .. })));
@@ -92,7 +92,7 @@ fn a_restart_writes_off_a_committed_sandbox_that_stopped() {
     let (run_id, _) = world.submit(run("a"));
     let (mut machine, _) =
         Dispatch::restore(config(1), Box::new(CountingMint::starting_at(1000)), world.snapshot(), world.now);
-    let step = machine.probed(world.now, &standby.sandbox_id, Found::Stopped);
+    let step = machine.probed(world.now, &standby.sandbox_id, Found::NoAgent);
     let record = machine.run(&run_id).expect("the run").clone();
     assert_eq!(record.attempts[0].outcome, Some(AttemptOutcome::Requeued));
     assert_eq!(record.attempts[1].path, RunPath::Cold);

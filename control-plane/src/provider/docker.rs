@@ -13,14 +13,14 @@
 //! - **stop** (Tier 1): `docker stop`, the filesystem kept; **start**
 //!   starts the stopped container again; a removed one is missing, and a
 //!   resume of it falls back to cold with the reason, as for `local`;
-//! - **timers**: Docker has none, so the sweeper (`sweeper.rs`, decisions
-//!   in `timers.rs`) stops idle containers, archives long-stopped ones to
+//! - **timers**: Docker has none, so the sweeper (`sweeper.rs`, the rules
+//!   in `provider/timers.rs`, shared with `local`) stops idle containers, archives long-stopped ones to
 //!   images (`archive.rs`; a resume makes the container again from its
 //!   image) and removes them by age.
 //!
 //! A sandbox is [`Found::Running`] while an agent exec runs in its
 //! container; a running container without one (Tier 2, between agents) is
-//! [`Found::Stopped`] to the dispatcher: it can take a fresh agent, and a
+//! [`Found::NoAgent`] to the dispatcher: it can take a fresh agent, and a
 //! start leaves it running.
 //!
 //! [`clear`]: SandboxProvider::clear
@@ -29,12 +29,11 @@ mod archive;
 mod container;
 mod exec;
 mod sweeper;
-mod timers;
 
 use std::collections::{HashMap, HashSet};
 use std::net::IpAddr;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bollard::Docker;
@@ -44,8 +43,8 @@ pub use container::{INSTANCE_LABEL, Limits, SANDBOX_LABEL, SANDBOX_USER};
 pub use exec::AGENT_PATH;
 use tokio::sync::watch;
 
-use crate::dispatch::Found;
-use crate::provider::{AgentLaunch, Details, Launched, ProviderError, SandboxProvider};
+use super::timers::Timers;
+use super::{AgentLaunch, Details, Found, Launched, ProviderError, SandboxProvider, ensure_sweeper, lock, wait_done};
 
 /// How the Docker provider makes and times its sandboxes.
 #[derive(Debug, Clone)]
@@ -110,28 +109,18 @@ struct DockerInner {
     options: DockerOptions,
     gateway: IpAddr,
     agents: Mutex<HashMap<String, Agent>>,
-    /// Last activity of each running container, for the idle auto-stop.
-    activity: Mutex<HashMap<String, Instant>>,
     /// Auto-stop minutes of each sandbox (memory: after a restart the
     /// dispatcher sets it again at the next park or resume).
     auto_stop: Mutex<HashMap<String, u32>>,
-    /// Sandboxes the auto-stop is stopping.
-    stopping: Mutex<HashSet<String>>,
-    /// Held for writing by the sweeper while it archives or removes a
-    /// stopped sandbox, for reading by a start: a resume never starts a
-    /// container that is being committed or removed under it.
-    retention: tokio::sync::RwLock<()>,
+    /// Idle auto-stop and retention; its lock keeps a start from a
+    /// container being committed or removed under it.
+    timers: Arc<Timers>,
     /// `true` once [`SandboxProvider::stop_all`] began. Held for reading by
     /// every create and start, for writing by `stop_all`: it waits for the
     /// containers being started, then no new one starts, so a clean stop
     /// leaves no container of this server running. A provider serves one
     /// server's life: a server started after it connects its own.
     closed: tokio::sync::RwLock<bool>,
-    sweeper: std::sync::Once,
-}
-
-fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 impl DockerProvider {
@@ -147,18 +136,16 @@ impl DockerProvider {
         let gateway = ensure_network(&docker, &options.network).await?;
         std::fs::create_dir_all(&options.log_dir).ok();
         tracing::info!(network = options.network, %gateway, image = options.image, "docker provider ready");
+        let timers = Timers::new(options.minute, options.auto_archive, options.auto_delete);
         Ok(Self {
             inner: Arc::new(DockerInner {
                 docker,
                 options,
                 gateway,
                 agents: Mutex::new(HashMap::new()),
-                activity: Mutex::new(HashMap::new()),
                 auto_stop: Mutex::new(HashMap::new()),
-                stopping: Mutex::new(HashSet::new()),
-                retention: tokio::sync::RwLock::new(()),
+                timers,
                 closed: tokio::sync::RwLock::new(false),
-                sweeper: std::sync::Once::new(),
             }),
         })
     }
@@ -177,10 +164,7 @@ impl DockerProvider {
     }
 
     fn ensure_sweeper(&self) {
-        let (weak, minute) = (Arc::downgrade(&self.inner), self.inner.options.minute);
-        self.inner.sweeper.call_once(move || {
-            tokio::spawn(crate::provider::sweep_while_alive(weak, minute, sweeper::sweep_once));
-        });
+        ensure_sweeper(&self.inner, &self.inner.timers, sweeper::sweep_once);
     }
 
     /// Whether the container runs, and the execs it has; `None` when it
@@ -263,7 +247,7 @@ impl SandboxProvider for DockerProvider {
         if *closed {
             return Err(ProviderError::Stopping { sandbox: sandbox_id.to_owned() });
         }
-        let _retention = self.inner.retention.read().await;
+        let _starting = self.inner.timers.starting().await;
         if self.inspect(sandbox_id).await?.is_some() {
             return container::start(&self.inner.docker, sandbox_id).await;
         }
@@ -287,7 +271,7 @@ impl SandboxProvider for DockerProvider {
         let started = exec::start_agent(&self.inner.docker, sandbox_id, &launch, self.log_path(sandbox_id)).await?;
         lock(&self.inner.agents)
             .insert(sandbox_id.to_owned(), Agent { exec_id: started.exec_id.clone(), done: started.done.clone() });
-        lock(&self.inner.activity).insert(sandbox_id.to_owned(), Instant::now());
+        self.inner.timers.active(sandbox_id, Instant::now());
         tracing::info!(sandbox_id, exec_id = started.exec_id, "agent started by an exec");
         Ok(Launched { pid: None, exited: started.exited })
     }
@@ -299,7 +283,7 @@ impl SandboxProvider for DockerProvider {
         if let Some(agent) = self.agent(sandbox_id) {
             wait_done(agent.done, Duration::from_secs(10)).await;
         }
-        lock(&self.inner.activity).remove(sandbox_id);
+        self.inner.timers.forget(sandbox_id);
     }
 
     async fn clear(&self, sandbox_id: &str, grace: Duration) {
@@ -337,7 +321,7 @@ impl SandboxProvider for DockerProvider {
     async fn delete(&self, sandbox_id: &str) -> Result<(), ProviderError> {
         container::remove(&self.inner.docker, sandbox_id).await?;
         archive::remove(&self.inner.docker, sandbox_id).await?;
-        lock(&self.inner.activity).remove(sandbox_id);
+        self.inner.timers.forget(sandbox_id);
         lock(&self.inner.auto_stop).remove(sandbox_id);
         lock(&self.inner.agents).remove(sandbox_id);
         let _ = tokio::fs::remove_file(self.log_path(sandbox_id)).await;
@@ -351,17 +335,17 @@ impl SandboxProvider for DockerProvider {
             return Ok(if archived { Found::Archived } else { Found::Missing });
         };
         if !running {
-            return Ok(Found::Stopped);
+            return Ok(Found::NoAgent);
         }
         if let Some(agent) = self.agent(sandbox_id)
             && exec_ids.contains(&agent.exec_id)
         {
-            return Ok(if *agent.done.borrow() { Found::Stopped } else { Found::Running });
+            return Ok(if *agent.done.borrow() { Found::NoAgent } else { Found::Running });
         }
         Ok(if exec::agent_running(&self.inner.docker, sandbox_id, &exec_ids).await {
             Found::Running
         } else {
-            Found::Stopped
+            Found::NoAgent
         })
     }
 
@@ -409,7 +393,7 @@ impl SandboxProvider for DockerProvider {
     }
 
     fn touch(&self, sandbox_id: &str) {
-        lock(&self.inner.activity).insert(sandbox_id.to_owned(), Instant::now());
+        self.inner.timers.active(sandbox_id, Instant::now());
     }
 
     fn containment(&self) -> &'static str {
@@ -419,8 +403,4 @@ impl SandboxProvider for DockerProvider {
     fn agent_host(&self) -> Option<IpAddr> {
         Some(self.inner.gateway)
     }
-}
-
-async fn wait_done(mut done: watch::Receiver<bool>, timeout: Duration) -> bool {
-    tokio::time::timeout(timeout, done.wait_for(|done| *done)).await.is_ok_and(|result| result.is_ok())
 }

@@ -13,13 +13,12 @@ use std::collections::{HashMap, HashSet};
 use std::io::Write as _;
 use std::os::unix::fs::OpenOptionsExt as _;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use tokio::sync::oneshot;
 
-use crate::dispatch::Found;
-use crate::provider::{AgentLaunch, Details, Launched, ProviderError, SandboxProvider};
+use super::{AgentLaunch, Details, Found, Launched, ProviderError, SandboxProvider, lock};
 
 /// Sandboxes as credential files in one directory.
 #[derive(Debug, Clone)]
@@ -55,8 +54,8 @@ impl SpoolProvider {
         self.inner.dir.join(format!("{sandbox_id}.token"))
     }
 
-    fn launched(&self) -> std::sync::MutexGuard<'_, HashMap<String, oneshot::Sender<Option<i32>>>> {
-        self.inner.launched.lock().unwrap_or_else(PoisonError::into_inner)
+    fn launched(&self) -> MutexGuard<'_, HashMap<String, oneshot::Sender<Option<i32>>>> {
+        lock(&self.inner.launched)
     }
 
     fn remove_file(&self, sandbox_id: &str) -> Result<(), ProviderError> {

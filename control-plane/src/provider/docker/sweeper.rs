@@ -3,18 +3,18 @@
 //! a running one idle for its auto-stop is stopped, a stopped one older
 //! than `auto_archive` is archived to an image and one older than
 //! `auto_delete` removed, and so is an archive image past `auto_delete`
-//! ([`super::timers`] decides). Only containers and images carrying this
-//! instance's label are ever touched.
+//! (the rules shared with `local`, in `provider/timers.rs`, decide). Only
+//! containers and images carrying this instance's label are ever touched.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use bollard::query_parameters::ListContainersOptions;
 
-use super::timers::Retention;
-use super::{DockerInner, DockerProvider, archive, container, lock, timers};
-use crate::provider::SandboxProvider as _;
+use super::{DockerInner, DockerProvider, archive, container};
+use crate::provider::timers::Retention;
+use crate::provider::{SandboxProvider as _, lock, stop_idle};
 
 /// One container of this instance.
 #[derive(Debug, Clone)]
@@ -49,30 +49,21 @@ pub(super) async fn own_containers(inner: &DockerInner) -> Vec<Own> {
     }
 }
 
+/// One round of the timers: the facts of this instance's containers
+/// (running with their auto-stop; stopped since the engine's `FinishedAt`)
+/// fed to the shared rules, and what they decide carried out.
 pub(super) async fn sweep_once(inner: Arc<DockerInner>) {
-    let options = inner.options.clone();
     let provider = DockerProvider { inner: Arc::clone(&inner) };
-    let now = Instant::now();
-    for own in own_containers(&inner).await {
-        let id = own.sandbox_id;
-        if own.running {
-            let minutes = lock(&inner.auto_stop).get(&id).copied().unwrap_or(0);
-            // A container first seen now (adopted) is idle from now.
-            let since = *lock(&inner.activity).entry(id.clone()).or_insert(now);
-            if !timers::idle_stop(minutes, now.duration_since(since), options.minute) {
-                continue;
-            }
-            if !lock(&inner.stopping).insert(id.clone()) {
-                continue;
-            }
-            tracing::info!(sandbox_id = id, minutes, "idle auto-stop: no activity for its auto-stop minutes");
-            let provider = provider.clone();
-            tokio::spawn(async move {
-                provider.stop(&id, options.stop_grace).await;
-                lock(&provider.inner.stopping).remove(&id);
-            });
-        } else if own.exited && (options.auto_archive > 0 || options.auto_delete > 0) {
-            age_stopped(&provider, &id).await;
+    let options = &inner.options;
+    let own = own_containers(&inner).await;
+    let auto_stops = own.iter().filter(|own| own.running).map(|own| {
+        let minutes = lock(&inner.auto_stop).get(&own.sandbox_id).copied().unwrap_or(0);
+        (own.sandbox_id.clone(), minutes)
+    });
+    stop_idle(&provider, inner.timers.idle(auto_stops, Instant::now()), options.stop_grace);
+    if inner.timers.ages_stopped() {
+        for own in own.iter().filter(|own| own.exited) {
+            age_stopped(&provider, &own.sandbox_id).await;
         }
     }
     if options.auto_delete > 0 {
@@ -86,15 +77,15 @@ pub(super) async fn sweep_once(inner: Arc<DockerInner>) {
 async fn age_stopped(provider: &DockerProvider, id: &str) {
     let inner = &provider.inner;
     let options = &inner.options;
-    let _retention = inner.retention.write().await;
+    let _retaining = inner.timers.retaining().await;
     let Ok(inspected) = inner.docker.inspect_container(&container::name(id), None).await else { return };
     let state = inspected.state.unwrap_or_default();
     if state.running.unwrap_or(false) {
         return;
     }
     let Some(finished) = state.finished_at else { return };
-    let Some(age) = timers::stopped_for(Some(&finished), jiff::Timestamp::now()) else { return };
-    match timers::retention((options.auto_archive, options.auto_delete), age, false, options.minute) {
+    let Some(age) = stopped_for(Some(&finished), jiff::Timestamp::now()) else { return };
+    match inner.timers.retention(age, false) {
         Retention::Keep => {}
         Retention::Archive => match archive::archive(&inner.docker, id, &options.instance, &finished).await {
             Ok(()) => tracing::info!(sandbox_id = id, minutes = options.auto_archive, "stopped container archived"),
@@ -120,15 +111,42 @@ async fn age_archives(provider: &DockerProvider) {
             continue;
         }
         let now = jiff::Timestamp::now();
-        let Some(age) = timers::stopped_for(found.stopped_at.as_deref(), now) else { continue };
-        let limits = (options.auto_archive, options.auto_delete);
-        if timers::retention(limits, age, true, options.minute) != Retention::Delete {
+        let Some(age) = stopped_for(found.stopped_at.as_deref(), now) else { continue };
+        if inner.timers.retention(age, true) != Retention::Delete {
             continue;
         }
-        let _retention = inner.retention.write().await;
+        let _retaining = inner.timers.retaining().await;
         tracing::info!(sandbox_id = found.sandbox_id, minutes = options.auto_delete, "archive image removed by age");
         if let Err(error) = provider.delete(&found.sandbox_id).await {
             tracing::warn!(%error, "the sweeper could not remove an archive image");
         }
+    }
+}
+
+/// How long ago the engine's `FinishedAt` (RFC 3339) was, at `now`; `None`
+/// when it is missing, unreadable, or the engine's zero time
+/// (`0001-01-01T00:00:00Z`: a container created and never stopped, which
+/// is being started, not aged).
+fn stopped_for(finished_at: Option<&str>, now: jiff::Timestamp) -> Option<Duration> {
+    let finished: jiff::Timestamp = finished_at?.parse().ok()?;
+    if finished <= jiff::Timestamp::UNIX_EPOCH {
+        return None;
+    }
+    let span = now.duration_since(finished);
+    Some(Duration::try_from(span).unwrap_or(Duration::ZERO))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_engines_finished_at_is_read_as_an_age() {
+        let now: jiff::Timestamp = "2026-12-01T20:00:00Z".parse().expect("a time");
+        assert_eq!(stopped_for(Some("2026-12-01T19:59:00.5Z"), now), Some(Duration::from_millis(59_500)));
+        assert_eq!(stopped_for(Some("2026-12-01T20:00:01Z"), now), Some(Duration::ZERO), "a clock step back");
+        assert_eq!(stopped_for(Some("0001-01-01T00:00:00Z"), now), None, "created, never stopped: not aged");
+        assert_eq!(stopped_for(Some("yesterday"), now), None);
+        assert_eq!(stopped_for(None, now), None);
     }
 }
