@@ -15,9 +15,14 @@ use super::problem::{PROBLEM_JSON, Problem};
 #[response(status = 401, description = "No API key, or not this server's", content_type = PROBLEM_JSON)]
 pub(crate) struct Unauthorized(Problem);
 
-/// A query parameter of a read (a page's `limit` or `cursor`, a filter).
+/// A query parameter of a read (a page's `limit` or `cursor`, a filter),
+/// or one the call does not take.
 #[derive(IntoResponses)]
-#[response(status = 400, description = "A parameter is refused: `errors` names it", content_type = PROBLEM_JSON)]
+#[response(
+    status = 400,
+    description = "A parameter is refused, or is not one of this call's: `errors` names it",
+    content_type = PROBLEM_JSON
+)]
 pub(crate) struct BadParameter(Problem);
 
 /// A call under `/v1/runs/{id}` whose run is neither in memory nor stored.

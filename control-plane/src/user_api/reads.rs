@@ -45,6 +45,21 @@ fn refused(out: OutOfBounds) -> Problem {
     ApiError::from(out).into()
 }
 
+/// The query, refusing a parameter the call does not take, as a body's
+/// unknown field is: a misspelt `limit` would otherwise answer a default
+/// page as if asked for, and no request the document does not describe is
+/// taken.
+fn query(params: Params, known: &[&str]) -> Result<HashMap<String, String>, Problem> {
+    let Query(params) = params?;
+    match params.keys().find(|name| !known.contains(&name.as_str())) {
+        Some(name) => Err(ApiError::new(StatusCode::BAD_REQUEST, format!("{name}: is not a parameter of this call"))
+            .with_field(name.clone())
+            .in_query()
+            .into()),
+        None => Ok(params),
+    }
+}
+
 /// A whole number of bytes: any run of ASCII digits, as the document's
 /// unbounded `integer` says; one past `u64::MAX` means what `u64::MAX`
 /// does (past any log's end, or to its end).
@@ -123,7 +138,7 @@ pub(crate) async fn list(
     params: Params,
 ) -> Result<Response, Problem> {
     authorize(&state, &headers)?;
-    let Query(params) = params?;
+    let params = query(params, &["limit", "cursor", "state", "thread_id"])?;
     let Page { limit, cursor: after } = page(&params)?;
     let run_state = state_param(&params, RunState::ALL, RunState::as_str, "run")?;
     let thread_id = thread_param(&params)?;
@@ -166,7 +181,7 @@ pub(crate) async fn log(
     params: Params,
 ) -> Result<Response, Problem> {
     authorize(&state, &headers)?;
-    let (Path(RunPath { id: run_id }), Query(params)) = (run_id?, params?);
+    let (Path(RunPath { id: run_id }), params) = (run_id?, query(params, &["offset", "limit"])?);
     let from = number(&params, "offset")?.unwrap_or(0);
     let limit = number(&params, "limit")?;
     find(&state, &run_id).await?;
@@ -218,7 +233,7 @@ pub(crate) async fn events(
     params: Params,
 ) -> Result<Response, Problem> {
     authorize(&state, &headers)?;
-    let (Path(RunPath { id: run_id }), Query(params)) = (run_id?, params?);
+    let (Path(RunPath { id: run_id }), params) = (run_id?, query(params, &["limit", "cursor"])?);
     let Page { limit, cursor: after } = page(&params)?;
     let after = u64::try_from(after.map_or(0, |(seq, _)| seq)).unwrap_or(0);
     find(&state, &run_id).await?;
@@ -254,7 +269,7 @@ pub(crate) async fn sandboxes(
     params: Params,
 ) -> Result<Response, Problem> {
     authorize(&state, &headers)?;
-    let Query(params) = params?;
+    let params = query(params, &["limit", "cursor", "state", "thread_id"])?;
     let Page { limit, cursor: after } = page(&params)?;
     let page = SandboxPage {
         after: after.map(|(at, id)| (Millis(at), id)),
