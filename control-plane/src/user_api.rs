@@ -16,14 +16,16 @@ use base64::Engine as _;
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 use standby_protocol::{GitCredential, Run, Secret, Workspace};
-use utoipa::ToSchema;
+use utoipa::{IntoParams, ToSchema};
 
 pub(crate) mod cluster;
+pub(crate) mod documented;
 pub(crate) mod openapi;
 pub(crate) mod problem;
 pub(crate) mod reads;
 pub(crate) mod views;
 
+use self::documented::{NoSuchRun, ShuttingDown, StoreFailed, ThreadId, Unauthorized};
 use self::problem::{PROBLEM_JSON, Problem};
 use self::views::{RunView, ThreadView, view};
 use crate::app::{ApiError, AppState, bad, bearer, from_store, parse_json, read_body};
@@ -79,14 +81,9 @@ pub struct Submission {
     #[schema(schema_with = openapi::workspace_schema)]
     pub workspace: Option<Workspace>,
     /// The conversation the run is a turn of: the sandbox is kept for the
-    /// thread's next turn. Not `.` or `..` (`check_thread_id`; the pattern
-    /// says so without look-ahead, which not every validator has).
+    /// thread's next turn.
     #[serde(default)]
-    #[schema(
-        min_length = 1,
-        max_length = 128,
-        pattern = r"^(?:[A-Za-z0-9_:-]|\.[A-Za-z0-9_:-]|\.\.[A-Za-z0-9._:-])[A-Za-z0-9._:-]*$"
-    )]
+    #[schema(value_type = Option<ThreadId>)]
     pub thread_id: Option<String>,
 }
 
@@ -323,12 +320,11 @@ pub const SUBMIT_BODY_MAX: usize = 2 * 1024 * 1024;
                 ("CancelRun" = (operation_id = "cancelRun", parameters(("id" = "$response.body#/id")))),
             )),
         (status = 400, description = "A field, the body or the `Idempotency-Key` is refused: `errors` names it", body = Problem, content_type = PROBLEM_JSON),
-        (status = 401, description = "No API key, or not this server's", body = Problem, content_type = PROBLEM_JSON),
+        Unauthorized,
         (status = 408, description = "The body did not arrive whole within the body timeout", body = Problem, content_type = PROBLEM_JSON),
         (status = 413, description = "The body is over the server's limit (2 MiB)", body = Problem, content_type = PROBLEM_JSON),
         (status = 422, description = "The `Idempotency-Key` was used with another body", body = Problem, content_type = PROBLEM_JSON),
-        (status = 500, description = "The store failed", body = Problem, content_type = PROBLEM_JSON),
-        (status = 503, description = "The server is shutting down", body = Problem, content_type = PROBLEM_JSON),
+        StoreFailed, ShuttingDown,
     ),
 )]
 pub(crate) async fn submit(State(state): State<AppState>, headers: HeaderMap, body: Body) -> Result<Response, Problem> {
@@ -355,6 +351,15 @@ pub(crate) async fn submit(State(state): State<AppState>, headers: HeaderMap, bo
     Ok((StatusCode::CREATED, Json(view(&record))).into_response())
 }
 
+/// `{id}` of a call under `/v1/runs/{id}`: the path its handler reads, and
+/// the parameter the document states.
+#[derive(Deserialize, IntoParams)]
+#[into_params(parameter_in = Path)]
+pub(crate) struct RunPath {
+    /// The run's id
+    id: String,
+}
+
 /// The run, from memory or (finished and evicted) from the store.
 pub(crate) async fn find(state: &AppState, run_id: &str) -> Result<RunRecord, Problem> {
     if let Some(run) = state.engine.ask::<Option<RunRecord>>(Input::Run { run_id: run_id.to_owned() }).await? {
@@ -372,22 +377,19 @@ pub(crate) async fn find(state: &AppState, run_id: &str) -> Result<RunRecord, Pr
     path = "/v1/runs/{id}",
     operation_id = "getRun",
     tag = "runs",
-    params(("id" = String, Path, description = "The run's id")),
+    params(RunPath),
     responses(
         (status = 200, description = "The run", body = RunView),
-        (status = 401, description = "No API key, or not this server's", body = Problem, content_type = PROBLEM_JSON),
-        (status = 404, description = "No run with this id", body = Problem, content_type = PROBLEM_JSON),
-        (status = 500, description = "The store failed", body = Problem, content_type = PROBLEM_JSON),
-        (status = 503, description = "The server is shutting down", body = Problem, content_type = PROBLEM_JSON),
+        Unauthorized, NoSuchRun, StoreFailed, ShuttingDown,
     ),
 )]
 pub(crate) async fn get(
     State(state): State<AppState>,
     headers: HeaderMap,
-    run_id: Result<Path<String>, PathRejection>,
+    run_id: Result<Path<RunPath>, PathRejection>,
 ) -> Result<Response, Problem> {
     authorize(&state, &headers)?;
-    let Path(run_id) = run_id?;
+    let Path(RunPath { id: run_id }) = run_id?;
     Ok(Json(view(&find(&state, &run_id).await?)).into_response())
 }
 
@@ -398,23 +400,21 @@ pub(crate) async fn get(
     path = "/v1/runs/{id}/cancel",
     operation_id = "cancelRun",
     tag = "runs",
-    params(("id" = String, Path, description = "The run's id")),
+    params(RunPath),
     responses(
         (status = 200, description = "The run, cancelled or cancelling", body = RunView),
-        (status = 401, description = "No API key, or not this server's", body = Problem, content_type = PROBLEM_JSON),
-        (status = 404, description = "No run with this id", body = Problem, content_type = PROBLEM_JSON),
+        Unauthorized, NoSuchRun,
         (status = 409, description = "The run is finished (exited or failed)", body = Problem, content_type = PROBLEM_JSON),
-        (status = 500, description = "The store failed", body = Problem, content_type = PROBLEM_JSON),
-        (status = 503, description = "The server is shutting down", body = Problem, content_type = PROBLEM_JSON),
+        StoreFailed, ShuttingDown,
     ),
 )]
 pub(crate) async fn cancel(
     State(state): State<AppState>,
     headers: HeaderMap,
-    run_id: Result<Path<String>, PathRejection>,
+    run_id: Result<Path<RunPath>, PathRejection>,
 ) -> Result<Response, Problem> {
     authorize(&state, &headers)?;
-    let Path(run_id) = run_id?;
+    let Path(RunPath { id: run_id }) = run_id?;
     match state.engine.ask::<Result<RunState, CancelError>>(Input::Cancel { run_id: run_id.clone() }).await? {
         Ok(_) => Ok(Json(view(&find(&state, &run_id).await?)).into_response()),
         // Not in memory: finished and evicted, or unknown.
@@ -436,9 +436,9 @@ pub(crate) async fn cancel(
     params(("id" = String, Path, description = "The thread's id (a run's `thread_id`)")),
     responses(
         (status = 200, description = "The thread's pointer", body = ThreadView),
-        (status = 401, description = "No API key, or not this server's", body = Problem, content_type = PROBLEM_JSON),
+        Unauthorized,
         (status = 404, description = "No thread with this id", body = Problem, content_type = PROBLEM_JSON),
-        (status = 503, description = "The server is shutting down", body = Problem, content_type = PROBLEM_JSON),
+        ShuttingDown,
     ),
 )]
 pub(crate) async fn thread(
@@ -464,8 +464,7 @@ pub(crate) async fn thread(
     tag = "server",
     responses(
         (status = 200, description = "Prometheus text exposition (0.0.4)", body = String, content_type = "text/plain; version=0.0.4"),
-        (status = 401, description = "No API key, or not this server's", body = Problem, content_type = PROBLEM_JSON),
-        (status = 503, description = "The server is shutting down", body = Problem, content_type = PROBLEM_JSON),
+        Unauthorized, ShuttingDown,
     ),
 )]
 pub(crate) async fn metrics(State(state): State<AppState>, headers: HeaderMap) -> Result<Response, Problem> {

@@ -136,6 +136,10 @@ async fn every_refusal_of_the_user_api_is_a_problem_naming_the_field() {
         ("/v1/sandboxes?state=asleep", "state"),
         ("/v1/sandboxes?thread_id=a%20b", "thread_id"),
         ("/v1/sandboxes?limit=1001", "limit"),
+        ("/v1/runs?limt=5", "limt"),
+        ("/v1/sandboxes?cursor=0%3A&=null", ""),
+        ("/v1/runs/exe_nope/events?after=1", "after"),
+        ("/v1/runs/exe_nope/log?start=0", "start"),
     ] {
         let answer = harness.get(path).await;
         assert_problem(&answer, 400);

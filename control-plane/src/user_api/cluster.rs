@@ -9,6 +9,7 @@ use serde::Serialize;
 use utoipa::ToSchema;
 
 use super::authorize;
+use super::documented::Unauthorized;
 use super::problem::{PROBLEM_JSON, Problem};
 use crate::app::AppState;
 use crate::store::ReplicaRow;
@@ -49,7 +50,7 @@ pub(crate) struct ReplicaInfo {
     tag = "server",
     responses(
         (status = 200, description = "The replicated deployment as this replica sees it", body = ClusterInfo),
-        (status = 401, description = "No API key, or not this server's", body = Problem, content_type = PROBLEM_JSON),
+        Unauthorized,
         (status = 404, description = "Not a replicated deployment (a SQLite store)", body = Problem, content_type = PROBLEM_JSON),
         (status = 503, description = "The database cannot be read", body = Problem, content_type = PROBLEM_JSON),
     ),

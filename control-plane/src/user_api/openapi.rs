@@ -17,6 +17,7 @@ use utoipa::openapi::security::{Http, HttpAuthScheme, SecurityScheme};
 use utoipa::openapi::{Ref, RefOr};
 use utoipa::{Modify, OpenApi};
 
+use super::documented::ThreadId;
 use super::problem::{FieldProblem, Problem, TYPES};
 use super::views::{
     AttemptView, Durations, EventView, EventsPage, ParkView, ResumeView, RunView, RunsPage, SandboxView, SandboxesPage,
@@ -53,6 +54,7 @@ const COMPONENTS: &str = "/components/schemas";
         FieldProblem,
         Submission,
         AttachmentInput,
+        ThreadId,
         RunView,
         AttemptView,
         Timestamps,

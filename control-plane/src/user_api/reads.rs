@@ -10,10 +10,12 @@ use axum::extract::rejection::{PathRejection, QueryRejection};
 use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
+use utoipa::IntoParams;
 
-use super::problem::{PROBLEM_JSON, Problem};
+use super::documented::{BadParameter, NoSuchRun, ShuttingDown, StoreFailed, ThreadId, Unauthorized};
+use super::problem::Problem;
 use super::views::{EventView, EventsPage, RunsPage, SandboxView, SandboxesPage, view};
-use super::{authorize, check_thread_id, find};
+use super::{RunPath, authorize, check_thread_id, find};
 use crate::app::{ApiError, AppState, from_store};
 use crate::bounds::{LogView, OutOfBounds, cursor, page_limit, parse_cursor};
 use crate::dispatch::SandboxPage;
@@ -43,6 +45,21 @@ fn refused(out: OutOfBounds) -> Problem {
     ApiError::from(out).into()
 }
 
+/// The query, refusing a parameter the call does not take, as a body's
+/// unknown field is: a misspelt `limit` would otherwise answer a default
+/// page as if asked for, and no request the document does not describe is
+/// taken.
+fn query(params: Params, known: &[&str]) -> Result<HashMap<String, String>, Problem> {
+    let Query(params) = params?;
+    match params.keys().find(|name| !known.contains(&name.as_str())) {
+        Some(name) => Err(ApiError::new(StatusCode::BAD_REQUEST, format!("{name}: is not a parameter of this call"))
+            .with_field(name.clone())
+            .in_query()
+            .into()),
+        None => Ok(params),
+    }
+}
+
 /// A whole number of bytes: any run of ASCII digits, as the document's
 /// unbounded `integer` says; one past `u64::MAX` means what `u64::MAX`
 /// does (past any log's end, or to its end).
@@ -54,11 +71,24 @@ fn number(params: &HashMap<String, String>, field: &'static str) -> Result<Optio
     Ok(Some(raw.parse::<u64>().unwrap_or(u64::MAX)))
 }
 
+/// The page a list's query asks for: what its handler reads, and the
+/// parameters the document states.
+#[derive(IntoParams)]
+#[into_params(parameter_in = Query)]
+struct Page {
+    /// Entries per page (default 100)
+    #[param(value_type = Option<u32>, minimum = 1, maximum = 1000)]
+    limit: usize,
+    /// The `next_cursor` of the previous page
+    #[param(value_type = Option<String>, pattern = r"^[0-9]{1,18}:[A-Za-z0-9_-]{0,128}$")]
+    cursor: Option<(i64, String)>,
+}
+
 /// A page's `limit` and the `cursor` it starts after, from the query.
-fn page(params: &HashMap<String, String>) -> Result<(usize, Option<(i64, String)>), Problem> {
+fn page(params: &HashMap<String, String>) -> Result<Page, Problem> {
     let limit = page_limit(params.get("limit").map(String::as_str)).map_err(refused)?;
-    let after = params.get("cursor").map(|raw| parse_cursor(raw)).transpose().map_err(refused)?;
-    Ok((limit, after))
+    let cursor = params.get("cursor").map(|raw| parse_cursor(raw)).transpose().map_err(refused)?;
+    Ok(Page { limit, cursor })
 }
 
 /// `state` of a list: one of `names`' states.
@@ -93,18 +123,13 @@ fn thread_param(params: &HashMap<String, String>) -> Result<Option<String>, Prob
     operation_id = "listRuns",
     tag = "runs",
     params(
-        ("limit" = Option<u32>, Query, minimum = 1, maximum = 1000, description = "Runs per page (default 100)"),
-        ("cursor" = Option<String>, Query, pattern = r"^[0-9]{1,18}:[A-Za-z0-9_-]{0,128}$",
-            description = "The `next_cursor` of the previous page"),
+        Page,
         ("state" = Option<RunState>, Query, description = "Only runs in this state"),
-        ("thread_id" = Option<String>, Query, min_length = 1, max_length = 128, pattern = r"^(?:[A-Za-z0-9_:-]|\.[A-Za-z0-9_:-]|\.\.[A-Za-z0-9._:-])[A-Za-z0-9._:-]*$",
-            description = "Only turns of this thread"),
+        ("thread_id" = Option<ThreadId>, Query, description = "Only turns of this thread"),
     ),
     responses(
         (status = 200, description = "A page of runs, oldest submission first", body = RunsPage),
-        (status = 400, description = "A parameter is refused: `errors` names it", body = Problem, content_type = PROBLEM_JSON),
-        (status = 401, description = "No API key, or not this server's", body = Problem, content_type = PROBLEM_JSON),
-        (status = 500, description = "The store failed", body = Problem, content_type = PROBLEM_JSON),
+        BadParameter, Unauthorized, StoreFailed,
     ),
 )]
 pub(crate) async fn list(
@@ -113,8 +138,8 @@ pub(crate) async fn list(
     params: Params,
 ) -> Result<Response, Problem> {
     authorize(&state, &headers)?;
-    let Query(params) = params?;
-    let (limit, after) = page(&params)?;
+    let params = query(params, &["limit", "cursor", "state", "thread_id"])?;
+    let Page { limit, cursor: after } = page(&params)?;
     let run_state = state_param(&params, RunState::ALL, RunState::as_str, "run")?;
     let thread_id = thread_param(&params)?;
     let query =
@@ -138,7 +163,7 @@ pub(crate) async fn list(
     operation_id = "getRunLog",
     tag = "runs",
     params(
-        ("id" = String, Path, description = "The run's id"),
+        RunPath,
         ("offset" = Option<u64>, Query, minimum = 0, description = "Stream offset to start at (default 0)"),
         ("limit" = Option<u64>, Query, minimum = 0, description = "Most bytes of output (default: to the end)"),
     ),
@@ -146,20 +171,17 @@ pub(crate) async fn list(
         (status = 200, description = "The run's output (redacted by its agent), with marker lines for gaps and \
             bytes over the cap", body = String, content_type = "text/plain; charset=utf-8",
             headers(("Standby-Log-Received" = u64, description = "Bytes of output the server has accounted for"))),
-        (status = 400, description = "A parameter is refused: `errors` names it", body = Problem, content_type = PROBLEM_JSON),
-        (status = 401, description = "No API key, or not this server's", body = Problem, content_type = PROBLEM_JSON),
-        (status = 404, description = "No run with this id", body = Problem, content_type = PROBLEM_JSON),
-        (status = 500, description = "The store failed", body = Problem, content_type = PROBLEM_JSON),
+        BadParameter, Unauthorized, NoSuchRun, StoreFailed,
     ),
 )]
 pub(crate) async fn log(
     State(state): State<AppState>,
     headers: HeaderMap,
-    run_id: Result<Path<String>, PathRejection>,
+    run_id: Result<Path<RunPath>, PathRejection>,
     params: Params,
 ) -> Result<Response, Problem> {
     authorize(&state, &headers)?;
-    let (Path(run_id), Query(params)) = (run_id?, params?);
+    let (Path(RunPath { id: run_id }), params) = (run_id?, query(params, &["offset", "limit"])?);
     let from = number(&params, "offset")?.unwrap_or(0);
     let limit = number(&params, "limit")?;
     find(&state, &run_id).await?;
@@ -197,28 +219,22 @@ pub(crate) async fn log(
     operation_id = "listRunEvents",
     tag = "runs",
     params(
-        ("id" = String, Path, description = "The run's id"),
-        ("limit" = Option<u32>, Query, minimum = 1, maximum = 1000, description = "Events per page (default 100)"),
-        ("cursor" = Option<String>, Query, pattern = r"^[0-9]{1,18}:[A-Za-z0-9_-]{0,128}$",
-            description = "The `next_cursor` of the previous page"),
+        RunPath, Page,
     ),
     responses(
         (status = 200, description = "A page of the run's events, in arrival order", body = EventsPage),
-        (status = 400, description = "A parameter is refused: `errors` names it", body = Problem, content_type = PROBLEM_JSON),
-        (status = 401, description = "No API key, or not this server's", body = Problem, content_type = PROBLEM_JSON),
-        (status = 404, description = "No run with this id", body = Problem, content_type = PROBLEM_JSON),
-        (status = 500, description = "The store failed", body = Problem, content_type = PROBLEM_JSON),
+        BadParameter, Unauthorized, NoSuchRun, StoreFailed,
     ),
 )]
 pub(crate) async fn events(
     State(state): State<AppState>,
     headers: HeaderMap,
-    run_id: Result<Path<String>, PathRejection>,
+    run_id: Result<Path<RunPath>, PathRejection>,
     params: Params,
 ) -> Result<Response, Problem> {
     authorize(&state, &headers)?;
-    let (Path(run_id), Query(params)) = (run_id?, params?);
-    let (limit, after) = page(&params)?;
+    let (Path(RunPath { id: run_id }), params) = (run_id?, query(params, &["limit", "cursor"])?);
+    let Page { limit, cursor: after } = page(&params)?;
     let after = u64::try_from(after.map_or(0, |(seq, _)| seq)).unwrap_or(0);
     find(&state, &run_id).await?;
     let mut events = from_store(&state, move |store| store.events(&run_id, after, limit + 1)).await?;
@@ -238,18 +254,13 @@ pub(crate) async fn events(
     operation_id = "listSandboxes",
     tag = "sandboxes",
     params(
-        ("limit" = Option<u32>, Query, minimum = 1, maximum = 1000, description = "Sandboxes per page (default 100)"),
-        ("cursor" = Option<String>, Query, pattern = r"^[0-9]{1,18}:[A-Za-z0-9_-]{0,128}$",
-            description = "The `next_cursor` of the previous page"),
+        Page,
         ("state" = Option<SandboxState>, Query, description = "Only sandboxes in this state"),
-        ("thread_id" = Option<String>, Query, min_length = 1, max_length = 128, pattern = r"^(?:[A-Za-z0-9_:-]|\.[A-Za-z0-9_:-]|\.\.[A-Za-z0-9._:-])[A-Za-z0-9._:-]*$",
-            description = "Only sandboxes kept for (or that served) this thread"),
+        ("thread_id" = Option<ThreadId>, Query, description = "Only sandboxes kept for (or that served) this thread"),
     ),
     responses(
         (status = 200, description = "A page of sandboxes, oldest first", body = SandboxesPage),
-        (status = 400, description = "A parameter is refused: `errors` names it", body = Problem, content_type = PROBLEM_JSON),
-        (status = 401, description = "No API key, or not this server's", body = Problem, content_type = PROBLEM_JSON),
-        (status = 503, description = "The server is shutting down", body = Problem, content_type = PROBLEM_JSON),
+        BadParameter, Unauthorized, ShuttingDown,
     ),
 )]
 pub(crate) async fn sandboxes(
@@ -258,8 +269,8 @@ pub(crate) async fn sandboxes(
     params: Params,
 ) -> Result<Response, Problem> {
     authorize(&state, &headers)?;
-    let Query(params) = params?;
-    let (limit, after) = page(&params)?;
+    let params = query(params, &["limit", "cursor", "state", "thread_id"])?;
+    let Page { limit, cursor: after } = page(&params)?;
     let page = SandboxPage {
         after: after.map(|(at, id)| (Millis(at), id)),
         limit: limit + 1,
