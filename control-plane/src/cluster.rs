@@ -5,13 +5,15 @@
 //! proved the cluster secret they share ([`trust`], [`secret`]).
 //!
 //! This module is the IO half: a loop that claims the lease every third of
-//! its time to live, lets the pure [`lease`] rules decide, fences the
-//! store when we lead, and publishes the [`ClusterView`] on a `watch`.
-//! Leadership is taken once per process: a leader that loses the lease is
-//! [`Role::Deposed`] and the process exits (`standby-server --help`, exit
-//! code 3); its supervisor starts it again, as a follower.
+//! its time to live, lets the pure [`lease`] rules decide, and publishes
+//! the [`ClusterView`] (with the fence a leader writes under) on a
+//! `watch`, which [`Leadership`] reads. Leadership is taken once per
+//! process: a leader that loses the lease is [`Role::Deposed`] and the
+//! process exits (`standby-server --help`, exit code 3); its supervisor
+//! starts it again, as a follower.
 
 pub mod forward;
+mod leadership;
 pub mod lease;
 pub mod relay;
 pub mod secret;
@@ -23,7 +25,8 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::watch;
 
-use self::lease::{Lease, Outcome};
+pub use self::leadership::{Leadership, NotLeading};
+use self::lease::{Lease, LeaseTimes, Outcome};
 use self::secret::ClusterSecret;
 use crate::listener::ListenerStats;
 use crate::model::Millis;
@@ -42,7 +45,8 @@ pub struct ClusterConfig {
     /// listening address (`http://<bound address>`) when unset, never the
     /// public URL, which may be a load balancer's.
     pub advertise_url: Option<String>,
-    pub ttl: Duration,
+    /// The lease's time to live and its leader's renew deadline.
+    pub times: LeaseTimes,
     pub secret: ClusterSecret,
 }
 
@@ -78,6 +82,9 @@ pub struct ClusterView {
     pub epoch: u64,
     /// When the lease expires, by the database's clock.
     pub expires_at: Option<Millis>,
+    /// While this replica leads: when it stops unless renewed, by its own
+    /// clock (the fence its writes run under).
+    pub deadline: Option<Instant>,
 }
 
 /// The counters of `/metrics` about the cluster.
@@ -95,6 +102,8 @@ pub struct Cluster {
     pub view: watch::Receiver<ClusterView>,
     pub stats: Arc<ClusterStats>,
     pub lease: Arc<dyn LeaseStore>,
+    /// Whether this replica leads, under which fence; its end.
+    pub leadership: Leadership,
     /// The lease's time to live: a relay waits three for a new leader.
     pub ttl: Duration,
     /// Turns true when the replica stops: relayed sockets close with 1012.
@@ -152,33 +161,42 @@ pub fn start(
         leader: None,
         epoch: 0,
         expires_at: None,
+        deadline: None,
     });
+    let view_tx = Arc::new(view_tx);
+    let leadership =
+        Leadership::replica(Arc::clone(&view_tx), Lease::new(&config.replica_id, config.times).write_bound());
     let stats = Arc::new(ClusterStats::default());
-    let (ttl, secret) = (config.ttl, Arc::new(config.secret.clone()));
-    tokio::spawn(claim_loop(config, url.clone(), Arc::clone(&lease), view_tx, Arc::clone(&stats), shutdown.clone()));
-    Cluster { view, stats, lease, ttl, shutdown, secret, url, proven: Arc::default(), listener }
+    let (ttl, secret) = (config.times.ttl, Arc::new(config.secret.clone()));
+    let claims =
+        Claims { store: Arc::clone(&lease), view: view_tx, leadership: leadership.clone(), stats: Arc::clone(&stats) };
+    tokio::spawn(claim_loop(config, url.clone(), claims, shutdown.clone()));
+    Cluster { view, stats, lease, leadership, ttl, shutdown, secret, url, proven: Arc::default(), listener }
 }
 
-async fn claim_loop(
-    config: ClusterConfig,
-    url: String,
+/// What the claim loop works on.
+struct Claims {
     store: Arc<dyn LeaseStore>,
-    view: watch::Sender<ClusterView>,
+    view: Arc<watch::Sender<ClusterView>>,
+    leadership: Leadership,
     stats: Arc<ClusterStats>,
-    mut shutdown: watch::Receiver<bool>,
-) {
+}
+
+async fn claim_loop(config: ClusterConfig, url: String, claims: Claims, mut shutdown: watch::Receiver<bool>) {
+    let Claims { store, view, leadership, stats } = claims;
     let me = config.replica_id.clone();
-    let mut lease = Lease::new(&me, config.ttl);
+    let mut lease = Lease::new(&me, config.times);
+    let ttl = config.times.ttl;
     let period = lease.period();
     loop {
         let started = Instant::now();
         let claim = {
-            let (store, me, url, epoch, ttl) = (Arc::clone(&store), me.clone(), url.clone(), lease.epoch(), config.ttl);
+            let (store, me, url, epoch) = (Arc::clone(&store), me.clone(), url.clone(), lease.epoch());
             let bound = lease.claim_bound();
             tokio::task::spawn_blocking(move || store.claim(&me, &url, epoch, ttl, bound))
         };
         // A leader's deadline is watched below whatever a claim takes.
-        let answer = match tokio::time::timeout(config.ttl / 2, claim).await {
+        let answer = match tokio::time::timeout(ttl / 2, claim).await {
             Ok(Ok(Ok(row))) => Some(row),
             Ok(Ok(Err(error))) => {
                 tracing::warn!(%error, "claiming the lease failed");
@@ -186,15 +204,18 @@ async fn claim_loop(
             }
             Ok(Err(join)) => std::panic::resume_unwind(join.into_panic()),
             Err(_) => {
-                tracing::warn!(bound = ?config.ttl / 2, "claiming the lease took too long");
+                tracing::warn!(bound = ?ttl / 2, "claiming the lease took too long");
                 None
             }
         };
+        if leadership.deposition().is_some() {
+            // A write the store refused deposed it meanwhile: for good.
+            return;
+        }
         let outcome = lease.observe(started, answer.as_ref(), Instant::now());
         let expires_at = answer.as_ref().map(|row| row.expires_at);
         match outcome {
             Outcome::Lead { epoch, deadline } => {
-                store.fence(epoch, deadline, lease.write_bound());
                 stats.leadership_changes.fetch_add(1, Ordering::Relaxed);
                 tracing::info!(replica = me, epoch, "took the lease: this replica leads");
                 view.send_replace(ClusterView {
@@ -203,15 +224,25 @@ async fn claim_loop(
                     leader: Some((me.clone(), url.clone())),
                     epoch,
                     expires_at,
+                    deadline: Some(deadline),
                 });
             }
             Outcome::Renewed { deadline } => {
-                store.fence(lease.epoch(), deadline, lease.write_bound());
-                view.send_modify(|view| view.expires_at = expires_at);
+                view.send_modify(|view| {
+                    view.expires_at = expires_at;
+                    view.deadline = Some(deadline);
+                });
             }
             Outcome::Follow { leader, epoch } => {
                 view.send_if_modified(|view| {
-                    let next = ClusterView { replica_id: me.clone(), role: Role::Follower, leader, epoch, expires_at };
+                    let next = ClusterView {
+                        replica_id: me.clone(),
+                        role: Role::Follower,
+                        leader,
+                        epoch,
+                        expires_at,
+                        deadline: None,
+                    };
                     let changed = view.leader != next.leader || view.role != next.role;
                     if changed {
                         tracing::info!(leader = ?next.leader, epoch, "following");
@@ -222,7 +253,7 @@ async fn claim_loop(
             }
             Outcome::Unchanged => {}
             Outcome::Deposed(why) => {
-                depose(&view, &me, &why.to_string());
+                leadership.depose(&why.to_string());
                 return;
             }
         }
@@ -230,20 +261,13 @@ async fn claim_loop(
         tokio::select! {
             _ = tokio::time::sleep(period) => {}
             _ = sleep_until(deadline) => {
-                depose(&view, &me, &lease::Deposition::DeadlinePassed.to_string());
+                leadership.depose(&lease::Deposition::DeadlinePassed.to_string());
                 return;
             }
             _ = shutdown.wait_for(|stop| *stop) => return,
+            _ = leadership.deposed() => return,
         }
     }
-}
-
-fn depose(view: &watch::Sender<ClusterView>, me: &str, why: &str) {
-    tracing::error!(replica = me, why, "deposed: this replica leads no longer and exits");
-    view.send_modify(|view| {
-        view.role = Role::Deposed;
-        view.leader = None;
-    });
 }
 
 async fn sleep_until(deadline: Option<Instant>) {

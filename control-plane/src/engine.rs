@@ -8,7 +8,10 @@
 //!
 //! A store failure is fatal: the machine's memory may then be ahead of the
 //! store, so the engine stops and the server shuts down; the next start
-//! rebuilds everything from what was committed.
+//! rebuilds everything from what was committed. A replica's writes run
+//! under the fence its [`Leadership`] gives; a write the store refuses for
+//! the lease, or a lease that lapsed while it committed, deposes it, and
+//! the engine stops before telling anyone anything.
 
 mod adopted;
 mod batch;
@@ -20,11 +23,12 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use standby_protocol::{Secret, ServerMessage};
 use tokio::sync::{mpsc, oneshot, watch};
 
+use crate::cluster::Leadership;
 use crate::dispatch::{
     Answer, ConnId, Dispatch, Effect, Input, Provision, Reply, ResumeFailure, ResumeStart, SandboxPage, SandboxView,
     Step,
@@ -111,6 +115,17 @@ pub struct EngineConfig {
     pub resume_timeout: Duration,
     /// The time every input is stamped with.
     pub clock: Clock,
+    /// Whether this process leads, and the fence its writes run under.
+    pub leadership: Leadership,
+}
+
+/// Why the engine stopped on its own.
+#[derive(Debug, thiserror::Error)]
+enum Halt {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error("deposed: {0}")]
+    Deposed(String),
 }
 
 /// A cheap, cloneable way to talk to the engine.
@@ -247,8 +262,8 @@ impl<P: SandboxProvider> Engine<P> {
         Self { machine, store, provider, config, conns: HashMap::new(), ops: HashMap::new(), rx, handle }
     }
 
-    /// Runs until stopped or until the store fails; `fatal` is set on a
-    /// store failure so the server can shut down.
+    /// Runs until stopped, until the store fails or this replica is
+    /// deposed; `fatal` is set then, so the server can end.
     pub async fn run(mut self, initial: Step, fatal: watch::Sender<Option<String>>) {
         if let Err(error) = self.apply(initial).await {
             let _ = fatal.send(Some(error.to_string()));
@@ -274,7 +289,7 @@ impl<P: SandboxProvider> Engine<P> {
                 Ok(Flow::Continue) => {}
                 Ok(Flow::Stop) => break,
                 Err(error) => {
-                    tracing::error!(%error, "store failure: the engine stops");
+                    tracing::error!(%error, "the engine stops");
                     let _ = fatal.send(Some(error.to_string()));
                     break;
                 }
@@ -288,7 +303,7 @@ impl<P: SandboxProvider> Engine<P> {
     /// transaction, then carries out their effects and answers them in
     /// order. A `Stop` ends the batch there (the commands after it are
     /// dropped, their callers see the engine gone).
-    async fn handle_batch(&mut self, commands: Vec<Command>) -> Result<Flow, StoreError> {
+    async fn handle_batch(&mut self, commands: Vec<Command>) -> Result<Flow, Halt> {
         let mut batch = Batch::default();
         let mut flow = Flow::Continue;
         for command in commands {
@@ -341,7 +356,7 @@ impl<P: SandboxProvider> Engine<P> {
     }
 
     /// Commit, then tell: one step, as a batch of its own.
-    async fn apply(&mut self, step: Step) -> Result<(), StoreError> {
+    async fn apply(&mut self, step: Step) -> Result<(), Halt> {
         let mut batch = Batch::default();
         batch.stage(step);
         self.commit(batch).await
@@ -349,13 +364,25 @@ impl<P: SandboxProvider> Engine<P> {
 
     /// The batch's writes first, in one transaction; its effects and
     /// replies only once it succeeded, in order.
-    async fn commit(&mut self, batch: Batch<After>) -> Result<(), StoreError> {
+    async fn commit(&mut self, batch: Batch<After>) -> Result<(), Halt> {
         let (writes, after) = batch.into_parts();
-        // A fenced store checks the lease even for a batch without writes,
-        // before any effect is carried out.
+        let leadership = self.config.leadership.clone();
+        let fence = leadership.fence().map_err(|not| Halt::Deposed(not.to_string()))?;
+        // Under a fence the lease is checked even for a batch without
+        // writes, before any effect is carried out.
         let effects = after.iter().any(|action| matches!(action, After::Effect(_)));
-        if !writes.is_empty() || (effects && self.store.fenced()) {
-            blocking(&self.store, move |store| store.apply(&writes)).await?;
+        if !writes.is_empty() || (effects && fence.is_some()) {
+            blocking(&self.store, move |store| store.apply(&writes, fence.as_ref())).await.inspect_err(|error| {
+                if error.deposes() {
+                    leadership.depose(&error.to_string());
+                }
+            })?;
+            // Committed; but told only while the lease holds.
+            if leadership.lapsed(Instant::now()) {
+                let why = "the lease's local deadline passed while a write committed: nothing of it is told";
+                leadership.depose(why);
+                return Err(Halt::Deposed(why.into()));
+            }
         }
         for action in after {
             match action {
@@ -385,15 +412,15 @@ impl<P: SandboxProvider> Engine<P> {
     /// task runs on a worker thread (never the blocking pool): the local
     /// provider's parent-death signal is tied to the thread that spawns the
     /// agent.
-    /// An operation whose turn comes after the lease this store writes
-    /// under lapsed is dropped: a deposed leader calls no provider.
+    /// An operation whose turn comes once this process may no longer lead
+    /// is dropped: a deposed leader calls no provider.
     fn queue(&mut self, sandbox_id: &str, op: impl Future<Output = ()> + Send + 'static) {
-        let store = Arc::clone(&self.store);
+        let leadership = self.config.leadership.clone();
         let sender = self.ops.entry(sandbox_id.to_owned()).or_insert_with(|| {
             let (sender, mut queue) = mpsc::unbounded_channel::<Op>();
             tokio::spawn(async move {
                 while let Some(op) = queue.recv().await {
-                    if store.lapsed() {
+                    if leadership.lapsed(Instant::now()) {
                         tracing::warn!("the lease lapsed: a queued provider operation is not carried out");
                         continue;
                     }

@@ -16,8 +16,9 @@ use std::time::Duration;
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
 use demo::{DemoOptions, Sandboxes};
+use standby_control_plane::cluster::ClusterConfig;
+use standby_control_plane::cluster::lease::LeaseTimes;
 use standby_control_plane::cluster::secret::ClusterSecret;
-use standby_control_plane::cluster::{ClusterConfig, DEPOSED_EXIT_CODE};
 use standby_control_plane::containment::ContainmentChoice;
 use standby_control_plane::dispatch::{PoolPolicy, RunBounds};
 use standby_control_plane::listener::{self, ListenerLimits};
@@ -27,7 +28,7 @@ use standby_control_plane::provider::docker::{DockerOptions, DockerProvider, Lim
 use standby_control_plane::provider::local::{LocalOptions, LocalProvider};
 use standby_control_plane::provider::spool::SpoolProvider;
 use standby_control_plane::seal::SealKey;
-use standby_control_plane::server::{self, ServerConfig};
+use standby_control_plane::server::{self, Ending, Replica, ServerConfig};
 use standby_control_plane::store::{Opened, PostgresStore, StoreError, StoreLocation};
 use standby_protocol::{Secret, Spec};
 use tokio::signal::unix::{SignalKind, signal};
@@ -231,6 +232,12 @@ struct ReplicaArgs {
     /// third of it): how long a dead leader's work waits for a new one.
     #[arg(long, env = "STANDBY_SERVER_LEASE_TTL", default_value = "10s", value_parser = parse_duration, value_name = "DURATION")]
     lease_ttl: Duration,
+    /// How long a leader goes on leading without a successful renew, from
+    /// the start of its last: below --lease-ttl (it stops before another
+    /// replica can take the lease) and above a third of it; four fifths
+    /// of --lease-ttl when unset.
+    #[arg(long, env = "STANDBY_SERVER_RENEW_DEADLINE", value_parser = parse_duration, value_name = "DURATION")]
+    renew_deadline: Option<Duration>,
     /// This replica's id; `<hostname>-<pid>` when unset.
     #[arg(long, env = "STANDBY_SERVER_REPLICA_ID", value_name = "ID")]
     replica_id: Option<String>,
@@ -250,9 +257,9 @@ struct ReplicaArgs {
 
 impl ReplicaArgs {
     fn cluster(self) -> anyhow::Result<ClusterConfig> {
-        if self.lease_ttl < Duration::from_millis(300) {
-            anyhow::bail!("--lease-ttl must be at least 300ms (it is renewed every third of it)");
-        }
+        let defaults = LeaseTimes::with_ttl(self.lease_ttl);
+        let times = LeaseTimes { renew_deadline: self.renew_deadline.unwrap_or(defaults.renew_deadline), ..defaults };
+        let times = times.check()?;
         let replica_id = match self.replica_id {
             Some(id) if !id.trim().is_empty() => id.trim().to_owned(),
             Some(_) => anyhow::bail!("--replica-id is empty"),
@@ -275,7 +282,7 @@ impl ReplicaArgs {
             );
         };
         let secret = ClusterSecret::load(&path).context("--cluster-secret-file")?;
-        Ok(ClusterConfig { replica_id, advertise_url: self.advertise_url, ttl: self.lease_ttl, secret })
+        Ok(ClusterConfig { replica_id, advertise_url: self.advertise_url, times, secret })
     }
 }
 
@@ -562,7 +569,7 @@ fn init_logging(filter: Option<&str>) {
     tracing_subscriber::registry().with(layer).init();
 }
 
-async fn serve(args: Serve) -> anyhow::Result<()> {
+async fn serve(args: Serve) -> anyhow::Result<Ending> {
     let spec = match &args.spec {
         Some(path) => {
             let text = std::fs::read_to_string(path)
@@ -626,7 +633,6 @@ async fn serve(args: Serve) -> anyhow::Result<()> {
             other => other.into(),
         })?;
     let mut config = ServerConfig::new(api_key, spec);
-    config.cluster = cluster;
     config.listen = args.listen;
     config.public_url = args.public_url;
     config.pool_size = args.pool_size;
@@ -673,7 +679,7 @@ async fn serve(args: Serve) -> anyhow::Result<()> {
             stop_grace: args.stop_grace,
         };
         let provider = DockerProvider::connect(options).await.context("--provider docker")?;
-        return run_server(config, store, Arc::new(provider)).await;
+        return run_server(config, store, cluster, Arc::new(provider)).await;
     }
     match agent {
         Some(agent) => {
@@ -681,13 +687,13 @@ async fn serve(args: Serve) -> anyhow::Result<()> {
                 .with_context(|| format!("cannot resolve {}", args.data_dir.display()))?;
             let provider = LocalProvider::try_with_options(sandboxes, agent, local_options)
                 .context("--sandbox-containment cannot be honoured")?;
-            run_server(config, store, Arc::new(provider)).await
+            run_server(config, store, cluster, Arc::new(provider)).await
         }
         None => {
             let dir = args.spool_dir.unwrap_or_else(|| args.data_dir.join("spool"));
             let dir = std::path::absolute(&dir).with_context(|| format!("cannot resolve {}", dir.display()))?;
             let provider = if store.lease.is_some() { SpoolProvider::shared(dir) } else { SpoolProvider::new(dir) };
-            run_server(config, store, Arc::new(provider)).await
+            run_server(config, store, cluster, Arc::new(provider)).await
         }
     }
 }
@@ -707,11 +713,25 @@ fn instance_id(data_dir: &Path) -> anyhow::Result<String> {
     Ok(id)
 }
 
-/// Serves until SIGTERM, SIGINT or a failure, then shuts down; a deposed
-/// replica exits at once instead ([`Deposed`]): it may no longer tell or
-/// stop anything, and its supervisor restarts it as a follower.
-async fn run_server<P: SandboxProvider>(config: ServerConfig, store: Opened, provider: Arc<P>) -> anyhow::Result<()> {
-    let mut running = server::start_replica(config, store.store, store.lease, provider).await?;
+/// Serves until SIGTERM, SIGINT, a failure or a deposition: how it
+/// ended. A signal or a failure shuts down in order; a deposed replica
+/// exits at once: it may no longer tell or stop anything, and its
+/// supervisor restarts it as a follower. A PostgreSQL store (with a
+/// lease) makes it a replica, with `cluster` (checked with the flags).
+async fn run_server<P: SandboxProvider>(
+    config: ServerConfig,
+    store: Opened,
+    cluster: Option<ClusterConfig>,
+    provider: Arc<P>,
+) -> anyhow::Result<Ending> {
+    let mut running = match (store.lease, cluster) {
+        (Some(lease), Some(cluster)) => {
+            server::start_replica(config, store.store, Replica { cluster, lease }, provider).await?
+        }
+        (None, None) => server::start(config, store.store, provider).await?,
+        (Some(_), None) => anyhow::bail!("a shared store needs this replica's flags (--cluster-secret-file …)"),
+        (None, Some(_)) => anyhow::bail!("replica flags were given for a store that is one server's"),
+    };
     // One line on stdout once the listener is up: scripts (and the tests)
     // learn the URL from it when they asked for port 0.
     let mut stdout = std::io::stdout();
@@ -719,30 +739,22 @@ async fn run_server<P: SandboxProvider>(config: ServerConfig, store: Opened, pro
     stdout.flush().context("cannot write to stdout")?;
     let mut terminate = signal(SignalKind::terminate()).context("cannot install the SIGTERM handler")?;
     let mut interrupt = signal(SignalKind::interrupt()).context("cannot install the SIGINT handler")?;
-    let deposed = running.deposed();
-    let failure = tokio::select! {
-        _ = terminate.recv() => None,
-        _ = interrupt.recv() => None,
-        message = running.failed() => Some(message),
-        () = deposed => return Err(Deposed("another replica took the lease".into()).into()),
+    let ending = tokio::select! {
+        _ = terminate.recv() => Ending::Signal("SIGTERM"),
+        _ = interrupt.recv() => Ending::Signal("SIGINT"),
+        ending = running.ended() => ending,
     };
-    if let Some(message) = &failure
-        && running.was_deposed()
-    {
-        return Err(Deposed(message.clone()).into());
+    match &ending {
+        Ending::Deposed(_) => {}
+        Ending::Signal(_) => running.shutdown().await?,
+        Ending::Failed(_) => {
+            // The failure is what is reported; the shutdown's own error
+            // repeats it.
+            let _ = running.shutdown().await;
+        }
     }
-    let stopped = running.shutdown().await;
-    if let Some(message) = failure {
-        anyhow::bail!("the server failed: {message}");
-    }
-    stopped?;
-    Ok(())
+    Ok(ending)
 }
-
-/// A replica that led and may no longer: exit code 3.
-#[derive(Debug, thiserror::Error)]
-#[error("deposed: this replica leads no longer: {0}")]
-struct Deposed(String);
 
 /// `standby-server keygen FILE`: the one key replicas share.
 fn keygen(path: &Path) -> anyhow::Result<()> {
@@ -799,7 +811,11 @@ async fn main() -> ExitCode {
     // The demo prints its own progress; its log shows only problems.
     init_logging(cli.log_filter.as_deref().or(demo.then_some("warn")));
     let result = match cli.command {
-        Command::Serve(args) => serve(*args).await,
+        // Stopped by a signal it succeeded; else how it ended is the error.
+        Command::Serve(args) => serve(*args).await.and_then(|ending| match ending {
+            Ending::Signal(_) => Ok(()),
+            ending => Err(ending.into()),
+        }),
         Command::Migrate(args) => migrate(args).await,
         Command::Demo(args) => run_demo(args).await,
         Command::Keygen { path } => keygen(&path),
@@ -809,7 +825,7 @@ async fn main() -> ExitCode {
         Err(error) => {
             tracing::error!("{error:#}");
             eprintln!("standby-server: {error:#}");
-            if error.is::<Deposed>() { ExitCode::from(DEPOSED_EXIT_CODE) } else { ExitCode::FAILURE }
+            error.downcast_ref::<Ending>().map_or(ExitCode::FAILURE, |ending| ExitCode::from(ending.exit_code()))
         }
     }
 }

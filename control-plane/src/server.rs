@@ -18,7 +18,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::app::AppState;
-use crate::cluster::{Cluster, ClusterConfig, ClusterView, Role};
+use crate::cluster::{Cluster, ClusterConfig, ClusterView, Leadership, Role};
 use crate::credential::{RandomMint, TokenHash};
 use crate::dispatch::{Dispatch, DispatchConfig, Input, PoolPolicy, RunBounds};
 use crate::engine::{Engine, EngineConfig, EngineHandle, Mailbox};
@@ -73,8 +73,6 @@ pub struct ServerConfig {
     pub bounds: RunBounds,
     /// Header timeout, connection cap, upgrades in flight.
     pub listener: ListenerLimits,
-    /// This replica's id and lease, when the store is shared.
-    pub cluster: Option<ClusterConfig>,
 }
 
 impl ServerConfig {
@@ -97,7 +95,6 @@ impl ServerConfig {
             pool_policy: PoolPolicy::default(),
             bounds: RunBounds::default(),
             listener: ListenerLimits::for_open_files(crate::listener::open_files_limit()),
-            cluster: None,
         }
     }
 }
@@ -210,25 +207,43 @@ pub struct RunningServer<P> {
     serve: JoinHandle<std::io::Result<()>>,
     engine_task: JoinHandle<()>,
     cluster: Option<Cluster>,
+    leadership: Leadership,
 }
 
-/// Binds, restores the state from the store, and serves.
+/// A replica of a replicated deployment: what it is called and proves
+/// itself with, and the lease of the store the replicas share.
+#[derive(Debug, Clone)]
+pub struct Replica {
+    pub cluster: ClusterConfig,
+    pub lease: Arc<dyn LeaseStore>,
+}
+
+/// Binds, restores the state from the store, and serves: the only server
+/// on its store, it leads from the start.
 pub async fn start<P: SandboxProvider>(
     config: ServerConfig,
     store: Arc<dyn Store>,
     provider: Arc<P>,
 ) -> Result<RunningServer<P>, ServerError> {
-    start_replica(config, store, None, provider).await
+    start_with(config, store, None, provider).await
 }
 
-/// Binds and serves; with a `lease` (and `config.cluster`) as a replica of
-/// a replicated deployment: it forwards to the leader until it takes the
-/// lease, then restores the state from the store and runs the engine, as a
-/// restart does. Without one, it leads from the start.
+/// Binds and serves as `replica`: it forwards to the leader until it takes
+/// the lease, then restores the state from the store and runs the engine,
+/// as a restart does.
 pub async fn start_replica<P: SandboxProvider>(
     config: ServerConfig,
     store: Arc<dyn Store>,
-    lease: Option<Arc<dyn LeaseStore>>,
+    replica: Replica,
+    provider: Arc<P>,
+) -> Result<RunningServer<P>, ServerError> {
+    start_with(config, store, Some(replica), provider).await
+}
+
+async fn start_with<P: SandboxProvider>(
+    config: ServerConfig,
+    store: Arc<dyn Store>,
+    replica: Option<Replica>,
     provider: Arc<P>,
 ) -> Result<RunningServer<P>, ServerError> {
     let listener =
@@ -249,16 +264,22 @@ pub async fn start_replica<P: SandboxProvider>(
     let (fatal_tx, fatal) = watch::channel(None);
     let (stop_serving, stopped) = watch::channel(false);
     let listener_stats = Arc::new(ListenerStats::new(config.listener));
-    let cluster = match (lease, config.cluster.clone()) {
-        (Some(lease), Some(cluster_config)) => {
-            let advertised = advertise_url(cluster_config.advertise_url.as_deref(), addr)?;
+    let cluster = match replica {
+        Some(Replica { cluster, lease }) => {
+            let advertised = advertise_url(cluster.advertise_url.as_deref(), addr)?;
             let listener = Arc::clone(&listener_stats);
-            Some(crate::cluster::start(cluster_config, advertised, lease, listener, stopped.clone()))
+            Some(crate::cluster::start(cluster, advertised, lease, listener, stopped.clone()))
         }
-        _ => None,
+        None => None,
     };
-    let launch =
-        Launch { config: config.clone(), url: url.clone(), store: Arc::clone(&store), provider: Arc::clone(&provider) };
+    let leadership = cluster.as_ref().map_or_else(Leadership::sole, |cluster| cluster.leadership.clone());
+    let launch = Launch {
+        config: config.clone(),
+        url: url.clone(),
+        store: Arc::clone(&store),
+        provider: Arc::clone(&provider),
+        leadership: leadership.clone(),
+    };
     let engine_task = match &cluster {
         None => {
             let (engine, initial) = launch.engine(mailbox).await?;
@@ -307,8 +328,45 @@ pub async fn start_replica<P: SandboxProvider>(
         serve,
         engine_task,
         cluster,
+        leadership,
     })
 }
+
+/// How a server ended: the way out of `serve` and its exit code.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Ending {
+    /// Asked to stop (`SIGTERM`, `SIGINT`): it shuts down in order.
+    Signal(&'static str),
+    /// It failed on its own (a store failure): it shuts down, exit code 1.
+    Failed(String),
+    /// It led and may no longer: it exits at once, without telling or
+    /// stopping anything (exit code 3; restarted, it comes back as a
+    /// follower).
+    Deposed(String),
+}
+
+impl Ending {
+    /// The process's exit code.
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            Self::Signal(_) => 0,
+            Self::Failed(_) => 1,
+            Self::Deposed(_) => crate::cluster::DEPOSED_EXIT_CODE,
+        }
+    }
+}
+
+impl std::fmt::Display for Ending {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Signal(signal) => write!(f, "stopped by {signal}"),
+            Self::Failed(message) => write!(f, "the server failed: {message}"),
+            Self::Deposed(why) => write!(f, "deposed: this replica leads no longer: {why}"),
+        }
+    }
+}
+
+impl std::error::Error for Ending {}
 
 /// What starting the engine needs.
 struct Launch<P> {
@@ -316,13 +374,14 @@ struct Launch<P> {
     url: String,
     store: Arc<dyn Store>,
     provider: Arc<P>,
+    leadership: Leadership,
 }
 
 impl<P: SandboxProvider> Launch<P> {
     /// Loads the store, adopts the sandboxes it knows and restores the
     /// machine: the engine and its first step.
     async fn engine(self, mailbox: Mailbox) -> Result<(Engine<P>, crate::dispatch::Step), ServerError> {
-        let Self { config, url, store, provider } = self;
+        let Self { config, url, store, provider, leadership } = self;
         let loader = Arc::clone(&store);
         let snapshot = tokio::task::spawn_blocking(move || loader.load())
             .await
@@ -357,6 +416,7 @@ impl<P: SandboxProvider> Launch<P> {
             tick: (config.heartbeat_interval / 2).clamp(Duration::from_millis(50), Duration::from_secs(1)),
             resume_timeout: config.pool_policy.resume_timeout,
             clock,
+            leadership,
         };
         Ok((Engine::new(mailbox, machine, store, provider, engine_config), initial))
     }
@@ -402,35 +462,24 @@ impl<P: SandboxProvider> RunningServer<P> {
         &self.engine
     }
 
-    /// Resolves with a message when the server fails on its own (a store
-    /// failure); never otherwise.
-    pub async fn failed(&mut self) -> String {
-        match self.fatal.wait_for(Option::is_some).await {
-            Ok(message) => message.clone().unwrap_or_default(),
-            Err(_) => std::future::pending().await,
-        }
-    }
-
-    /// Resolves when this replica is deposed: it led and may no longer
-    /// (never for a server that is not a replica).
-    pub fn deposed(&self) -> impl Future<Output = ()> + Send + 'static {
-        let view = self.cluster.as_ref().map(|cluster| cluster.view.clone());
-        async move {
-            if let Some(mut view) = view
-                && view.wait_for(|view| view.role == Role::Deposed).await.is_ok()
-            {
-                return;
+    /// Resolves when the server ends on its own: its engine stopped (a
+    /// store failure), or this replica was deposed (it led and may no
+    /// longer). Never otherwise.
+    pub async fn ended(&mut self) -> Ending {
+        let leadership = self.leadership.clone();
+        tokio::select! {
+            stopped = self.fatal.wait_for(Option::is_some) => {
+                let message = match stopped {
+                    Ok(message) => message.clone().unwrap_or_default(),
+                    Err(_) => return std::future::pending().await,
+                };
+                match leadership.deposition() {
+                    Some(why) => Ending::Deposed(why),
+                    None => Ending::Failed(message),
+                }
             }
-            std::future::pending().await
+            why = leadership.deposed() => Ending::Deposed(why),
         }
-    }
-
-    /// Whether this replica led and was deposed (by the lease, or by a
-    /// write the store refused under a newer epoch or a lapsed deadline).
-    pub fn was_deposed(&self) -> bool {
-        self.cluster
-            .as_ref()
-            .is_some_and(|cluster| cluster.view.borrow().role == Role::Deposed || cluster.lease.deposed())
     }
 
     /// Whether this server is a replica of a replicated deployment.

@@ -392,6 +392,7 @@ mod tests {
             leader: leader.map(|url| ("r0".to_owned(), url.to_owned())),
             epoch,
             expires_at: None,
+            deadline: None,
         }
     }
 

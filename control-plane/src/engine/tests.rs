@@ -14,7 +14,7 @@ use crate::dispatch::{DispatchConfig, KeyReused, LogLedger, PoolPolicy, RunBound
 use crate::model::{RunRecord, RunRequest};
 use crate::provider::spool::SpoolProvider;
 use crate::seal::SealKey;
-use crate::store::{RunQuery, SqliteStore};
+use crate::store::{Fence, RunQuery, SqliteStore};
 
 /// A SQLite store that records how many runs each commit created, and
 /// optionally holds each commit until the test releases it, or fails it.
@@ -34,7 +34,7 @@ impl Store for Recording {
         self.inner.load()
     }
 
-    fn apply(&self, writes: &[Write]) -> Result<(), StoreError> {
+    fn apply(&self, writes: &[Write], fence: Option<&Fence>) -> Result<(), StoreError> {
         let _ = self.entered.send(());
         if let Some(release) = &self.release {
             release.lock().expect("the release lock").recv().expect("the test releases the commit");
@@ -46,7 +46,7 @@ impl Store for Recording {
                 detail: "refused by the test".into(),
             });
         }
-        self.inner.apply(writes)?;
+        self.inner.apply(writes, fence)?;
         let runs = writes.iter().filter(|write| matches!(write, Write::NewRun(..))).count();
         self.commits.lock().expect("the commits lock").push(runs);
         Ok(())
@@ -130,6 +130,7 @@ fn setup(held: bool, fail: bool) -> Setup {
         tick: Duration::from_secs(3600),
         resume_timeout: Duration::from_secs(10),
         clock: Clock::system(),
+        leadership: Leadership::sole(),
     };
     let (handle, mailbox) = EngineHandle::mailbox();
     let engine = Engine::new(mailbox, machine, Arc::clone(&store) as Arc<dyn Store>, provider, engine_config);

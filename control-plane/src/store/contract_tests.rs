@@ -268,22 +268,25 @@ fn records_survive_reopening_and_finished_runs_are_only_counted(backend: &dyn Ba
         warm.attempts.push(attempt(RunPath::Warm));
         let started = event("exe_1", "e1", EventKind::Started);
         store
-            .apply(&[
-                Write::NewRun(Box::new(run("exe_1")), Box::new(request())),
-                Write::Credential(Box::new(credential.clone())),
-                Write::Run(Box::new(updated)),
-                Write::Event(Box::new(started.clone())),
-                Write::Event(Box::new(started)),
-                log("exe_1", 0, b"hel", 3, 3),
-                log("exe_1", 3, b"lo", 5, 5),
-                Write::NewRun(Box::new(finished), Box::new(request())),
-                Write::NewRun(Box::new(run("exe_3")), Box::new(request())),
-                Write::Event(Box::new(event("exe_3", "e1", EventKind::Exited { code: 0 }))),
-                log("exe_3", 0, b"done", 4, 4),
-            ])
+            .apply(
+                &[
+                    Write::NewRun(Box::new(run("exe_1")), Box::new(request())),
+                    Write::Credential(Box::new(credential.clone())),
+                    Write::Run(Box::new(updated)),
+                    Write::Event(Box::new(started.clone())),
+                    Write::Event(Box::new(started)),
+                    log("exe_1", 0, b"hel", 3, 3),
+                    log("exe_1", 3, b"lo", 5, 5),
+                    Write::NewRun(Box::new(finished), Box::new(request())),
+                    Write::NewRun(Box::new(run("exe_3")), Box::new(request())),
+                    Write::Event(Box::new(event("exe_3", "e1", EventKind::Exited { code: 0 }))),
+                    log("exe_3", 0, b"done", 4, 4),
+                ],
+                None,
+            )
             .expect("apply");
         // Finished in a later step, as a run does.
-        store.apply(&[Write::Run(Box::new(warm))]).expect("apply");
+        store.apply(&[Write::Run(Box::new(warm))], None).expect("apply");
     }
     let store = backend.open();
     let snapshot = store.load().expect("load");
@@ -320,7 +323,7 @@ fn runs_page_in_submission_order_with_filters(backend: &dyn Backend) {
             Write::NewRun(Box::new(record), Box::new(request()))
         })
         .collect();
-    store.apply(&writes).expect("apply");
+    store.apply(&writes, None).expect("apply");
     let mut seen = Vec::new();
     let mut query = RunQuery { limit: 7, ..RunQuery::default() };
     loop {
@@ -344,14 +347,17 @@ fn runs_page_in_submission_order_with_filters(backend: &dyn Backend) {
 
 fn events_page_in_arrival_order_once_each(backend: &dyn Backend) {
     let store = backend.open();
-    store.apply(&[Write::NewRun(Box::new(run("exe_1")), Box::new(request()))]).expect("apply");
+    store.apply(&[Write::NewRun(Box::new(run("exe_1")), Box::new(request()))], None).expect("apply");
     for (n, id) in ["b", "a", "c", "a"].into_iter().enumerate() {
         let kind = if n == 0 { EventKind::Started } else { EventKind::Exited { code: 1 } };
         store
-            .apply(&[
-                Write::Event(Box::new(event("exe_1", id, kind))),
-                Write::Event(Box::new(event("exe_2", id, EventKind::Started))),
-            ])
+            .apply(
+                &[
+                    Write::Event(Box::new(event("exe_1", id, kind))),
+                    Write::Event(Box::new(event("exe_2", id, EventKind::Started))),
+                ],
+                None,
+            )
             .expect("apply");
     }
     let ids = |page: &[(u64, StoredEvent)]| page.iter().map(|(_, e)| e.event.event_id.clone()).collect::<Vec<_>>();
@@ -369,7 +375,7 @@ fn log_pieces_are_found_from_any_offset(backend: &dyn Backend) {
     let store = backend.open();
     // A gap between 5 and 8: the agent dropped those bytes.
     store
-        .apply(&[log("exe_1", 0, b"hel", 3, 3), log("exe_1", 3, b"lo", 5, 5), log("exe_1", 8, b"world", 13, 10)])
+        .apply(&[log("exe_1", 0, b"hel", 3, 3), log("exe_1", 3, b"lo", 5, 5), log("exe_1", 8, b"world", 13, 10)], None)
         .expect("apply");
     assert_eq!(store.log_pieces("exe_1", 4, 10).expect("log"), [(3, b"lo".to_vec()), (8, b"world".to_vec())]);
     assert_eq!(store.log_pieces("exe_1", 6, 10).expect("log"), [(8, b"world".to_vec())], "from inside the gap");
@@ -377,12 +383,15 @@ fn log_pieces_are_found_from_any_offset(backend: &dyn Backend) {
     assert_eq!(store.log_pieces("exe_1", 13, 10).expect("log"), []);
     // Bytes over the cap: counted in the ledger, nothing stored.
     store
-        .apply(&[Write::Log {
-            run_id: "exe_1".into(),
-            offset: 13,
-            data: Vec::new(),
-            ledger: LogLedger { received: 20, held: 10, over_cap: 7 },
-        }])
+        .apply(
+            &[Write::Log {
+                run_id: "exe_1".into(),
+                offset: 13,
+                data: Vec::new(),
+                ledger: LogLedger { received: 20, held: 10, over_cap: 7 },
+            }],
+            None,
+        )
         .expect("apply");
     assert_eq!(store.log_ledger("exe_1").expect("ledger"), Some(LogLedger { received: 20, held: 10, over_cap: 7 }));
     assert_eq!(store.log_pieces("exe_1", 13, 10).expect("log"), []);
@@ -390,18 +399,18 @@ fn log_pieces_are_found_from_any_offset(backend: &dyn Backend) {
 
 fn a_failing_write_leaves_nothing_half_written(backend: &dyn Backend) {
     let store = backend.open();
-    store.apply(&[Write::NewRun(Box::new(run("exe_1")), Box::new(request()))]).expect("apply");
+    store.apply(&[Write::NewRun(Box::new(run("exe_1")), Box::new(request()))], None).expect("apply");
     let mut changed = run("exe_1");
     changed.state = RunState::Failed;
     // The second NewRun of the same id violates the primary key.
     let error = store
-        .apply(&[Write::Run(Box::new(changed)), Write::NewRun(Box::new(run("exe_1")), Box::new(request()))])
+        .apply(&[Write::Run(Box::new(changed)), Write::NewRun(Box::new(run("exe_1")), Box::new(request()))], None)
         .expect_err("a duplicate run is refused");
     assert!(error.to_string().contains("write"), "{error}");
     assert_eq!(store.load().expect("load").runs[0].state, RunState::Queued, "the first write was rolled back");
     assert_eq!(store.request("exe_1").expect("request"), Some(request()), "not purged either");
     // The store is usable after a failed step.
-    store.apply(&[Write::NewRun(Box::new(run("exe_2")), Box::new(request()))]).expect("apply after a failure");
+    store.apply(&[Write::NewRun(Box::new(run("exe_2")), Box::new(request()))], None).expect("apply after a failure");
 }
 
 fn pointer(generation: u64, sandbox_id: &str) -> ThreadRecord {
@@ -420,14 +429,17 @@ fn pointer(generation: u64, sandbox_id: &str) -> ThreadRecord {
 fn a_stale_pointer_write_is_rejected_with_its_whole_step(backend: &dyn Backend) {
     let first = backend.open();
     let second = backend.open();
-    first.apply(&[Write::Thread { record: Box::new(pointer(1, "sbx_a")), expected: 0 }]).expect("created");
+    first.apply(&[Write::Thread { record: Box::new(pointer(1, "sbx_a")), expected: 0 }], None).expect("created");
     // Both read generation 1; the first writer wins.
-    first.apply(&[Write::Thread { record: Box::new(pointer(2, "sbx_b")), expected: 1 }]).expect("moved on");
+    first.apply(&[Write::Thread { record: Box::new(pointer(2, "sbx_b")), expected: 1 }], None).expect("moved on");
     let error = second
-        .apply(&[
-            Write::NewRun(Box::new(run("exe_late")), Box::new(request())),
-            Write::Thread { record: Box::new(pointer(2, "sbx_stale")), expected: 1 },
-        ])
+        .apply(
+            &[
+                Write::NewRun(Box::new(run("exe_late")), Box::new(request())),
+                Write::Thread { record: Box::new(pointer(2, "sbx_stale")), expected: 1 },
+            ],
+            None,
+        )
         .expect_err("a stale writer is refused");
     assert!(
         matches!(&error, StoreError::StalePointer { expected: 1, found: 2, thread_id, .. } if thread_id == "thr_1"),
@@ -438,7 +450,7 @@ fn a_stale_pointer_write_is_rejected_with_its_whole_step(backend: &dyn Backend) 
     assert!(snapshot.runs.is_empty(), "the stale step left nothing behind");
     // Creating a pointer that exists is stale too.
     let error = second
-        .apply(&[Write::Thread { record: Box::new(pointer(1, "sbx_c")), expected: 0 }])
+        .apply(&[Write::Thread { record: Box::new(pointer(1, "sbx_c")), expected: 0 }], None)
         .expect_err("already created");
     assert!(matches!(error, StoreError::StalePointer { expected: 0, found: 2, .. }), "{error}");
 }
@@ -455,7 +467,7 @@ fn credentials_are_stored_as_hashes(backend: &dyn Backend) {
         attempt: None,
         state: CredentialState::Active,
     };
-    store.apply(&[Write::Credential(Box::new(credential.clone()))]).expect("apply");
+    store.apply(&[Write::Credential(Box::new(credential.clone()))], None).expect("apply");
     drop(store);
     let raw = backend.raw();
     assert!(contains(&raw, "sbx_1"), "the record is there");
@@ -466,7 +478,7 @@ fn credentials_are_stored_as_hashes(backend: &dyn Backend) {
 fn requests_are_sealed_at_rest_and_purged_when_the_run_ends(backend: &dyn Backend) {
     let store = backend.open();
     let (request, needles) = full_request();
-    store.apply(&[Write::NewRun(Box::new(run("exe_1")), Box::new(request.clone()))]).expect("apply");
+    store.apply(&[Write::NewRun(Box::new(run("exe_1")), Box::new(request.clone()))], None).expect("apply");
     assert_eq!(store.request("exe_1").expect("read"), Some(request), "served while the run lives");
     let raw = backend.raw();
     for needle in &needles {
@@ -476,7 +488,7 @@ fn requests_are_sealed_at_rest_and_purged_when_the_run_ends(backend: &dyn Backen
 
     let mut ended = run("exe_1");
     ended.state = RunState::Exited;
-    store.apply(&[Write::Run(Box::new(ended))]).expect("apply");
+    store.apply(&[Write::Run(Box::new(ended))], None).expect("apply");
     assert_eq!(store.request("exe_1").expect("read"), None, "purged with the terminal state");
     drop(store);
     let store = backend.open();
@@ -495,10 +507,13 @@ fn a_sealed_request_cannot_be_moved_to_another_run(backend: &dyn Backend) {
     let store = backend.open();
     let (request, _) = full_request();
     store
-        .apply(&[
-            Write::NewRun(Box::new(run("exe_1")), Box::new(request)),
-            Write::NewRun(Box::new(run("exe_2")), Box::new(self::request())),
-        ])
+        .apply(
+            &[
+                Write::NewRun(Box::new(run("exe_1")), Box::new(request)),
+                Write::NewRun(Box::new(run("exe_2")), Box::new(self::request())),
+            ],
+            None,
+        )
         .expect("apply");
     backend.tamper(
         "UPDATE run_requests SET doc = (SELECT doc FROM run_requests WHERE run_id = 'exe_1') WHERE run_id = 'exe_2'",
@@ -520,7 +535,7 @@ fn missing_records_read_as_none(backend: &dyn Backend) {
     assert!(store.runs(&RunQuery { limit: 10, ..RunQuery::default() }).expect("runs").is_empty());
     let snapshot = store.load().expect("load");
     assert!(snapshot.runs.is_empty() && snapshot.threads.is_empty() && snapshot.finished.is_empty());
-    assert!(store.apply(&[]).is_ok(), "an empty step writes nothing");
+    assert!(store.apply(&[], None).is_ok(), "an empty step writes nothing");
     // Ids from a URL may hold anything: none is found, nothing fails.
     assert_eq!(store.run("exe\0x").expect("run"), None);
     assert_eq!(store.request("exe\0x").expect("request"), None);
@@ -542,7 +557,10 @@ fn any_text_round_trips_exactly(backend: &dyn Backend) {
     let stored = event("exe_odd", odd, failed);
     backend
         .open()
-        .apply(&[Write::NewRun(Box::new(record.clone()), Box::new(request())), Write::Event(Box::new(stored.clone()))])
+        .apply(
+            &[Write::NewRun(Box::new(record.clone()), Box::new(request())), Write::Event(Box::new(stored.clone()))],
+            None,
+        )
         .expect("apply");
     let store = backend.open();
     assert_eq!(store.run("exe_odd").expect("run"), Some(record));
@@ -565,14 +583,14 @@ fn kept_key(key: &str, run_id: &str, created_at: i64) -> Write {
 fn idempotency_keys_are_kept_with_their_run_and_forgotten_by_age(backend: &dyn Backend) {
     let store = backend.open();
     store
-        .apply(&[Write::NewRun(Box::new(run("exe_1")), Box::new(request())), kept_key("k/1 ü", "exe_1", 10)])
+        .apply(&[Write::NewRun(Box::new(run("exe_1")), Box::new(request())), kept_key("k/1 ü", "exe_1", 10)], None)
         .expect("apply");
     // Committed with the run: a step whose run is refused keeps no key.
     store
-        .apply(&[Write::NewRun(Box::new(run("exe_1")), Box::new(request())), kept_key("k2", "exe_1", 20)])
+        .apply(&[Write::NewRun(Box::new(run("exe_1")), Box::new(request())), kept_key("k2", "exe_1", 20)], None)
         .expect_err("a duplicate run is refused");
     store
-        .apply(&[Write::NewRun(Box::new(run("exe_2")), Box::new(request())), kept_key("k3", "exe_2", 30)])
+        .apply(&[Write::NewRun(Box::new(run("exe_2")), Box::new(request())), kept_key("k3", "exe_2", 30)], None)
         .expect("apply");
     let loaded = backend.open().load().expect("load").idempotency;
     let keys: Vec<(&str, &str, i64)> =
@@ -581,9 +599,9 @@ fn idempotency_keys_are_kept_with_their_run_and_forgotten_by_age(backend: &dyn B
     assert_eq!(loaded[0].request_hash, "hash-of-exe_1");
     // A key past its window that was not forgotten yet is replaced.
     store
-        .apply(&[Write::NewRun(Box::new(run("exe_3")), Box::new(request())), kept_key("k/1 ü", "exe_3", 40)])
+        .apply(&[Write::NewRun(Box::new(run("exe_3")), Box::new(request())), kept_key("k/1 ü", "exe_3", 40)], None)
         .expect("apply");
-    store.apply(&[Write::ForgetIdempotency { through: Millis(30) }]).expect("forget");
+    store.apply(&[Write::ForgetIdempotency { through: Millis(30) }], None).expect("forget");
     let left: Vec<String> = store.load().expect("load").idempotency.into_iter().map(|kept| kept.run_id).collect();
     assert_eq!(left, ["exe_3"]);
 }

@@ -119,6 +119,9 @@ pub enum StoreError {
          key (its check does not match); give every replica the same --secret-key-file"
     )]
     SealKeyMismatch { store: String },
+    /// A fence given to a store that keeps no lease (SQLite: one server's).
+    #[error("store {store} keeps no lease: it cannot write under a leader's fence")]
+    Unfenceable { store: String },
     #[error("store {store}: cannot start the store's connection thread: {source}")]
     Runtime {
         store: String,
@@ -127,12 +130,24 @@ pub enum StoreError {
     },
 }
 
+impl StoreError {
+    /// Whether the store refused a write for the lease: the writer leads no
+    /// longer.
+    pub fn deposes(&self) -> bool {
+        matches!(self, Self::Fenced { .. } | Self::LeaseLapsed { .. } | Self::LeaseEnding { .. })
+    }
+}
+
 /// Where the server keeps runs, sandboxes, credentials, events and logs.
 pub trait Store: Send + Sync + 'static {
     /// Everything the dispatch state machine needs after a restart.
     fn load(&self) -> Result<Snapshot, StoreError>;
-    /// Applies `writes` in one transaction: all or nothing.
-    fn apply(&self, writes: &[Write]) -> Result<(), StoreError>;
+    /// Applies `writes` in one transaction: all or nothing. Under a
+    /// `fence` (a leader's, [`crate::cluster::Leadership::fence`]) the
+    /// transaction commits only while the fence's lease holds, and runs
+    /// even without writes: so a deposed leader tells nobody anything. A
+    /// store that keeps no lease refuses a fence.
+    fn apply(&self, writes: &[Write], fence: Option<&Fence>) -> Result<(), StoreError>;
     /// What a run was submitted with (secrets included); `None` once the
     /// run is terminal: a write of a terminal run deletes it in the same
     /// transaction.
@@ -155,17 +170,24 @@ pub trait Store: Send + Sync + 'static {
     /// retries, stable across restarts on the same key, and no help to
     /// whoever reads the database in guessing the secrets it carried.
     fn digest(&self, bytes: &[u8]) -> String;
-    /// Whether this store writes under a leader's lease: then a step with
-    /// effects but no writes is still [`Store::apply`]'d (an empty
-    /// transaction that checks the lease), so a deposed leader tells
-    /// nobody anything.
-    fn fenced(&self) -> bool {
-        false
-    }
-    /// Whether the local deadline of the lease this store writes under has
-    /// passed: a provider operation queued before is then not carried out.
-    fn lapsed(&self) -> bool {
-        false
+}
+
+/// What a leader's writes run under: its lease's `epoch` (a write fails,
+/// rolled back, once the database's lease is at another one or has less
+/// than `bound` left), its local `deadline` (none starts or is told of
+/// after it, by this process's clock), and `bound`, how long the database
+/// lets one of its write transactions wait, run a statement or sit idle.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fence {
+    pub epoch: u64,
+    pub deadline: std::time::Instant,
+    pub bound: std::time::Duration,
+}
+
+impl Fence {
+    /// Whether the deadline has passed at `now`.
+    pub fn lapsed(&self, now: std::time::Instant) -> bool {
+        now >= self.deadline
     }
 }
 
@@ -212,15 +234,6 @@ pub trait LeaseStore: std::fmt::Debug + Send + Sync + 'static {
         ttl: std::time::Duration,
         bound: std::time::Duration,
     ) -> Result<LeaseRow, StoreError>;
-    /// Every write from now on runs under `epoch` (and fails, rolled back,
-    /// once the database's lease is at another one or has less than
-    /// `bound` left), none starts or is told of after `deadline` (this
-    /// process's clock), and the database ends a write transaction that
-    /// waits, runs a statement or sits idle for `bound`.
-    fn fence(&self, epoch: u64, deadline: std::time::Instant, bound: std::time::Duration);
-    /// Whether a write was refused for a newer epoch or a lapsed deadline:
-    /// this replica was deposed.
-    fn deposed(&self) -> bool;
     /// Every replica that ever claimed, most recently seen first. Blocks.
     fn replicas(&self) -> Result<Vec<ReplicaRow>, StoreError>;
 }

@@ -23,8 +23,6 @@ mod lease;
 mod migrations;
 mod url;
 
-use std::sync::atomic::AtomicBool;
-use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
 use deadpool_postgres::{
@@ -37,7 +35,9 @@ use tokio_postgres::types::ToSql;
 use tokio_postgres::{IsolationLevel, NoTls, Row};
 
 pub use self::url::redact_url;
-use super::{RunQuery, Store, StoreError, decode, encode, finished_key, open_request, terminal_states, to_i64, to_u64};
+use super::{
+    Fence, RunQuery, Store, StoreError, decode, encode, finished_key, open_request, terminal_states, to_i64, to_u64,
+};
 use crate::dispatch::{LogLedger, Snapshot, Write};
 use crate::model::{RunRecord, RunRequest, StoredEvent, ThreadRecord};
 use crate::seal::{SealKey, Sealer};
@@ -60,11 +60,6 @@ pub struct PostgresStore {
     pool: Pool,
     sealer: Sealer,
     driver: Driver,
-    /// The lease every write runs under, once this replica leads
-    /// ([`crate::store::LeaseStore::fence`]); `None`: unfenced.
-    fence: Mutex<Option<lease::Fence>>,
-    /// A write was refused for a newer epoch or a lapsed deadline.
-    deposed: AtomicBool,
 }
 
 impl std::fmt::Debug for PostgresStore {
@@ -147,14 +142,7 @@ impl PostgresStore {
                 operation: "set up the connection pool",
                 detail: error.to_string(),
             })?;
-        let store = Self {
-            name,
-            pool,
-            sealer: Sealer::new(key),
-            driver: Driver(Some(runtime)),
-            fence: Mutex::new(None),
-            deposed: AtomicBool::new(false),
-        };
+        let store = Self { name, pool, sealer: Sealer::new(key), driver: Driver(Some(runtime)) };
         Ok(store)
     }
 
@@ -548,9 +536,10 @@ impl Store for PostgresStore {
     /// commit, by the database's clock; and the database ends it if it
     /// waits, runs or idles for the fence's bound (a frozen leader's lock
     /// does not hold claims off). Even without writes: a step's effects
-    /// wait on this.
-    fn apply(&self, writes: &[Write]) -> Result<(), StoreError> {
-        let fence = *self.fence.lock().unwrap_or_else(PoisonError::into_inner);
+    /// wait on this. Whether the lease still holds once it committed is
+    /// the leader's to check before it tells anyone.
+    fn apply(&self, writes: &[Write], fence: Option<&Fence>) -> Result<(), StoreError> {
+        let fence = fence.copied();
         if writes.is_empty() && fence.is_none() {
             return Ok(());
         }
@@ -570,19 +559,7 @@ impl Store for PostgresStore {
                 self.check_ending(&transaction, fence).await?;
             }
             transaction.commit().await.map_err(self.failed("commit"))
-        })?;
-        // Committed; but the caller tells only while the lease holds.
-        let after = *self.fence.lock().unwrap_or_else(PoisonError::into_inner);
-        after.map_or(Ok(()), |fence| self.check_deadline(fence))
-    }
-
-    fn fenced(&self) -> bool {
-        self.fence.lock().unwrap_or_else(PoisonError::into_inner).is_some()
-    }
-
-    fn lapsed(&self) -> bool {
-        let fence = *self.fence.lock().unwrap_or_else(PoisonError::into_inner);
-        fence.is_some_and(|fence| self.check_deadline(fence).is_err())
+        })
     }
 
     fn request(&self, run_id: &str) -> Result<Option<RunRequest>, StoreError> {
@@ -733,7 +710,7 @@ mod tests {
         let Some(backend) = backend("migrations") else { return };
         drop(backend.open());
         let store = backend.open();
-        store.apply(&[Write::NewRun(Box::new(run("exe_1")), Box::new(request()))]).expect("apply");
+        store.apply(&[Write::NewRun(Box::new(run("exe_1")), Box::new(request()))], None).expect("apply");
         let versions = backend.schema.query_text("SELECT version::text || ' ' || name FROM schema_migrations");
         assert_eq!(versions.len(), migrations::MIGRATIONS.len(), "each once, over two starts: {versions:?}");
         assert!(versions[0].starts_with("1 "), "{versions:?}");
@@ -825,7 +802,7 @@ mod tests {
 
     /// The fence: once another replica took the lease, a write under the
     /// old epoch fails, rolled back (nothing of it is kept), and so does a
-    /// step with no writes at all; the store says it was deposed.
+    /// step with no writes at all.
     #[test]
     fn a_write_under_a_stale_epoch_fails_and_writes_nothing() {
         use crate::store::LeaseStore as _;
@@ -833,18 +810,22 @@ mod tests {
         let store = connect(&backend);
         let ttl = Duration::from_secs(60);
         let lease = store.claim("a", "http://a", 0, ttl, BOUND).expect("claim");
-        store.fence(lease.epoch, std::time::Instant::now() + ttl, BOUND);
-        assert!(store.fenced());
-        store.apply(&[Write::NewRun(Box::new(run("exe_1")), Box::new(request()))]).expect("a write at our epoch");
-        store.apply(&[]).expect("an empty step at our epoch");
-        assert!(!store.deposed());
+        let fence = Fence { epoch: lease.epoch, deadline: std::time::Instant::now() + ttl, bound: BOUND };
+        store
+            .apply(&[Write::NewRun(Box::new(run("exe_1")), Box::new(request()))], Some(&fence))
+            .expect("a write at our epoch");
+        store.apply(&[], Some(&fence)).expect("an empty step at our epoch");
 
         backend.schema.execute("UPDATE cluster_lease SET epoch = epoch + 1, holder = 'b', holder_url = 'http://b'");
-        let error = store.apply(&[Write::NewRun(Box::new(run("exe_2")), Box::new(request()))]).expect_err("fenced");
+        let error = store
+            .apply(&[Write::NewRun(Box::new(run("exe_2")), Box::new(request()))], Some(&fence))
+            .expect_err("fenced");
         assert!(matches!(error, StoreError::Fenced { held: 1, current: 2, .. }), "{error}");
         assert!(error.to_string().contains("epoch 1") && error.to_string().contains("epoch 2"), "{error}");
-        assert!(matches!(store.apply(&[]), Err(StoreError::Fenced { .. })), "a step without writes is fenced too");
-        assert!(store.deposed());
+        assert!(
+            matches!(store.apply(&[], Some(&fence)), Err(StoreError::Fenced { .. })),
+            "a step without writes is fenced too"
+        );
         assert_eq!(backend.schema.query_text("SELECT id FROM runs"), ["exe_1"], "nothing of the fenced write");
         assert_eq!(backend.schema.query_text("SELECT run_id FROM run_requests"), ["exe_1"]);
     }
@@ -857,11 +838,12 @@ mod tests {
         let Some(backend) = backend("lapsed") else { return };
         let store = connect(&backend);
         let lease = store.claim("a", "http://a", 0, Duration::from_secs(60), BOUND).expect("claim");
-        store.fence(lease.epoch, std::time::Instant::now(), BOUND);
-        assert!(store.lapsed());
-        let error = store.apply(&[Write::NewRun(Box::new(run("exe_1")), Box::new(request()))]).expect_err("lapsed");
+        let fence = Fence { epoch: lease.epoch, deadline: std::time::Instant::now(), bound: BOUND };
+        assert!(fence.lapsed(std::time::Instant::now()));
+        let error = store
+            .apply(&[Write::NewRun(Box::new(run("exe_1")), Box::new(request()))], Some(&fence))
+            .expect_err("lapsed");
         assert!(matches!(error, StoreError::LeaseLapsed { .. }), "{error}");
-        assert!(store.deposed());
         assert!(backend.schema.query_text("SELECT id FROM runs").is_empty());
     }
 
@@ -964,12 +946,12 @@ mod tests {
         let store = Arc::new(connect(&backend));
         let ttl = Duration::from_secs(60);
         let lease = store.claim("a", "http://a", 0, ttl, BOUND).expect("claim");
-        store.fence(lease.epoch, std::time::Instant::now() + ttl, BOUND);
+        let fence = Fence { epoch: lease.epoch, deadline: std::time::Instant::now() + ttl, bound: BOUND };
         let held = backend.schema.hold("LOCK TABLE runs IN SHARE MODE");
         let writer = Arc::clone(&store);
         let started = std::time::Instant::now();
         let written = within(Duration::from_secs(5), move || {
-            writer.apply(&[Write::NewRun(Box::new(run("exe_1")), Box::new(request()))])
+            writer.apply(&[Write::NewRun(Box::new(run("exe_1")), Box::new(request()))], Some(&fence))
         });
         let error = written.expect("the write is ended, not left waiting").expect_err("the table is locked");
         assert!(started.elapsed() < BOUND + Duration::from_millis(500), "{:?}", started.elapsed());
@@ -991,18 +973,23 @@ mod tests {
         let store = connect(&backend);
         let ttl = Duration::from_secs(60);
         let lease = store.claim("a", "http://a", 0, ttl, BOUND).expect("claim");
-        store.fence(lease.epoch, std::time::Instant::now() + ttl, BOUND);
-        store.apply(&[Write::NewRun(Box::new(run("exe_1")), Box::new(request()))]).expect("a write in time");
+        let fence = Fence { epoch: lease.epoch, deadline: std::time::Instant::now() + ttl, bound: BOUND };
+        store
+            .apply(&[Write::NewRun(Box::new(run("exe_1")), Box::new(request()))], Some(&fence))
+            .expect("a write in time");
 
         backend.schema.execute("UPDATE cluster_lease SET expires_at = now() - interval '1 second'");
-        let error = store.apply(&[Write::NewRun(Box::new(run("exe_2")), Box::new(request()))]).expect_err("ran out");
+        let error = store
+            .apply(&[Write::NewRun(Box::new(run("exe_2")), Box::new(request()))], Some(&fence))
+            .expect_err("ran out");
         assert!(matches!(error, StoreError::LeaseEnding { .. }), "{error}");
-        assert!(store.deposed());
 
         let store = connect(&backend);
-        store.fence(lease.epoch, std::time::Instant::now() + ttl, BOUND);
+        let fence = Fence { epoch: lease.epoch, deadline: std::time::Instant::now() + ttl, bound: BOUND };
         backend.schema.execute("UPDATE cluster_lease SET expires_at = now() + interval '200 milliseconds'");
-        let error = store.apply(&[Write::NewRun(Box::new(run("exe_3")), Box::new(request()))]).expect_err("ending");
+        let error = store
+            .apply(&[Write::NewRun(Box::new(run("exe_3")), Box::new(request()))], Some(&fence))
+            .expect_err("ending");
         assert!(matches!(error, StoreError::LeaseEnding { left, .. } if left < BOUND), "{error}");
         assert_eq!(backend.schema.query_text("SELECT id FROM runs"), ["exe_1"], "nothing after the lease");
     }
@@ -1016,7 +1003,7 @@ mod tests {
     fn a_store_refuses_a_key_other_than_the_one_it_was_first_opened_with() {
         let Some(backend) = backend("seal_check") else { return };
         let store = connect(&backend);
-        store.apply(&[Write::NewRun(Box::new(run("exe_1")), Box::new(request()))]).expect("apply");
+        store.apply(&[Write::NewRun(Box::new(run("exe_1")), Box::new(request()))], None).expect("apply");
         drop(store);
         let url = Secret::new(backend.schema.url());
         let error = PostgresStore::connect(&url, &SealKey::random()).expect_err("another key");
@@ -1046,7 +1033,7 @@ mod tests {
         let store: Arc<dyn Store> = Arc::new(opened.await.expect("no panic").expect("open"));
         let writer = Arc::clone(&store);
         tokio::task::spawn_blocking(move || {
-            writer.apply(&[Write::NewRun(Box::new(run("exe_1")), Box::new(request()))])
+            writer.apply(&[Write::NewRun(Box::new(run("exe_1")), Box::new(request()))], None)
         })
         .await
         .expect("no panic")

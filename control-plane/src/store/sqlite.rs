@@ -15,7 +15,9 @@ use std::sync::{Mutex, PoisonError};
 use rusqlite::{Connection, OptionalExtension, params};
 use serde::de::DeserializeOwned;
 
-use super::{RunQuery, Store, StoreError, decode, encode, finished_key, open_request, terminal_states, to_i64, to_u64};
+use super::{
+    Fence, RunQuery, Store, StoreError, decode, encode, finished_key, open_request, terminal_states, to_i64, to_u64,
+};
 use crate::dispatch::{LogLedger, Snapshot, Write};
 use crate::model::{
     CredentialRecord, IdempotencyRecord, RunRecord, RunRequest, RunState, SandboxRecord, StoredEvent, ThreadRecord,
@@ -307,7 +309,10 @@ impl Store for SqliteStore {
         Ok(Snapshot { runs, sandboxes, credentials, event_ids, logs, finished, threads, idempotency })
     }
 
-    fn apply(&self, writes: &[Write]) -> Result<(), StoreError> {
+    fn apply(&self, writes: &[Write], fence: Option<&Fence>) -> Result<(), StoreError> {
+        if fence.is_some() {
+            return Err(StoreError::Unfenceable { store: self.path.clone() });
+        }
         if writes.is_empty() {
             return Ok(());
         }
@@ -584,7 +589,7 @@ mod tests {
         let dir = tempfile::tempdir().expect("a temp dir");
         let path = dir.path().join("data").join("standby.db");
         let store = SqliteStore::open(&path, &key()).expect("open");
-        store.apply(&[Write::NewRun(Box::new(run("exe_1")), Box::new(request()))]).expect("apply");
+        store.apply(&[Write::NewRun(Box::new(run("exe_1")), Box::new(request()))], None).expect("apply");
         let mode = |path: &Path| std::fs::metadata(path).expect("exists").permissions().mode() & 0o777;
         assert_eq!(mode(path.parent().expect("a parent")), 0o700, "the directory made for it");
         for suffix in ["", "-wal", "-shm"] {

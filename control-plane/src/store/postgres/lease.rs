@@ -3,8 +3,6 @@
 //! write of a leader passes, the bounds the database enforces on both, and
 //! the replicas' register (`GET /v1/cluster`).
 
-use std::sync::PoisonError;
-use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use deadpool_postgres::{Object, Transaction};
@@ -12,16 +10,7 @@ use tokio_postgres::NoTls;
 
 use super::{PostgresStore, query, to_i64, to_u64};
 use crate::model::Millis;
-use crate::store::{LeaseRow, LeaseStore, ReplicaRow, StoreError};
-
-/// The epoch a leader writes under, its local deadline, and how long the
-/// database lets one of its write transactions wait, run or idle.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) struct Fence {
-    pub epoch: u64,
-    pub deadline: Instant,
-    pub bound: Duration,
-}
+use crate::store::{Fence, LeaseRow, LeaseStore, ReplicaRow, StoreError};
 
 /// Takes the lease when expired (the next epoch), renews it when `$1` holds
 /// it at `$3` and it runs; else changes nothing. The `UPDATE` and the
@@ -72,14 +61,12 @@ async fn bound_transaction(transaction: &Transaction<'_>, bound: Duration) -> Re
 }
 
 impl PostgresStore {
-    /// Refuses (and marks this replica deposed) once the fence's local
-    /// deadline has passed.
+    /// Refuses once the fence's local deadline has passed.
     pub(super) fn check_deadline(&self, fence: Fence) -> Result<(), StoreError> {
         let now = Instant::now();
         if now < fence.deadline {
             return Ok(());
         }
-        self.deposed.store(true, Ordering::Relaxed);
         Err(StoreError::LeaseLapsed { store: self.name.clone(), late: now - fence.deadline })
     }
 
@@ -103,7 +90,6 @@ impl PostgresStore {
         } else {
             return Ok(());
         };
-        self.deposed.store(true, Ordering::Relaxed);
         Err(refused)
     }
 
@@ -122,7 +108,6 @@ impl PostgresStore {
         if left > fence.bound {
             return Ok(());
         }
-        self.deposed.store(true, Ordering::Relaxed);
         Err(StoreError::LeaseEnding { store: self.name.clone(), left, bound: fence.bound })
     }
 
@@ -196,14 +181,6 @@ impl LeaseStore for PostgresStore {
                 }
             }
         })
-    }
-
-    fn fence(&self, epoch: u64, deadline: Instant, bound: Duration) {
-        *self.fence.lock().unwrap_or_else(PoisonError::into_inner) = Some(Fence { epoch, deadline, bound });
-    }
-
-    fn deposed(&self) -> bool {
-        self.deposed.load(Ordering::Relaxed)
     }
 
     fn replicas(&self) -> Result<Vec<ReplicaRow>, StoreError> {
