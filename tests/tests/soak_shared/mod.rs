@@ -273,7 +273,10 @@ pub async fn check_runs(
         let complete = run["exit_code"] == 0;
         let in_order = numbers.iter().copied().eq(1..=numbers.len());
         if foreign > 0 || !in_order || (complete && numbers != expected) {
-            problems.push(format!("run {id} (label {label}, exit {}) logged lines {numbers:?}", run["exit_code"]));
+            problems.push(format!(
+                "run {id} (label {label}, exit {}, log_complete {}, log_lost_bytes {}) logged lines {numbers:?}",
+                run["exit_code"], run["log_complete"], run["log_lost_bytes"]
+            ));
         }
     }
     Verdict { runs, problems, started_attempts, marker_lines: markers.lines().count() }
