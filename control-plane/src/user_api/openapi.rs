@@ -18,12 +18,12 @@ use utoipa::openapi::{Ref, RefOr};
 use utoipa::{Modify, OpenApi};
 
 use super::documented::ThreadId;
-use super::problem::{FieldProblem, Problem, TYPES};
+use crate::problem::{FieldProblem, Problem, TYPES};
 use super::views::{
     AttemptView, Durations, EventView, EventsPage, ParkView, ResumeView, RunView, RunsPage, SandboxView, SandboxesPage,
     ThreadView, Timestamps, WaitView,
 };
-use super::{AttachmentInput, Submission};
+use super::submission::{AttachmentInput, Submission};
 
 /// Where the contract's types go in the document: beside the API's own.
 const COMPONENTS: &str = "/components/schemas";

@@ -13,11 +13,12 @@ use axum::response::{IntoResponse, Response};
 use utoipa::IntoParams;
 
 use super::documented::{BadParameter, NoSuchRun, ShuttingDown, StoreFailed, ThreadId, Unauthorized};
-use super::problem::Problem;
+use crate::problem::Problem;
 use super::views::{EventView, EventsPage, RunsPage, SandboxView, SandboxesPage, view};
-use super::{RunPath, authorize, check_thread_id, find};
+use super::submission::check_thread_id;
+use super::{RunPath, authorize, find};
 use crate::app::{ApiError, AppState, from_store};
-use crate::bounds::{LogView, OutOfBounds, cursor, page_limit, parse_cursor};
+use crate::api_bounds::{LogView, OutOfBounds, cursor, page_limit, parse_cursor};
 use crate::dispatch::SandboxPage;
 use crate::model::{Millis, RunState, SandboxState};
 use crate::store::RunQuery;
