@@ -16,12 +16,12 @@
 //!   their timers' rules shared.
 //! - [`containment`]: how the local provider keeps every process of a sandbox killable.
 //! - [`policy`]: the pool's numeric rules (auto-stop floor, TTL schedule).
-//! - [`bounds`]: what one request may carry and one answer hold (pure).
+//! - [`api_bounds`]: what one API request may carry and one answer hold (pure).
 //! - [`metrics`]: the Prometheus text of `/metrics`.
 
 pub mod agent_api;
 mod app;
-pub mod bounds;
+pub mod api_bounds;
 pub mod cluster;
 pub mod containment;
 pub mod credential;
@@ -31,9 +31,9 @@ pub mod listener;
 pub mod metrics;
 pub mod model;
 pub mod policy;
+mod problem;
 pub mod provider;
 pub mod seal;
 pub mod server;
 pub mod store;
-mod submit_checks;
 pub mod user_api;

@@ -10,7 +10,7 @@ use utoipa::ToSchema;
 
 use super::authorize;
 use super::documented::Unauthorized;
-use super::problem::{PROBLEM_JSON, Problem};
+use crate::problem::{PROBLEM_JSON, Problem};
 use crate::app::AppState;
 use crate::store::ReplicaRow;
 
