@@ -269,7 +269,8 @@ impl Driver {
             match crate::config::parse_time(at) {
                 Ok(at) => {
                     let now = Instant::now();
-                    let deadline = time::deadline_instant(time::Deadline::At(at), now, now, std::time::SystemTime::now());
+                    let deadline =
+                        time::deadline_instant(time::Deadline::At(at), now, now, std::time::SystemTime::now());
                     self.machine.tighten_standby_deadline(deadline);
                 }
                 Err(e) => tracing::warn!(error = e, "the spec's deadline is ignored"),

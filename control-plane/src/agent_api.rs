@@ -17,9 +17,9 @@ use standby_protocol::{
 };
 use tokio::sync::mpsc;
 
-use crate::app::{ApiError, AppState, Unread, bearer, from_store, parse_json, read_body};
 use crate::api_bounds::{EVENT_BODY_MAX, LOG_BODY_MAX, agent_socket, bound_event};
-use crate::dispatch::{Admission, Call, ConnId, Input, LogError, AdmissionRefusal};
+use crate::app::{ApiError, AppState, Unread, bearer, from_store, parse_json, read_body};
+use crate::dispatch::{Admission, AdmissionRefusal, Call, ConnId, Input, LogError};
 use crate::engine::{EngineHandle, Outbound};
 use crate::listener::ConnectionSlot;
 use crate::model::{RunRequest, SandboxRecord};
@@ -56,8 +56,9 @@ fn refused(refusal: AdmissionRefusal) -> ApiError {
 
 fn presented(headers: &HeaderMap) -> Result<&str, ApiError> {
     check_protocol(headers)?;
-    bearer(headers)
-        .ok_or_else(|| ApiError::new(AdmissionRefusal::Unauthorized.status(), "missing `Authorization: Bearer <credential>`"))
+    bearer(headers).ok_or_else(|| {
+        ApiError::new(AdmissionRefusal::Unauthorized.status(), "missing `Authorization: Bearer <credential>`")
+    })
 }
 
 async fn admit(state: &AppState, headers: &HeaderMap, call: Call) -> Result<Admission, ApiError> {

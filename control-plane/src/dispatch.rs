@@ -71,12 +71,12 @@ mod input;
 mod logs;
 mod placement;
 mod pool;
+mod queries;
 mod resume;
 mod runs;
 mod sandboxes;
 mod threads;
 mod ticks;
-mod queries;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::time::Duration;
@@ -93,15 +93,15 @@ use crate::model::{
 /// configuration.
 pub use crate::policy::PoolPolicy;
 
-pub use admission::{Admission, Call, AdmissionRefusal};
+pub use admission::{Admission, AdmissionRefusal, Call};
 pub use bounds::{Evicted, MAX_EVENTS_PER_RUN, RunBounds};
 pub use idempotency::{IdempotencyKey, KeyReused, Submitted};
 pub use input::{Answer, Input, Reply};
 pub use logs::{LogError, LogLedger};
+pub use queries::{Histogram, LiveSandbox, MetricsSnapshot, SandboxPage};
 pub use resume::{ResumeFailure, ResumeStart};
 pub use runs::CancelError;
 pub use threads::StalePointer;
-pub use queries::{Histogram, LiveSandbox, MetricsSnapshot, SandboxPage};
 
 /// Identifies one control connection, allocated by the driver.
 pub type ConnId = u64;

@@ -26,7 +26,7 @@ use standby_protocol::{Secret, ServerMessage};
 use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::dispatch::{
-    Answer, ConnId, Dispatch, Effect, Input, Provision, Reply, ResumeFailure, ResumeStart, SandboxPage, LiveSandbox,
+    Answer, ConnId, Dispatch, Effect, Input, LiveSandbox, Provision, Reply, ResumeFailure, ResumeStart, SandboxPage,
     Step,
 };
 use crate::model::{Clock, ParkMode};

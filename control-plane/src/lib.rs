@@ -20,8 +20,8 @@
 //! - [`metrics`]: the Prometheus text of `/metrics`.
 
 pub mod agent_api;
-mod app;
 pub mod api_bounds;
+mod app;
 pub mod cluster;
 pub mod containment;
 pub mod credential;

@@ -16,7 +16,6 @@ use axum::response::{IntoResponse, Response};
 use serde::Serialize;
 use utoipa::ToSchema;
 
-
 /// The media type of every 4xx and 5xx answer of the user API.
 pub const PROBLEM_JSON: &str = "application/problem+json";
 

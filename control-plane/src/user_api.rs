@@ -21,12 +21,12 @@ pub(crate) mod submission;
 pub(crate) mod views;
 
 use self::documented::{NoSuchRun, ShuttingDown, StoreFailed, Unauthorized};
-use crate::problem::{self, PROBLEM_JSON, Problem};
 use self::submission::Submission;
 use self::views::{RunView, ThreadView, view};
 use crate::app::{ApiError, AppState, bearer, from_store, parse_json, read_body};
 use crate::dispatch::{CancelError, IdempotencyKey, Input, KeyReused, Submitted};
 use crate::model::{RunRecord, RunState, ThreadRecord};
+use crate::problem::{self, PROBLEM_JSON, Problem};
 use crate::store::Store;
 
 pub(crate) fn authorize(state: &AppState, headers: &HeaderMap) -> Result<(), Problem> {

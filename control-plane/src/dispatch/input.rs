@@ -12,8 +12,8 @@
 use standby_protocol::{AgentState, Event, Run, Secret};
 
 use super::{
-    Admission, Call, CancelError, ConnId, Dispatch, IdempotencyKey, KeyReused, LogError, MetricsSnapshot, AdmissionRefusal,
-    ResumeFailure, SandboxPage, LiveSandbox, Step, Submitted,
+    Admission, AdmissionRefusal, Call, CancelError, ConnId, Dispatch, IdempotencyKey, KeyReused, LiveSandbox, LogError,
+    MetricsSnapshot, ResumeFailure, SandboxPage, Step, Submitted,
 };
 use crate::model::{Millis, RunRecord, RunRequest, RunState, SandboxRecord, ThreadRecord};
 use crate::provider::Found;

@@ -406,12 +406,12 @@ mod input;
 mod logs;
 mod placement;
 mod pool;
+mod queries;
 mod resume;
 mod runs;
 mod sandboxes;
 mod threads;
 mod ticks;
-mod queries;
 
 impl Step {
     /// No writes and no effects.

@@ -18,12 +18,12 @@ use utoipa::openapi::{Ref, RefOr};
 use utoipa::{Modify, OpenApi};
 
 use super::documented::ThreadId;
-use crate::problem::{FieldProblem, Problem, TYPES};
+use super::submission::{AttachmentInput, Submission};
 use super::views::{
     AttemptView, Durations, EventView, EventsPage, ParkView, ResumeView, RunView, RunsPage, SandboxView, SandboxesPage,
     ThreadView, Timestamps, WaitView,
 };
-use super::submission::{AttachmentInput, Submission};
+use crate::problem::{FieldProblem, Problem, TYPES};
 
 /// Where the contract's types go in the document: beside the API's own.
 const COMPONENTS: &str = "/components/schemas";

@@ -160,7 +160,10 @@ fn a_silent_socket_is_closed_and_replaced_before_its_sandbox_counts_as_silent() 
     world.advance(SECOND);
     let refused = world.machine.claim_socket(world.now, 50, standby.token.expose());
     // Two intervals (1 s each) from its last heartbeat: the 409 says when.
-    assert_eq!(refused.err(), Some(AdmissionRefusal::Duplicate { retry_after: Duration::from_millis(SECOND as u64 + 1) }));
+    assert_eq!(
+        refused.err(),
+        Some(AdmissionRefusal::Duplicate { retry_after: Duration::from_millis(SECOND as u64 + 1) })
+    );
     world.advance(SECOND);
     assert!(world.machine.claim_socket(world.now, 50, standby.token.expose()).is_err(), "live up to the window");
     world.advance(1);
@@ -263,7 +266,11 @@ fn refusals_distinguish_gone_from_unauthorized() {
         (parts.next().map(str::to_owned), parts.next().map(str::to_owned).expect("an id"), ())
     };
     assert_eq!(world.machine.authenticate(&format!("sby_{id}_wrong")), Err(AdmissionRefusal::Unauthorized));
-    assert_eq!(world.machine.authenticate(&format!("run_{id}_wrong")), Err(AdmissionRefusal::Unauthorized), "kind mismatch");
+    assert_eq!(
+        world.machine.authenticate(&format!("run_{id}_wrong")),
+        Err(AdmissionRefusal::Unauthorized),
+        "kind mismatch"
+    );
 }
 
 #[test]

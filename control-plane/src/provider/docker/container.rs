@@ -102,7 +102,10 @@ fn not_modified(error: &DockerApiError) -> bool {
 
 /// A failed Docker API call as a provider error naming the sandbox and what
 /// could not be done.
-pub(super) fn docker_api_failed(sandbox_id: &str, action: &'static str) -> impl FnOnce(DockerApiError) -> ProviderError {
+pub(super) fn docker_api_failed(
+    sandbox_id: &str,
+    action: &'static str,
+) -> impl FnOnce(DockerApiError) -> ProviderError {
     let sandbox = sandbox_id.to_owned();
     move |source| ProviderError::Docker { sandbox, action, source }
 }
@@ -110,7 +113,10 @@ pub(super) fn docker_api_failed(sandbox_id: &str, action: &'static str) -> impl 
 /// Creates the container (not started).
 pub(super) async fn create(docker: &Docker, sandbox_id: &str, body: ContainerCreateBody) -> Result<(), ProviderError> {
     let options = CreateContainerOptions { name: Some(name(sandbox_id)), ..Default::default() };
-    docker.create_container(Some(options), body).await.map_err(docker_api_failed(sandbox_id, "create its container"))?;
+    docker
+        .create_container(Some(options), body)
+        .await
+        .map_err(docker_api_failed(sandbox_id, "create its container"))?;
     Ok(())
 }
 
