@@ -77,7 +77,7 @@ const COMPONENTS: &str = "/components/schemas";
 )]
 struct ApiDoc;
 
-/// A string with no NUL byte: no process can be given one (`submit_checks`).
+/// A string with no NUL byte: no process can be given one (`submission::first_nul`).
 pub(crate) const NO_NUL: &str = "^[^\0]*$";
 /// A string with no NUL byte and something in it.
 const NOT_EMPTY: &str = "^[^\0]+$";
