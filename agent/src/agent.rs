@@ -19,7 +19,7 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use crate::api::{Api, ApiError, call_backoff, retry};
-use crate::config::{Config, Deadline};
+use crate::config::Config;
 use crate::control::{self, ControlConfig, ControlEvent, Login};
 use crate::install::{self, InstallInput, Installed, Prepared};
 use crate::lifecycle::{Action, Input, InstallFailure, Lifecycle, RunSignal, Timeouts};
@@ -269,7 +269,8 @@ impl Driver {
             match crate::config::parse_time(at) {
                 Ok(at) => {
                     let now = Instant::now();
-                    let deadline = time::deadline_instant(Deadline::At(at), now, now, std::time::SystemTime::now());
+                    let deadline =
+                        time::deadline_instant(time::Deadline::At(at), now, now, std::time::SystemTime::now());
                     self.machine.tighten_standby_deadline(deadline);
                 }
                 Err(e) => tracing::warn!(error = e, "the spec's deadline is ignored"),

@@ -9,6 +9,7 @@ use clap::{Parser, ValueEnum};
 use reqwest::Url;
 use standby_protocol::{ExitCode, Secret, vars};
 
+use crate::time::Deadline;
 use crate::urls::is_loopback;
 
 /// `standby`: the pre-warmed sandbox agent.
@@ -134,13 +135,6 @@ pub enum LogFormat {
 pub(crate) enum InstallPlan {
     Parallel,
     Sequential,
-}
-
-/// A deadline as configured: absolute, or relative to the agent's start.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Deadline {
-    At(SystemTime),
-    After(Duration),
 }
 
 fn parse_secret(text: &str) -> Result<Secret, String> {

@@ -39,6 +39,8 @@ use crate::mcp::McpSupervisor;
 use crate::paths::{resolve_inside, write_run_file};
 use crate::shell::IdleShell;
 
+mod attachments;
+
 /// What preparation leaves for the install: the idle shell, the MCP
 /// servers, and the fingerprint they were prepared under.
 #[derive(Debug)]
@@ -229,7 +231,7 @@ fn check(input: &InstallInput, prepared: &Fingerprint) -> Result<PathBuf, Instal
 async fn fetch_parallel(input: &InstallInput, steps: &Steps) -> Result<Fetched, InstallFailure> {
     let (secrets, (), (), cloud, (git_env, git_passwords)) = futures::try_join!(
         steps.time(Stage::Secrets, secrets(input)),
-        steps.time(Stage::Attachments, crate::attachments::attachments(input)),
+        steps.time(Stage::Attachments, attachments::attachments(input)),
         steps.time(Stage::Metadata, metadata(input)),
         steps.time(Stage::CloudCredentials, cloud_credentials(input)),
         git_then_refresh(input, steps),
@@ -239,7 +241,7 @@ async fn fetch_parallel(input: &InstallInput, steps: &Steps) -> Result<Fetched, 
 
 async fn fetch_sequential(input: &InstallInput, steps: &Steps) -> Result<Fetched, InstallFailure> {
     let secrets = steps.time(Stage::Secrets, secrets(input)).await?;
-    steps.time(Stage::Attachments, crate::attachments::attachments(input)).await?;
+    steps.time(Stage::Attachments, attachments::attachments(input)).await?;
     steps.time(Stage::Metadata, metadata(input)).await?;
     let cloud = steps.time(Stage::CloudCredentials, cloud_credentials(input)).await?;
     let (git_env, git_passwords) = git_then_refresh(input, steps).await?;

@@ -25,7 +25,6 @@
 
 pub mod agent;
 pub mod api;
-mod attachments;
 pub mod config;
 pub mod control;
 mod git;

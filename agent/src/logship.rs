@@ -7,7 +7,7 @@
 //! so the terminal is drained at the run's pace whatever the server does.
 //! A sender posts chunks from the spool one at a time, strictly in order,
 //! retrying transient failures with backoff for as long as it takes.
-//! [`ledger::Ledger`] keeps the books (offsets, spool positions, gaps);
+//! [`spool_index::SpoolIndex`] keeps the books (offsets, spool positions, gaps);
 //! this module does the IO around it.
 //!
 //! - Spool full of unsent bytes: the newest bytes are dropped; the next
@@ -34,7 +34,7 @@
 //!   reachable again.
 
 mod drain;
-mod ledger;
+mod spool_index;
 mod store;
 
 use std::path::PathBuf;
@@ -47,7 +47,7 @@ use tokio::sync::{Notify, mpsc};
 use tokio::time::Instant;
 
 use self::drain::Drain;
-use self::ledger::{Chunk, Ledger};
+use self::spool_index::{Chunk, SpoolIndex};
 use self::store::Store;
 use crate::api::{self, Api};
 use crate::redact::Redactor;
@@ -100,7 +100,7 @@ pub struct ShipReport {
 
 /// The spool and its books, shared by the spooler and the sender.
 struct Spool {
-    ledger: Ledger,
+    index: SpoolIndex,
     store: Store,
     /// The output has ended.
     closed: bool,
@@ -137,7 +137,7 @@ pub async fn ship(
         Store::open(&config.spool_dir, &format!("log-spool-{execution_id}-{}", std::process::id()), config.bound);
     let shared = Arc::new(Shared {
         spool: Mutex::new(Spool {
-            ledger: Ledger::new(config.bound),
+            index: SpoolIndex::new(config.bound),
             store,
             closed: false,
             pending_since: None,
@@ -172,12 +172,12 @@ fn append(shared: &Shared, data: &[u8], execution_id: &str) {
     }
     let mut guard = shared.lock();
     let spool = &mut *guard;
-    let placement = spool.ledger.push(data.len() as u64);
+    let placement = spool.index.push(data.len() as u64);
     if placement.keep > 0 {
         let kept = &data[..usize::try_from(placement.keep).unwrap_or(data.len())];
         if let Err(error) = spool.store.write(placement.at, kept) {
             tracing::warn!(execution_id, %error, bytes = kept.len(), "cannot spool the run's output; these bytes are dropped");
-            spool.ledger.unwrite(&placement);
+            spool.index.unwrite(&placement);
         }
     }
     match (placement.dropped > 0, spool.overflowing) {
@@ -185,8 +185,8 @@ fn append(shared: &Shared, data: &[u8], execution_id: &str) {
             spool.overflowing = true;
             tracing::warn!(
                 execution_id,
-                bound = spool.ledger.bound(),
-                at = spool.ledger.end() - placement.dropped,
+                bound = spool.index.bound(),
+                at = spool.index.end() - placement.dropped,
                 "the log spool is full of output the server has not acknowledged; dropping the newest output"
             );
         }
@@ -255,8 +255,8 @@ impl Sender {
             match result {
                 Ok(None) => {
                     let mut spool = self.shared.lock();
-                    spool.ledger.ack(&chunk);
-                    if spool.ledger.next(1).is_none() {
+                    spool.index.ack(&chunk);
+                    if spool.index.next(1).is_none() {
                         spool.pending_since = None;
                     }
                     drop(spool);
@@ -274,7 +274,7 @@ impl Sender {
                         received,
                         "the server refused a chunk at its own count; it is reported as dropped"
                     );
-                    self.shared.lock().ledger.give_up(&chunk);
+                    self.shared.lock().index.give_up(&chunk);
                 }
                 Ok(Some(LogReceived { received })) => {
                     tracing::info!(
@@ -283,7 +283,7 @@ impl Sender {
                         received,
                         "the server holds another part of the log; resuming from its count"
                     );
-                    self.shared.lock().ledger.resync(received);
+                    self.shared.lock().index.resync(received);
                     drain.progressed(Instant::now());
                     report.resyncs += 1;
                 }
@@ -301,17 +301,17 @@ impl Sender {
                     }
                     Answer::Success | Answer::Fatal => {
                         tracing::warn!(execution_id, offset = chunk.offset, bytes = chunk.len, %error, "the server refused a chunk of the run's output; it is reported as dropped");
-                        self.shared.lock().ledger.give_up(&chunk);
+                        self.shared.lock().index.give_up(&chunk);
                     }
                 },
             }
         }
-        let ledger = &self.shared.lock().ledger;
-        report.lost_bytes = gaps + ledger.outstanding();
-        if ledger.outstanding() > 0 && !revoked {
+        let index = &self.shared.lock().index;
+        report.lost_bytes = gaps + index.outstanding();
+        if index.outstanding() > 0 && !revoked {
             tracing::warn!(
                 execution_id,
-                unsent = ledger.outstanding(),
+                unsent = index.outstanding(),
                 bound = ?drain_bound,
                 "the log made no progress for the drain bound; the rest is given up"
             );
@@ -337,7 +337,7 @@ impl Sender {
         if revoked {
             return if spool.closed { Step::Done } else { Step::Wait(None) };
         }
-        let Some(chunk) = spool.ledger.next(MAX_BATCH as u64) else {
+        let Some(chunk) = spool.index.next(MAX_BATCH as u64) else {
             return if spool.closed { Step::Done } else { Step::Wait(None) };
         };
         let flush_at = spool.pending_since.map(|since| since + FLUSH_AFTER);
@@ -349,7 +349,7 @@ impl Sender {
             Ok(data) => Step::Send(chunk, data),
             Err(error) => {
                 tracing::warn!(execution_id = self.execution_id, %error, offset = chunk.offset, "cannot read the log spool; the chunk is reported as dropped");
-                spool.ledger.give_up(&chunk);
+                spool.index.give_up(&chunk);
                 Step::Wait(Some(now))
             }
         }
@@ -382,7 +382,7 @@ mod tests {
     use axum::extract::{ConnectInfo, Path, State};
     use axum::http::{HeaderMap, StatusCode, header};
     use axum::response::{IntoResponse, Response};
-    use standby_protocol::log_ledger::{self, Verdict};
+    use standby_protocol::log_chunk::{self, Verdict};
     use standby_protocol::{PROTOCOL_HEADER, PROTOCOL_VERSION};
 
     use super::*;
@@ -434,7 +434,7 @@ mod tests {
     const WARM: usize = 6;
 
     /// The contract's log endpoint: every chunk judged by the ledger rule
-    /// every server shares (`log_ledger::accept`, amendment 6).
+    /// every server shares (`log_chunk::accept`, amendment 6).
     async fn receive(
         State(server): State<Server>,
         ConnectInfo(peer): ConnectInfo<SocketAddr>,
@@ -466,7 +466,7 @@ mod tests {
             return status.into_response();
         }
         let data = chunk.bytes().expect("base64 data");
-        match log_ledger::accept(received.length, chunk.offset, chunk.dropped, data.len() as u64) {
+        match log_chunk::accept(received.length, chunk.offset, chunk.dropped, data.len() as u64) {
             Verdict::Append { gap, skip, end } => {
                 if gap > 0 {
                     let at = received.length;

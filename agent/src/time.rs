@@ -7,7 +7,13 @@ use std::time::{Duration, SystemTime};
 
 use tokio::time::Instant;
 
-use crate::config::Deadline;
+/// A deadline as configured: absolute, or relative to the agent's start;
+/// [`deadline_instant`] says when it falls.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Deadline {
+    At(SystemTime),
+    After(Duration),
+}
 
 /// A century: later than any sandbox lives, and far enough inside the
 /// range of a monotonic clock that adding it cannot overflow.

@@ -17,41 +17,12 @@ use standby_protocol::{
 };
 use tokio::sync::mpsc;
 
+use crate::api_bounds::{EVENT_BODY_MAX, LOG_BODY_MAX, agent_socket, bound_event};
 use crate::app::{ApiError, AppState, Unread, bearer, from_store, parse_json, read_body};
-use crate::bounds::{EVENT_BODY_MAX, LOG_BODY_MAX, bound_event};
-use crate::dispatch::{Admission, Call, ConnId, Input, LogError, Refusal};
+use crate::dispatch::{Admission, AdmissionRefusal, Call, ConnId, Input, LogError};
 use crate::engine::{EngineHandle, Outbound};
 use crate::listener::ConnectionSlot;
 use crate::model::{RunRequest, SandboxRecord};
-
-/// Agents send heartbeats of under a hundred bytes: a small read buffer per
-/// socket keeps thousands of idle standbys cheap.
-const READ_BUFFER: usize = 4 * 1024;
-/// Anything an agent may legally send is far below this; more fails the
-/// connection instead of making the server hold it.
-const MAX_MESSAGE: usize = 64 * 1024;
-/// A peer that stops reading cannot make the server buffer more than this.
-const MAX_WRITE_BUFFER: usize = 256 * 1024;
-
-/// An agent's socket as the server holds it: the buffers and bounds above.
-/// The follower relay holds agents' sockets the same way.
-pub(crate) fn agent_socket(upgrade: WebSocketUpgrade) -> WebSocketUpgrade {
-    upgrade
-        .read_buffer_size(READ_BUFFER)
-        .write_buffer_size(0)
-        .max_write_buffer_size(MAX_WRITE_BUFFER)
-        .max_message_size(MAX_MESSAGE)
-        .max_frame_size(MAX_MESSAGE)
-}
-
-/// The relay's own socket to the leader: as small as an agent's, but open
-/// to anything the leader sends (an assignment's inline attachments).
-pub(crate) fn leader_socket_config() -> tokio_tungstenite::tungstenite::protocol::WebSocketConfig {
-    tokio_tungstenite::tungstenite::protocol::WebSocketConfig::default()
-        .read_buffer_size(READ_BUFFER)
-        .write_buffer_size(0)
-        .max_write_buffer_size(MAX_WRITE_BUFFER)
-}
 
 fn check_protocol(headers: &HeaderMap) -> Result<(), ApiError> {
     match headers.get(standby_protocol::PROTOCOL_HEADER) {
@@ -68,16 +39,16 @@ fn check_protocol(headers: &HeaderMap) -> Result<(), ApiError> {
     }
 }
 
-fn refused(refusal: Refusal) -> ApiError {
+fn refused(refusal: AdmissionRefusal) -> ApiError {
     match refusal {
-        Refusal::Gone => ApiError::new(refusal.status(), "the standby credential is unknown or retired"),
-        Refusal::Unauthorized => ApiError::new(refusal.status(), "the credential is revoked or not valid"),
-        Refusal::Ended => ApiError::new(
+        AdmissionRefusal::Gone => ApiError::new(refusal.status(), "the standby credential is unknown or retired"),
+        AdmissionRefusal::Unauthorized => ApiError::new(refusal.status(), "the credential is revoked or not valid"),
+        AdmissionRefusal::Ended => ApiError::new(
             refusal.status(),
             "the run is over: its run credential is withdrawn (after a cancel only the run's events and log are \
              accepted)",
         ),
-        Refusal::Duplicate { .. } => {
+        AdmissionRefusal::Duplicate { .. } => {
             ApiError::new(refusal.status(), "a live control connection already uses this credential")
         }
     }
@@ -85,14 +56,15 @@ fn refused(refusal: Refusal) -> ApiError {
 
 fn presented(headers: &HeaderMap) -> Result<&str, ApiError> {
     check_protocol(headers)?;
-    bearer(headers)
-        .ok_or_else(|| ApiError::new(Refusal::Unauthorized.status(), "missing `Authorization: Bearer <credential>`"))
+    bearer(headers).ok_or_else(|| {
+        ApiError::new(AdmissionRefusal::Unauthorized.status(), "missing `Authorization: Bearer <credential>`")
+    })
 }
 
 async fn admit(state: &AppState, headers: &HeaderMap, call: Call) -> Result<Admission, ApiError> {
     let token = presented(headers)?;
     let token = token.to_owned();
-    state.engine.ask::<Result<Admission, Refusal>>(Input::Check { token, call }).await?.map_err(refused)
+    state.engine.ask::<Result<Admission, AdmissionRefusal>>(Input::Check { token, call }).await?.map_err(refused)
 }
 
 /// Admits only the run credential of execution `execution_id`. A standby
@@ -106,7 +78,7 @@ async fn admit_run(
 ) -> Result<(String, u32), ApiError> {
     let wrong = || {
         ApiError::new(
-            Refusal::Unauthorized.status(),
+            AdmissionRefusal::Unauthorized.status(),
             format!("the credential is not a run credential of `{execution_id}`"),
         )
     };
@@ -114,7 +86,7 @@ async fn admit_run(
     let token = token.to_owned();
     match state.engine.ask(Input::Check { token, call }).await? {
         Ok(Admission::Run { run_id, attempt, .. }) if run_id == execution_id => Ok((run_id, attempt)),
-        Ok(_) | Err(Refusal::Gone) => Err(wrong()),
+        Ok(_) | Err(AdmissionRefusal::Gone) => Err(wrong()),
         Err(refusal) => Err(refused(refusal)),
     }
 }
@@ -185,7 +157,7 @@ pub(crate) async fn socket(
     let conn = state.engine.next_conn_id();
     let admission = match state.engine.ask(Input::ClaimSocket { conn, token: token.clone() }).await {
         Ok(Ok(admission)) => admission,
-        Ok(Err(refusal @ Refusal::Duplicate { retry_after })) => {
+        Ok(Err(refusal @ AdmissionRefusal::Duplicate { retry_after })) => {
             // When the live socket counts as gone if it stays silent: an
             // agent whose old connection died unseen comes back then.
             let seconds = retry_after.as_millis().div_ceil(1000).to_string();
@@ -274,13 +246,13 @@ async fn connection(state: AppState, mut socket: WebSocket, conn: ConnId, admiss
 pub(crate) async fn spec(State(state): State<AppState>, headers: HeaderMap) -> Result<Json<Spec>, ApiError> {
     let admission = admit(&state, &headers, Call::Fetch).await?;
     let Admission::Standby { sandbox_id, .. } = admission else {
-        return Err(ApiError::new(Refusal::Unauthorized.status(), "the spec is for standby credentials"));
+        return Err(ApiError::new(AdmissionRefusal::Unauthorized.status(), "the spec is for standby credentials"));
     };
     let sandbox = state
         .engine
         .ask::<Option<SandboxRecord>>(Input::Sandbox { sandbox_id: sandbox_id.clone() })
         .await?
-        .ok_or_else(|| ApiError::new(Refusal::Gone.status(), "the sandbox is gone"))?;
+        .ok_or_else(|| ApiError::new(AdmissionRefusal::Gone.status(), "the sandbox is gone"))?;
     let mut spec = (*state.spec).clone();
     if let Some(workspace) = sandbox.workspace {
         spec.workspace = workspace;
@@ -431,7 +403,7 @@ pub(crate) async fn events(
 /// {"received": n}` when the chunk does not follow what the server holds
 /// (amendment 6: a chunk after exactly the gap it declares in `dropped`
 /// is accepted and the gap recorded). The rule is
-/// [`standby_protocol::log_ledger::accept`].
+/// [`standby_protocol::log_chunk::accept`].
 pub(crate) async fn log(
     State(state): State<AppState>,
     headers: HeaderMap,

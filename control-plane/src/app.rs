@@ -17,6 +17,7 @@ use standby_protocol::Spec;
 use crate::credential::TokenHash;
 use crate::engine::{EngineGone, EngineHandle};
 use crate::listener::{BodyTimedOut, ListenerStats};
+use crate::problem::{FieldProblem, Problem, pointer};
 use crate::store::{Store, StoreError};
 
 #[derive(Clone)]
@@ -37,7 +38,7 @@ pub(crate) struct AppState {
 
 /// An error answer. The agent-facing contract shows it as
 /// `{"error": "...", "field": "..."}` (`field` when one field is to
-/// blame); the user API as a problem (`user_api::problem`).
+/// blame); the user API as a problem ([`Problem`]).
 #[derive(Debug)]
 pub struct ApiError {
     status: StatusCode,
@@ -120,6 +121,34 @@ impl From<StoreError> for ApiError {
     fn from(error: StoreError) -> Self {
         tracing::error!(%error, "store read failed");
         Self::new(StatusCode::INTERNAL_SERVER_ERROR, "the store could not be read")
+    }
+}
+
+impl From<ApiError> for Problem {
+    fn from(error: ApiError) -> Self {
+        let mut problem = Problem::new(error.status(), error.message());
+        if let Some(field) = error.field() {
+            let (pointer, parameter, header) = match error.place() {
+                Place::Body => (Some(pointer(field)), None, None),
+                Place::Query => (None, Some(field.to_owned()), None),
+                Place::Header => (None, None, Some(field.to_owned())),
+            };
+            problem.errors.push(FieldProblem { detail: error.message().to_owned(), pointer, parameter, header });
+            problem.field = Some(field.to_owned());
+        }
+        problem
+    }
+}
+
+impl From<EngineGone> for Problem {
+    fn from(gone: EngineGone) -> Self {
+        ApiError::from(gone).into()
+    }
+}
+
+impl From<StoreError> for Problem {
+    fn from(error: StoreError) -> Self {
+        ApiError::from(error).into()
     }
 }
 
@@ -233,4 +262,23 @@ pub(crate) fn parse_json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<
         .end()
         .map_err(|_| ApiError::new(StatusCode::BAD_REQUEST, "trailing characters after the JSON body"))?;
     Ok(value)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::problem::{INVALID, NOT_FOUND};
+
+    #[test]
+    fn an_api_error_becomes_a_problem_naming_where_the_field_is() {
+        let body = Problem::from(bad("attachments[0].name", "is used by another attachment"));
+        assert_eq!((body.status, body.kind, body.title), (400, INVALID, "Invalid request"));
+        assert_eq!(body.errors[0].pointer.as_deref(), Some("/attachments/0/name"));
+        assert_eq!(body.field.as_deref(), Some("attachments[0].name"));
+        let query =
+            Problem::from(ApiError::new(StatusCode::BAD_REQUEST, "limit: too big").with_field("limit").in_query());
+        assert_eq!((query.errors[0].parameter.as_deref(), query.errors[0].pointer.as_deref()), (Some("limit"), None));
+        let gone = Problem::new(StatusCode::NOT_FOUND, "no run `x`");
+        assert_eq!((gone.kind, gone.errors.len(), gone.field), (NOT_FOUND, 0, None));
+    }
 }

@@ -16,31 +16,16 @@ use sha2::{Digest, Sha256};
 use standby_protocol::Secret;
 use subtle::ConstantTimeEq;
 
-/// Which of the two credentials of the contract a token is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum CredentialKind {
-    /// Identifies one standby sandbox, until the run credential connects.
-    Standby,
-    /// Belongs to one attempt of one execution.
-    Run,
-}
+/// Which of the contract's two credentials a token is: the contract's own
+/// type, so the machine, the store and the agent never disagree on it.
+pub use standby_protocol::CredentialKind;
 
-impl CredentialKind {
-    fn prefix(self) -> &'static str {
-        match self {
-            Self::Standby => "sby",
-            Self::Run => "run",
-        }
-    }
-}
-
-impl fmt::Display for CredentialKind {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Self::Standby => "standby",
-            Self::Run => "run",
-        })
+/// The first part of a token of `kind`, which tells the kinds apart before
+/// any lookup.
+fn kind_prefix(kind: CredentialKind) -> &'static str {
+    match kind {
+        CredentialKind::Standby => "sby",
+        CredentialKind::Run => "run",
     }
 }
 
@@ -84,7 +69,7 @@ pub struct Parsed<'a> {
 /// server never minted.
 pub fn parse(token: &str) -> Option<Parsed<'_>> {
     let (prefix, rest) = token.split_once('_')?;
-    let kind = [CredentialKind::Standby, CredentialKind::Run].into_iter().find(|kind| kind.prefix() == prefix)?;
+    let kind = [CredentialKind::Standby, CredentialKind::Run].into_iter().find(|kind| kind_prefix(*kind) == prefix)?;
     let (id, secret) = rest.split_once('_')?;
     let plain = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_alphanumeric());
     (plain(id) && plain(secret)).then_some(Parsed { kind, id })
@@ -118,7 +103,7 @@ impl Mint for RandomMint {
     fn credential(&mut self, kind: CredentialKind) -> (String, Secret) {
         let id = random_alnum(16);
         // 43 characters of a 62-letter alphabet: more than 256 bits.
-        let token = format!("{}_{id}_{}", kind.prefix(), random_alnum(43));
+        let token = format!("{}_{id}_{}", kind_prefix(kind), random_alnum(43));
         (id, Secret::new(token))
     }
 }
@@ -149,7 +134,7 @@ impl Mint for CountingMint {
     fn credential(&mut self, kind: CredentialKind) -> (String, Secret) {
         self.next += 1;
         let id = format!("c{}", self.next);
-        let token = format!("{}_{id}_s{}", kind.prefix(), self.next);
+        let token = format!("{}_{id}_s{}", kind_prefix(kind), self.next);
         (id, Secret::new(token))
     }
 }

@@ -59,7 +59,7 @@
 //! a restart), `ticks` (time passing), `placement` (binding queued runs),
 //! `pool`, `threads` (the pointer, parking), `resume` (a follow-up turn on
 //! a parked sandbox), `bounds` (what a run may cost), `idempotency` (a
-//! retried submission answers the run it made) and `views` (what the API
+//! retried submission answers the run it made) and `queries` (what the API
 //! and `/metrics` read).
 
 mod admission;
@@ -71,12 +71,12 @@ mod input;
 mod logs;
 mod placement;
 mod pool;
+mod queries;
 mod resume;
 mod runs;
 mod sandboxes;
 mod threads;
 mod ticks;
-mod views;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::time::Duration;
@@ -88,17 +88,20 @@ use crate::model::{
     CredentialRecord, CredentialState, IdempotencyRecord, Millis, Park, ParkMode, RunPath, RunRecord, RunRequest,
     RunState, SandboxRecord, SandboxState, StoredEvent, ThreadRecord,
 };
-use crate::policy::AutoStop;
+/// The pool policy is `policy.rs`'s; the machine's configuration holds it,
+/// and the server and the binary name it from here with the rest of that
+/// configuration.
+pub use crate::policy::PoolPolicy;
 
-pub use admission::{Admission, Call, Refusal};
+pub use admission::{Admission, AdmissionRefusal, Call};
 pub use bounds::{Evicted, MAX_EVENTS_PER_RUN, RunBounds};
 pub use idempotency::{IdempotencyKey, KeyReused, Submitted};
 pub use input::{Answer, Input, Reply};
 pub use logs::{LogError, LogLedger};
+pub use queries::{Histogram, LiveSandbox, MetricsSnapshot, SandboxPage};
 pub use resume::{ResumeFailure, ResumeStart};
 pub use runs::CancelError;
 pub use threads::StalePointer;
-pub use views::{MetricsSnapshot, SandboxPage, SandboxView};
 
 /// Identifies one control connection, allocated by the driver.
 pub type ConnId = u64;
@@ -134,38 +137,6 @@ pub struct DispatchConfig {
     pub pool_policy: PoolPolicy,
     /// What one run may cost: its log cap, its time in memory once finished.
     pub bounds: RunBounds,
-}
-
-/// The pool policy and the thread tiers.
-#[derive(Debug, Clone)]
-pub struct PoolPolicy {
-    /// Most sandboxes costing compute at once; `0`: no cap.
-    pub running_cap: usize,
-    /// A standby is replaced within this; zero: never.
-    pub standby_ttl: Duration,
-    /// Tier 2: how long a thread's sandbox stays running after a turn;
-    /// zero: not at all.
-    pub warm_idle: Duration,
-    /// Tier 1: a thread's sandbox is kept stopped (after the warm idle
-    /// window, or at once); otherwise it is released.
-    pub park_stopped: bool,
-    /// The provider's idle auto-stop, floored for sandboxes kept warm.
-    pub auto_stop: AutoStop,
-    /// How long a resumed sandbox's agent may take to be ready.
-    pub resume_timeout: Duration,
-}
-
-impl Default for PoolPolicy {
-    fn default() -> Self {
-        Self {
-            running_cap: 0,
-            standby_ttl: Duration::ZERO,
-            warm_idle: Duration::from_secs(300),
-            park_stopped: true,
-            auto_stop: AutoStop::default(),
-            resume_timeout: Duration::from_secs(60),
-        }
-    }
 }
 
 impl DispatchConfig {

@@ -30,7 +30,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::cluster::Leadership;
 use crate::dispatch::{
-    Answer, ConnId, Dispatch, Effect, Input, Provision, Reply, ResumeFailure, ResumeStart, SandboxPage, SandboxView,
+    Answer, ConnId, Dispatch, Effect, Input, LiveSandbox, Provision, Reply, ResumeFailure, ResumeStart, SandboxPage,
     Step,
 };
 use crate::model::{Clock, ParkMode};
@@ -94,7 +94,7 @@ enum Command {
     /// A page of sandboxes, with what the provider knows of each.
     Sandboxes {
         page: SandboxPage,
-        reply: oneshot::Sender<Vec<(SandboxView, Details)>>,
+        reply: oneshot::Sender<Vec<(LiveSandbox, Details)>>,
     },
     Stop,
 }
@@ -183,7 +183,7 @@ impl EngineHandle {
     }
 
     /// A page of sandboxes, in creation order, with the provider's details.
-    pub async fn sandboxes(&self, page: SandboxPage) -> Result<Vec<(SandboxView, Details)>, EngineGone> {
+    pub async fn sandboxes(&self, page: SandboxPage) -> Result<Vec<(LiveSandbox, Details)>, EngineGone> {
         let (reply, answer) = oneshot::channel();
         self.tx.send(Command::Sandboxes { page, reply }).await.map_err(|_| EngineGone)?;
         answer.await.map_err(|_| EngineGone)

@@ -2,38 +2,50 @@
 //!
 //! Modules, one job each:
 //! - [`dispatch`]: the server's rules as a pure state machine.
+//! - [`policy`]: the pool's policy and its numeric rules (auto-stop floor,
+//!   TTL schedule).
 //! - [`store`]: durable records behind a trait; SQLite by default.
+//! - `model`: the records; `credential`: tokens minted, kept as hashes.
 //! - [`seal`]: what a run was submitted with, encrypted at rest.
-//! - [`engine`]: drives the state machine: store first, then effects.
+//! - `engine`: drives the state machine: store first, then effects.
 //! - [`server`]: HTTP and the control socket on one listener: the router.
 //! - `app`: what every handler shares (state, error answer, store reads).
-//! - [`agent_api`]: the agent-facing contract's handlers.
-//! - [`user_api`]: the user API's handlers.
+//! - `agent_api`: the agent-facing contract's handlers.
+//! - `user_api`: the user API's handlers; `problem`: its error shape.
+//! - [`api_bounds`]: what one request may carry and one answer hold (pure).
+//! - `metrics`: the Prometheus text of `/metrics`.
 //! - [`listener`]: the accept loop: header timeout, connection cap.
+//! - [`cluster`]: replicas on one PostgreSQL store: the lease, forwarding
+//!   to the leader, the agents' sockets relayed.
 //! - [`provider`]: where sandboxes come from: the trait, and the `local`,
 //!   `docker` (a container per sandbox, Engine API) and `spool` (standby
 //!   credentials as files, for load generation) providers, one module each,
 //!   their timers' rules shared.
 //! - [`containment`]: how the local provider keeps every process of a sandbox killable.
-//! - [`policy`]: the pool's numeric rules (auto-stop floor, TTL schedule).
-//! - [`bounds`]: what one request may carry and one answer hold (pure).
-//! - [`metrics`]: the Prometheus text of `/metrics`.
+//!
+//! # API boundary
+//!
+//! A module is `pub` only when another crate uses it: the `standby-server`
+//! binary (`main.rs`: `cluster`, `containment`, `dispatch`, `listener`,
+//! `policy`, `provider`, `seal`, `server`, `store`) and the integration
+//! tests in `control-plane/tests/` (`api_bounds` as well). The handlers,
+//! the engine, the records and the metrics are private to the crate.
 
-pub mod agent_api;
+mod agent_api;
+pub mod api_bounds;
 mod app;
-pub mod bounds;
 pub mod cluster;
 pub mod containment;
-pub mod credential;
+mod credential;
 pub mod dispatch;
-pub mod engine;
+mod engine;
 pub mod listener;
-pub mod metrics;
-pub mod model;
+mod metrics;
+mod model;
 pub mod policy;
+mod problem;
 pub mod provider;
 pub mod seal;
 pub mod server;
 pub mod store;
-mod submit_checks;
-pub mod user_api;
+mod user_api;

@@ -7,39 +7,9 @@
 use std::fmt::Write as _;
 use std::sync::atomic::Ordering;
 
-use crate::dispatch::MetricsSnapshot;
+use crate::dispatch::{Histogram, MetricsSnapshot};
 use crate::listener::ListenerStats;
 use crate::model::{RunPath, RunState};
-
-/// Upper bounds of the assignment-to-start histogram, in seconds: from a
-/// warm start (tens of milliseconds) to a slow cold one (minutes).
-const BUCKETS: [f64; 14] = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0];
-
-/// Assignment-to-start samples folded into [`BUCKETS`]: what finished runs
-/// that left memory still count, in constant space.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Histogram {
-    /// Samples at or under each bound (not cumulative).
-    counts: [u64; BUCKETS.len()],
-    count: u64,
-    sum_ms: u64,
-}
-
-impl Histogram {
-    pub fn observe(&mut self, ms: u64) {
-        let seconds = ms as f64 / 1000.0;
-        if let Some(slot) = BUCKETS.iter().position(|bound| seconds <= *bound) {
-            self.counts[slot] += 1;
-        }
-        self.count += 1;
-        self.sum_ms = self.sum_ms.saturating_add(ms);
-    }
-
-    /// Samples at or under `BUCKETS[index]`.
-    fn cumulative(&self, index: usize) -> u64 {
-        self.counts[..=index].iter().sum()
-    }
-}
 
 pub fn render(snapshot: &MetricsSnapshot) -> String {
     let mut out = String::new();
@@ -62,12 +32,12 @@ fn render_into(out: &mut String, snapshot: &MetricsSnapshot) -> std::fmt::Result
     writeln!(out, "# TYPE standby_assignment_to_start_seconds histogram")?;
     let seconds: Vec<f64> = snapshot.assignment_to_start_ms.iter().map(|ms| *ms as f64 / 1000.0).collect();
     let past = &snapshot.assignment_to_start_past;
-    for (index, bound) in BUCKETS.into_iter().enumerate() {
+    for (index, bound) in Histogram::BUCKETS.into_iter().enumerate() {
         let count = seconds.iter().filter(|s| **s <= bound).count() as u64 + past.cumulative(index);
         writeln!(out, "standby_assignment_to_start_seconds_bucket{{le=\"{bound}\"}} {count}")?;
     }
-    let count = seconds.len() as u64 + past.count;
-    let sum = seconds.iter().sum::<f64>() + past.sum_ms as f64 / 1000.0;
+    let count = seconds.len() as u64 + past.count();
+    let sum = seconds.iter().sum::<f64>() + past.sum_ms() as f64 / 1000.0;
     writeln!(out, "standby_assignment_to_start_seconds_bucket{{le=\"+Inf\"}} {count}")?;
     writeln!(out, "standby_assignment_to_start_seconds_sum {sum}")?;
     writeln!(out, "standby_assignment_to_start_seconds_count {count}")?;

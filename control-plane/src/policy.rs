@@ -16,6 +16,38 @@ use std::time::Duration;
 
 use crate::model::Millis;
 
+/// The pool policy and the thread tiers.
+#[derive(Debug, Clone)]
+pub struct PoolPolicy {
+    /// Most sandboxes costing compute at once; `0`: no cap.
+    pub running_cap: usize,
+    /// A standby is replaced within this; zero: never.
+    pub standby_ttl: Duration,
+    /// Tier 2: how long a thread's sandbox stays running after a turn;
+    /// zero: not at all.
+    pub warm_idle: Duration,
+    /// Tier 1: a thread's sandbox is kept stopped (after the warm idle
+    /// window, or at once); otherwise it is released.
+    pub park_stopped: bool,
+    /// The provider's idle auto-stop, floored for sandboxes kept warm.
+    pub auto_stop: AutoStop,
+    /// How long a resumed sandbox's agent may take to be ready.
+    pub resume_timeout: Duration,
+}
+
+impl Default for PoolPolicy {
+    fn default() -> Self {
+        Self {
+            running_cap: 0,
+            standby_ttl: Duration::ZERO,
+            warm_idle: Duration::from_secs(300),
+            park_stopped: true,
+            auto_stop: AutoStop::default(),
+            resume_timeout: Duration::from_secs(60),
+        }
+    }
+}
+
 /// Minutes added to the warm idle window for the provider auto-stop floor.
 pub const AUTO_STOP_MARGIN_MINUTES: u32 = 5;
 

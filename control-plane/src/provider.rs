@@ -55,7 +55,7 @@ pub enum ProviderError {
     #[error("sandbox {sandbox}: `tar {args}` failed: {message}")]
     Tar { sandbox: String, args: String, message: String },
     #[error("sandbox {sandbox}: the Docker Engine could not {action}: {source}")]
-    Engine {
+    Docker {
         sandbox: String,
         action: &'static str,
         #[source]

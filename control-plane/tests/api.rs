@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use futures::{SinkExt, StreamExt};
 use serde_json::{Value, json};
-use standby_control_plane::bounds;
+use standby_control_plane::api_bounds;
 use standby_control_plane::dispatch::{Input, RunBounds};
 use standby_control_plane::provider::{AgentLaunch, Details, Found, Launched, ProviderError, SandboxProvider};
 use standby_control_plane::seal::SealKey;
@@ -622,7 +622,7 @@ async fn a_declared_gap_is_recorded_and_a_mismatched_offset_is_answered_409_with
     assert_eq!((status, answer), (200, json!({"received": 26})));
     let (log, received) = read_log(&harness, &run_id, "").await;
     assert_eq!(received, 26);
-    let expected = format!("before\n{}after\n", bounds::gap_marker(13));
+    let expected = format!("before\n{}after\n", api_bounds::gap_marker(13));
     assert_eq!(String::from_utf8(log).expect("text"), expected);
     harness.server.shutdown().await.expect("a clean shutdown");
 }
@@ -639,7 +639,7 @@ async fn past_the_log_cap_chunks_are_acknowledged_and_the_log_ends_with_the_mark
     }
     let (log, received) = read_log(&harness, &run_id, "").await;
     assert_eq!(received, 2800);
-    let expected = format!("{}{}", "x".repeat(1000), bounds::cap_marker(1800));
+    let expected = format!("{}{}", "x".repeat(1000), api_bounds::cap_marker(1800));
     assert_eq!(String::from_utf8(log).expect("text"), expected);
     harness.server.shutdown().await.expect("a clean shutdown");
 }

@@ -161,8 +161,8 @@ pub enum OutOfOrder {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct LogChunk {
     /// At most 2^63 − 1 with the chunk's length added
-    /// ([`crate::log_ledger::MAX_POSITION`]).
-    #[schemars(range(max = crate::log_ledger::MAX_POSITION))]
+    /// ([`crate::log_chunk::MAX_POSITION`]).
+    #[schemars(range(max = crate::log_chunk::MAX_POSITION))]
     pub offset: u64,
     /// Base64 (standard alphabet, padded).
     pub data: String,
@@ -171,7 +171,7 @@ pub struct LogChunk {
     /// and the server accepts it when it equals its stored length plus
     /// `dropped`, recording the gap. At most 2^63 − 1.
     #[serde(default, skip_serializing_if = "is_zero")]
-    #[schemars(range(max = crate::log_ledger::MAX_POSITION))]
+    #[schemars(range(max = crate::log_chunk::MAX_POSITION))]
     pub dropped: u64,
 }
 

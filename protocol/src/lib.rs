@@ -10,7 +10,7 @@ mod fingerprint;
 mod http;
 mod install;
 pub mod layout;
-pub mod log_ledger;
+pub mod log_chunk;
 mod message;
 mod refusal;
 mod secret;

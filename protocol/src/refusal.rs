@@ -5,8 +5,10 @@
 
 use crate::ExitCode;
 
-/// Which credential a request carried.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+/// Which credential a request carried. A server that keeps it keeps it as
+/// `standby` or `run`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum CredentialKind {
     /// The long-lived credential a standby waits with.
     Standby,

@@ -127,7 +127,7 @@ proptest! {
     fn the_log_ledger_never_double_counts(
         chunks in prop::collection::vec((0u64..64, 0u64..16, 0u64..32), 0..24),
     ) {
-        use standby_protocol::log_ledger::{Verdict, accept};
+        use standby_protocol::log_chunk::{Verdict, accept};
         let (mut received, mut held, mut gaps) = (0u64, 0u64, 0u64);
         for (len, dropped, back) in chunks {
             // A chunk at the ledger's end, after a gap, or a retry from `back` bytes earlier.

@@ -10,7 +10,7 @@ use nix::sys::signal::Signal;
 use serde_json::{Value, json};
 use standby_e2e::postgres::TestSchema;
 use standby_e2e::spooled::{Spooled, next_assignment, spooled_on};
-use standby_protocol::log_ledger::MAX_POSITION;
+use standby_protocol::log_chunk::MAX_POSITION;
 use standby_protocol::paths;
 
 /// A chunk of `data` at `offset` after `dropped` bytes, as JSON text (the

@@ -7,7 +7,7 @@ use std::io;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::Path;
 
-/// The spool's bytes, addressed by the ledger's positions (taken modulo
+/// The spool's bytes, addressed by the spool index's positions (taken modulo
 /// the bound).
 #[derive(Debug)]
 pub(super) enum Store {

@@ -34,7 +34,7 @@ use tokio::sync::watch;
 
 use super::trust::{self, TOKEN_HEADER, Target};
 use super::{Cluster, ClusterView, Role};
-use crate::user_api::problem::Problem;
+use crate::problem::Problem;
 
 /// What every replica answers itself.
 pub const LOCAL_PATHS: &[&str] = &["/healthz", "/v1/cluster", "/metrics", "/openapi.json"];

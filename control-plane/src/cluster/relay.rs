@@ -127,7 +127,7 @@ pub async fn socket(cluster: Cluster, target: Target, request: axum::extract::Re
     };
     // Held as the leader holds a direct agent's: small buffers, not the
     // defaults' 128 KiB each way (measured: 292 KiB per relayed socket).
-    crate::agent_api::agent_socket(upgrade).on_upgrade(move |agent| async move {
+    crate::api_bounds::agent_socket(upgrade).on_upgrade(move |agent| async move {
         cluster.stats.relayed_sockets.fetch_add(1, Ordering::Relaxed);
         // A socket stream each way and a dial: boxed, not on the task's stack.
         let relay = Relay { cluster: cluster.clone(), headers, epoch, heartbeat: None };
@@ -191,7 +191,7 @@ async fn dial(cluster: &Cluster, target: &Target, headers: &UpstreamHeaders) -> 
     trust::sign(cluster, &me, target, request.headers_mut());
     let bound = answer_bound(cluster.ttl);
     let connecting =
-        tokio_tungstenite::connect_async_with_config(request, Some(crate::agent_api::leader_socket_config()), true);
+        tokio_tungstenite::connect_async_with_config(request, Some(crate::api_bounds::leader_socket_config()), true);
     let connected = tokio::time::timeout(bound, connecting)
         .await
         .map_err(|_| Dial::Failed(format!("the leader at {leader} did not answer the upgrade within {bound:?}")))?;

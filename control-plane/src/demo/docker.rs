@@ -22,10 +22,9 @@ use bollard::query_parameters::{ListContainersOptions, ListNetworksOptions, Remo
 use standby_control_plane::provider::docker::{DockerOptions, DockerProvider, INSTANCE_LABEL, Limits};
 use tokio::sync::oneshot;
 
-use super::{
-    DEMO_WARM_IDLE, DemoError, DemoOptions, DemoRow, Scene, Serve, Threads, drive, drive_threads, git, io,
-    park_threads, with_server,
-};
+use super::sample::git;
+use super::threads::{DEMO_WARM_IDLE, Threads, drive_threads, park_threads};
+use super::{DemoError, DemoOptions, DemoRow, Scene, Serve, drive, io, with_server};
 
 /// The follow-ups shown on containers (cold is the first part's).
 const PATHS: [&str; 2] = ["parked_running", "parked_stopped"];
@@ -37,7 +36,7 @@ pub(super) async fn run(
     out: &mut impl Write,
 ) -> Result<Vec<DemoRow>, DemoError> {
     let engine = Docker::connect_with_unix_defaults()
-        .map_err(|source| DemoError::Engine { action: "connect at its unix socket".into(), source })?;
+        .map_err(|source| DemoError::DockerApi { action: "connect at its unix socket".into(), source })?;
     ensure_image(&engine, image, &options.agent_bin, out).await?;
     let network_existed = network_exists(&engine, network).await?;
     let mut scene = Scene::new(options)?;
@@ -150,7 +149,7 @@ async fn network_exists(engine: &Docker, network: &str) -> Result<bool, DemoErro
     let networks = engine
         .list_networks(Some(options))
         .await
-        .map_err(|source| DemoError::Engine { action: format!("list the network `{network}`"), source })?;
+        .map_err(|source| DemoError::DockerApi { action: format!("list the network `{network}`"), source })?;
     Ok(!networks.is_empty())
 }
 

@@ -83,9 +83,11 @@ impl Admission {
     }
 }
 
-/// Why a credential is refused.
+/// Why admission refuses a call or a control socket: the contract's two
+/// refusals ([`AdmissionRefusal::contract`]) and the server's own reasons
+/// behind them (a run that ended, a second socket).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-pub enum Refusal {
+pub enum AdmissionRefusal {
     /// `410`: an unknown or retired standby credential; the sandbox is gone.
     #[error("the standby credential is unknown or retired")]
     Gone,
@@ -103,7 +105,7 @@ pub enum Refusal {
     Duplicate { retry_after: Duration },
 }
 
-impl Refusal {
+impl AdmissionRefusal {
     /// The contract's refusal this is, which the agent reads from its
     /// status; `None` for a second socket, which refuses the connection,
     /// not the credential.
@@ -158,8 +160,8 @@ impl Dispatch {
     /// credential is `401`; an unknown or retired standby credential is
     /// `410`; a run credential whose run is over is `410`, and so is one in
     /// its cancel grace for anything but its run's events and log.
-    pub(super) fn check(&self, token: &str, call: Call) -> Result<Admission, Refusal> {
-        let parsed = credential::parse(token).ok_or(Refusal::Unauthorized)?;
+    pub(super) fn check(&self, token: &str, call: Call) -> Result<Admission, AdmissionRefusal> {
+        let parsed = credential::parse(token).ok_or(AdmissionRefusal::Unauthorized)?;
         let record = self.credentials.get(parsed.id);
         let standing = match record {
             None => match parsed.kind {
@@ -175,11 +177,11 @@ impl Dispatch {
             },
         };
         standing.admits(call.purpose()).map_err(|refusal| match (refusal, parsed.kind) {
-            (protocol::Refusal::Unauthorized, _) => Refusal::Unauthorized,
-            (protocol::Refusal::Gone, CredentialKind::Standby) => Refusal::Gone,
-            (protocol::Refusal::Gone, CredentialKind::Run) => Refusal::Ended,
+            (protocol::Refusal::Unauthorized, _) => AdmissionRefusal::Unauthorized,
+            (protocol::Refusal::Gone, CredentialKind::Standby) => AdmissionRefusal::Gone,
+            (protocol::Refusal::Gone, CredentialKind::Run) => AdmissionRefusal::Ended,
         })?;
-        let Some(record) = record else { return Err(Refusal::Unauthorized) };
+        let Some(record) = record else { return Err(AdmissionRefusal::Unauthorized) };
         Ok(match (record.kind, &record.run_id, record.attempt) {
             (CredentialKind::Run, Some(run_id), Some(attempt)) => Admission::Run {
                 sandbox_id: record.sandbox_id.clone(),
@@ -187,7 +189,7 @@ impl Dispatch {
                 attempt,
                 credential_id: record.id.clone(),
             },
-            (CredentialKind::Run, _, _) => return Err(Refusal::Unauthorized),
+            (CredentialKind::Run, _, _) => return Err(AdmissionRefusal::Unauthorized),
             (CredentialKind::Standby, _, _) => {
                 Admission::Standby { sandbox_id: record.sandbox_id.clone(), credential_id: record.id.clone() }
             }
@@ -197,7 +199,7 @@ impl Dispatch {
     /// Who `token` is, or why it is refused, for anything but a run's
     /// events and log (see [`Dispatch::check`]).
     #[cfg(test)]
-    pub(super) fn authenticate(&self, token: &str) -> Result<Admission, Refusal> {
+    pub(super) fn authenticate(&self, token: &str) -> Result<Admission, AdmissionRefusal> {
         self.check(token, Call::Fetch)
     }
 
@@ -209,7 +211,7 @@ impl Dispatch {
         now: Millis,
         conn: ConnId,
         token: &str,
-    ) -> Result<(Admission, Step), Refusal> {
+    ) -> Result<(Admission, Step), AdmissionRefusal> {
         let admission = self.check(token, Call::Socket)?;
         let mut step = Step::default();
         let credential_id = admission.credential_id().to_owned();
@@ -229,7 +231,7 @@ impl Dispatch {
                      the credential may have been copied"
                 );
                 let retry_after = Duration::from_millis(gone_after.since(now) + 1);
-                return Err(Refusal::Duplicate { retry_after });
+                return Err(AdmissionRefusal::Duplicate { retry_after });
             }
             tracing::info!(conn = existing.conn, "a silent control connection was replaced by a new one");
             step.effects.push(Effect::Close { conn: existing.conn });

@@ -11,8 +11,7 @@
 
 use std::time::Duration;
 
-use super::Dispatch;
-use crate::metrics::Histogram;
+use super::{Dispatch, Histogram};
 use crate::model::{AttemptOutcome, Millis, RunPath, RunRecord, RunState};
 
 /// Distinct events a run records. An agent sends a handful per attempt;

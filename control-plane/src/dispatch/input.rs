@@ -12,8 +12,8 @@
 use standby_protocol::{AgentState, Event, Run, Secret};
 
 use super::{
-    Admission, Call, CancelError, ConnId, Dispatch, IdempotencyKey, KeyReused, LogError, MetricsSnapshot, Refusal,
-    ResumeFailure, SandboxPage, SandboxView, Step, Submitted,
+    Admission, AdmissionRefusal, Call, CancelError, ConnId, Dispatch, IdempotencyKey, KeyReused, LiveSandbox, LogError,
+    MetricsSnapshot, ResumeFailure, SandboxPage, Step, Submitted,
 };
 use crate::model::{Millis, RunRecord, RunRequest, RunState, SandboxRecord, ThreadRecord};
 use crate::provider::Found;
@@ -152,7 +152,7 @@ macro_rules! replies {
 }
 
 replies! {
-    Admission(Result<Admission, Refusal>),
+    Admission(Result<Admission, AdmissionRefusal>),
     Submitted(Result<(Submitted, Option<RunRecord>), KeyReused>),
     /// The state the run is in after the cancel.
     Cancelled(Result<RunState, CancelError>),
@@ -161,7 +161,7 @@ replies! {
     Run(Option<RunRecord>),
     Thread(Option<ThreadRecord>),
     Sandbox(Option<SandboxRecord>),
-    Sandboxes(Vec<SandboxView>),
+    Sandboxes(Vec<LiveSandbox>),
     Metrics(MetricsSnapshot),
 }
 

@@ -1,9 +1,9 @@
 //! A run's terminal output, chunk by chunk: the ledger rule is the
-//! contract's ([`standby_protocol::log_ledger::accept`]); what is stored
+//! contract's ([`standby_protocol::log_chunk::accept`]); what is stored
 //! stops at the run's log cap ([`super::RunBounds::log_cap`]), past which
 //! chunks are acknowledged and counted.
 
-use standby_protocol::log_ledger::{MAX_POSITION, Verdict, accept, in_range};
+use standby_protocol::log_chunk::{MAX_POSITION, Verdict, accept, in_range};
 
 use super::{Dispatch, Step, Write};
 
@@ -12,7 +12,7 @@ use super::{Dispatch, Step, Write};
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct LogLedger {
     /// Bytes of the output stream accounted for: held, dropped by the
-    /// agent (gaps), or over the cap ([`standby_protocol::log_ledger`]).
+    /// agent (gaps), or over the cap ([`standby_protocol::log_chunk`]).
     pub received: u64,
     /// Bytes stored.
     pub held: u64,
@@ -39,7 +39,7 @@ pub enum LogError {
 impl Dispatch {
     /// A chunk of the run's log: `data` at stream `offset`, after `dropped`
     /// bytes the agent gave up on. The ledger rule is
-    /// [`standby_protocol::log_ledger::accept`]; past the run's log cap the
+    /// [`standby_protocol::log_chunk::accept`]; past the run's log cap the
     /// chunk is acknowledged and counted, not stored. A chunk for a run not
     /// in memory (finished and evicted, or unknown) is acknowledged and
     /// dropped. Returns the bytes accounted for, to acknowledge.

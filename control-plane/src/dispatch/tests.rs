@@ -9,6 +9,7 @@ use standby_protocol::{Assignment, Cause, Event, EventKind, Repo, Run, Stage, Wo
 use super::*;
 use crate::credential::CountingMint;
 use crate::model::{AttemptOutcome, IdempotencyRecord, SandboxKind};
+use crate::policy::AutoStop;
 use crate::provider::Found;
 
 const SECOND: i64 = 1000;
@@ -405,12 +406,12 @@ mod input;
 mod logs;
 mod placement;
 mod pool;
+mod queries;
 mod resume;
 mod runs;
 mod sandboxes;
 mod threads;
 mod ticks;
-mod views;
 
 impl Step {
     /// No writes and no effects.

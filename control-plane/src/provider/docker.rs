@@ -176,7 +176,7 @@ impl DockerProvider {
                 Ok(Some((running, inspected.exec_ids.unwrap_or_default())))
             }
             Err(error) if container::not_found(&error) => Ok(None),
-            Err(error) => Err(container::engine_error(sandbox_id, "inspect its container")(error)),
+            Err(error) => Err(container::docker_api_failed(sandbox_id, "inspect its container")(error)),
         }
     }
 

@@ -10,8 +10,8 @@ use utoipa::ToSchema;
 
 use super::authorize;
 use super::documented::Unauthorized;
-use super::problem::{PROBLEM_JSON, Problem};
 use crate::app::AppState;
+use crate::problem::{PROBLEM_JSON, Problem};
 use crate::store::ReplicaRow;
 
 /// The replicated deployment as this replica sees it.

@@ -8,7 +8,7 @@
 
 use utoipa::{IntoResponses, ToSchema};
 
-use super::problem::{PROBLEM_JSON, Problem};
+use crate::problem::{PROBLEM_JSON, Problem};
 
 /// Every call but the document's own needs the API key (`authorize`).
 #[derive(IntoResponses)]

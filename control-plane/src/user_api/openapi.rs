@@ -18,12 +18,12 @@ use utoipa::openapi::{Ref, RefOr};
 use utoipa::{Modify, OpenApi};
 
 use super::documented::ThreadId;
-use super::problem::{FieldProblem, Problem, TYPES};
+use super::submission::{AttachmentInput, Submission};
 use super::views::{
     AttemptView, Durations, EventView, EventsPage, ParkView, ResumeView, RunView, RunsPage, SandboxView, SandboxesPage,
     ThreadView, Timestamps, WaitView,
 };
-use super::{AttachmentInput, Submission};
+use crate::problem::{FieldProblem, Problem, TYPES};
 
 /// Where the contract's types go in the document: beside the API's own.
 const COMPONENTS: &str = "/components/schemas";
@@ -77,7 +77,7 @@ const COMPONENTS: &str = "/components/schemas";
 )]
 struct ApiDoc;
 
-/// A string with no NUL byte: no process can be given one (`submit_checks`).
+/// A string with no NUL byte: no process can be given one (`submission::first_nul`).
 pub(crate) const NO_NUL: &str = "^[^\0]*$";
 /// A string with no NUL byte and something in it.
 const NOT_EMPTY: &str = "^[^\0]+$";

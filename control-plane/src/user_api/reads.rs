@@ -13,13 +13,14 @@ use axum::response::{IntoResponse, Response};
 use utoipa::IntoParams;
 
 use super::documented::{BadParameter, NoSuchRun, ShuttingDown, StoreFailed, ThreadId, Unauthorized};
-use super::problem::Problem;
+use super::submission::check_thread_id;
 use super::views::{EventView, EventsPage, RunsPage, SandboxView, SandboxesPage, view};
-use super::{RunPath, authorize, check_thread_id, find};
+use super::{RunPath, authorize, find};
+use crate::api_bounds::{LogView, OutOfBounds, cursor, page_limit, parse_cursor};
 use crate::app::{ApiError, AppState, from_store};
-use crate::bounds::{LogView, OutOfBounds, cursor, page_limit, parse_cursor};
 use crate::dispatch::SandboxPage;
 use crate::model::{Millis, RunState, SandboxState};
+use crate::problem::Problem;
 use crate::store::RunQuery;
 
 /// Stored pieces of a log read per store call while streaming: at most 16

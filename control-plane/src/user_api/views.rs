@@ -5,7 +5,7 @@
 use serde::Serialize;
 use utoipa::ToSchema;
 
-use crate::dispatch::SandboxView as LiveSandbox;
+use crate::dispatch::LiveSandbox;
 use crate::model::{
     Attempt, AttemptOutcome, Millis, ParkMode, Resume, RunPath, RunRecord, RunState, SandboxKind, SandboxState,
     StoredEvent, ThreadRecord,

@@ -2,7 +2,7 @@
 //! asked) and recorded. Events and log chunks are taken by the protocol's
 //! rules and checked against them; what breaks a rule is a violation.
 
-use standby_protocol::log_ledger::{self, Verdict};
+use standby_protocol::log_chunk::{self, Verdict};
 use standby_protocol::{Endpoint, Event, EventKind, LogChunk, LogReceived};
 use tokio::time::Instant;
 
@@ -131,7 +131,7 @@ impl Inner {
         HttpAnswer::json(202, &serde_json::json!({}))
     }
 
-    /// Takes a chunk by the ledger rule ([`log_ledger::accept`]): appended
+    /// Takes a chunk by the ledger rule ([`log_chunk::accept`]): appended
     /// after any declared gap, a retry acknowledged without storing its
     /// bytes twice, anything else answered `409` with `{"received": n}`.
     /// A conflict is a violation unless the test made the server forget
@@ -147,7 +147,7 @@ impl Inner {
                 return HttpAnswer::error(400, "malformed log chunk");
             }
         };
-        if let Err(field) = log_ledger::in_range(offset, dropped, bytes.len() as u64) {
+        if let Err(field) = log_chunk::in_range(offset, dropped, bytes.len() as u64) {
             self.violation(format!("log chunk of {execution_id} past the largest stream position ({field})"));
             return HttpAnswer::error(400, field);
         }
@@ -155,7 +155,7 @@ impl Inner {
             return HttpAnswer::error(404, "no such execution");
         };
         let received = record.log_received;
-        let verdict = log_ledger::accept(received, offset, dropped, bytes.len() as u64);
+        let verdict = log_chunk::accept(received, offset, dropped, bytes.len() as u64);
         let problem = match verdict {
             Verdict::Conflict if record.log_forgotten => None,
             Verdict::Conflict => Some(format!(

@@ -5,7 +5,7 @@
 //!
 //! The contract's rules come from `standby_protocol`: a credential is
 //! answered by [`Standing::admits`], a log chunk by
-//! [`log_ledger::accept`](standby_protocol::log_ledger::accept), an event's
+//! [`log_chunk::accept`](standby_protocol::log_chunk::accept), an event's
 //! order is checked by [`EventKind::may_follow`](standby_protocol::EventKind::may_follow).
 //! What is left here is the server's own bookkeeping.
 

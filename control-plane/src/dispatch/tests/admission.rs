@@ -24,7 +24,7 @@ fn running(world: &mut World) -> (String, Assignment, ConnId) {
 
 fn refused_everywhere(machine: &Dispatch, token: &Secret) {
     for call in [Call::Socket, Call::Fetch, Call::Report] {
-        assert_eq!(machine.check(token.expose(), call), Err(Refusal::Ended), "{call:?}");
+        assert_eq!(machine.check(token.expose(), call), Err(AdmissionRefusal::Ended), "{call:?}");
     }
 }
 
@@ -89,8 +89,8 @@ fn after_a_cancel_the_run_credential_reports_until_the_agent_is_done() {
         world.machine.cancel(world.now, &run_id).expect("cancelled");
         assert_eq!(world.run(&run_id).state, RunState::Cancelled);
         assert!(world.machine.check(token.expose(), Call::Report).is_ok(), "{ending}");
-        assert_eq!(world.machine.check(token.expose(), Call::Fetch), Err(Refusal::Ended));
-        assert_eq!(world.machine.check(token.expose(), Call::Socket), Err(Refusal::Ended));
+        assert_eq!(world.machine.check(token.expose(), Call::Fetch), Err(AdmissionRefusal::Ended));
+        assert_eq!(world.machine.check(token.expose(), Call::Socket), Err(AdmissionRefusal::Ended));
         match ending {
             "report" => {
                 // The agent's `cancelled` is accepted (recorded) and is its last word.
@@ -124,7 +124,7 @@ fn a_cancel_grace_survives_a_restart_with_a_fresh_bound() {
     let (mut machine, _) =
         Dispatch::restore(config(1), Box::new(CountingMint::starting_at(1000)), world.snapshot(), world.now);
     assert!(machine.check(token.expose(), Call::Report).is_ok());
-    assert_eq!(machine.check(token.expose(), Call::Fetch), Err(Refusal::Ended));
+    assert_eq!(machine.check(token.expose(), Call::Fetch), Err(AdmissionRefusal::Ended));
     machine.tick(world.now.plus(Duration::from_millis((5 * SECOND + SILENCE + 1) as u64)));
     refused_everywhere(&machine, &token);
 }
@@ -139,11 +139,11 @@ fn a_second_socket_on_a_live_standby_credential_is_refused_and_counted() {
     world.heartbeat(first, AgentState::Ready);
     assert!(matches!(
         world.machine.claim_socket(world.now, 50, standby.token.expose()),
-        Err(Refusal::Duplicate { .. })
+        Err(AdmissionRefusal::Duplicate { .. })
     ));
     assert!(matches!(
         world.machine.claim_socket(world.now, 51, standby.token.expose()),
-        Err(Refusal::Duplicate { .. })
+        Err(AdmissionRefusal::Duplicate { .. })
     ));
     assert_eq!(world.machine.metrics().duplicate_connections_refused, 2);
     // Exactly one socket gets the assignment.
@@ -160,7 +160,10 @@ fn a_silent_socket_is_closed_and_replaced_before_its_sandbox_counts_as_silent() 
     world.advance(SECOND);
     let refused = world.machine.claim_socket(world.now, 50, standby.token.expose());
     // Two intervals (1 s each) from its last heartbeat: the 409 says when.
-    assert_eq!(refused.err(), Some(Refusal::Duplicate { retry_after: Duration::from_millis(SECOND as u64 + 1) }));
+    assert_eq!(
+        refused.err(),
+        Some(AdmissionRefusal::Duplicate { retry_after: Duration::from_millis(SECOND as u64 + 1) })
+    );
     world.advance(SECOND);
     assert!(world.machine.claim_socket(world.now, 50, standby.token.expose()).is_err(), "live up to the window");
     world.advance(1);
@@ -178,7 +181,7 @@ fn a_silent_socket_is_closed_and_replaced_before_its_sandbox_counts_as_silent() 
     world.machine.disconnected(first);
     assert!(matches!(
         world.machine.claim_socket(world.now, 52, standby.token.expose()),
-        Err(Refusal::Duplicate { .. })
+        Err(AdmissionRefusal::Duplicate { .. })
     ));
 }
 
@@ -195,7 +198,7 @@ fn a_closed_socket_or_a_failed_upgrade_frees_the_credential_at_once() {
     // Two upgrades at once: the claim is taken before either connects.
     assert!(matches!(
         world.machine.claim_socket(world.now, 51, standby.token.expose()),
-        Err(Refusal::Duplicate { .. })
+        Err(AdmissionRefusal::Duplicate { .. })
     ));
     // The upgrade of 50 never completed: its claim goes with it.
     world.machine.disconnected(50);
@@ -210,7 +213,7 @@ fn a_run_credential_has_one_socket_too() {
     let mut world = World::new(1);
     let (_, assignment, run_conn) = running(&mut world);
     let token = assignment.run_credential.expose();
-    assert!(matches!(world.machine.claim_socket(world.now, 60, token), Err(Refusal::Duplicate { .. })));
+    assert!(matches!(world.machine.claim_socket(world.now, 60, token), Err(AdmissionRefusal::Duplicate { .. })));
     world.machine.disconnected(run_conn);
     let (_, step) = world.machine.claim_socket(world.now, 61, token).expect("a reconnect");
     assert!(step.is_empty());
@@ -254,16 +257,20 @@ fn the_assignment_always_names_the_workspace_the_run_expects() {
 fn refusals_distinguish_gone_from_unauthorized() {
     let mut world = World::new(1);
     let (standby, _) = world.ready_pool().remove(0);
-    assert_eq!(world.machine.authenticate("sby_unknown_secret"), Err(Refusal::Gone));
-    assert_eq!(world.machine.authenticate("run_unknown_secret"), Err(Refusal::Unauthorized));
-    assert_eq!(world.machine.authenticate("not a token"), Err(Refusal::Unauthorized));
+    assert_eq!(world.machine.authenticate("sby_unknown_secret"), Err(AdmissionRefusal::Gone));
+    assert_eq!(world.machine.authenticate("run_unknown_secret"), Err(AdmissionRefusal::Unauthorized));
+    assert_eq!(world.machine.authenticate("not a token"), Err(AdmissionRefusal::Unauthorized));
     let (_, id, _) = {
         let text = standby.token.expose().to_owned();
         let mut parts = text.splitn(3, '_');
         (parts.next().map(str::to_owned), parts.next().map(str::to_owned).expect("an id"), ())
     };
-    assert_eq!(world.machine.authenticate(&format!("sby_{id}_wrong")), Err(Refusal::Unauthorized));
-    assert_eq!(world.machine.authenticate(&format!("run_{id}_wrong")), Err(Refusal::Unauthorized), "kind mismatch");
+    assert_eq!(world.machine.authenticate(&format!("sby_{id}_wrong")), Err(AdmissionRefusal::Unauthorized));
+    assert_eq!(
+        world.machine.authenticate(&format!("run_{id}_wrong")),
+        Err(AdmissionRefusal::Unauthorized),
+        "kind mismatch"
+    );
 }
 
 #[test]
@@ -271,16 +278,16 @@ fn refusals_answer_the_contracts_statuses() {
     use standby_protocol::{Answer, CredentialKind, ExitCode};
     // What the agent makes of each answer, for the credential it presented.
     let cases = [
-        (Refusal::Gone, CredentialKind::Standby, 410, ExitCode::Unavailable),
-        (Refusal::Unauthorized, CredentialKind::Standby, 401, ExitCode::Unauthorized),
-        (Refusal::Unauthorized, CredentialKind::Run, 401, ExitCode::Withdrawn),
-        (Refusal::Ended, CredentialKind::Run, 410, ExitCode::Withdrawn),
+        (AdmissionRefusal::Gone, CredentialKind::Standby, 410, ExitCode::Unavailable),
+        (AdmissionRefusal::Unauthorized, CredentialKind::Standby, 401, ExitCode::Unauthorized),
+        (AdmissionRefusal::Unauthorized, CredentialKind::Run, 401, ExitCode::Withdrawn),
+        (AdmissionRefusal::Ended, CredentialKind::Run, 410, ExitCode::Withdrawn),
     ];
     for (refusal, credential, status, exit) in cases {
         assert_eq!(refusal.status().as_u16(), status, "{refusal:?}");
         let Answer::Refused(read) = Answer::of(refusal.status().as_u16()) else { panic!("{refusal:?} is a refusal") };
         assert_eq!(read.exit(credential), exit, "{refusal:?} of a {credential:?} credential");
     }
-    let duplicate = Refusal::Duplicate { retry_after: Duration::from_secs(1) };
+    let duplicate = AdmissionRefusal::Duplicate { retry_after: Duration::from_secs(1) };
     assert_eq!((duplicate.contract(), duplicate.status().as_u16()), (None, 409), "a second socket, not a refusal");
 }

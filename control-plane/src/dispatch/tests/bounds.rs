@@ -2,7 +2,7 @@
 //! gaps, the events a run records, finished runs leaving memory.
 
 use super::*;
-use standby_protocol::log_ledger::MAX_POSITION;
+use standby_protocol::log_chunk::MAX_POSITION;
 
 fn bounded(log_cap: u64, retention: Duration) -> World {
     let mut config = config(1);

@@ -72,7 +72,7 @@ fn the_run_credential_connecting_revokes_the_standby_credential_and_replays_the_
     let record = world.run(&run_id);
     assert_eq!(record.state, RunState::Confirmed);
     assert_eq!(record.current().and_then(|a| a.delivery_confirmed_at), Some(world.now));
-    assert_eq!(world.machine.authenticate(standby.token.expose()), Err(Refusal::Unauthorized));
+    assert_eq!(world.machine.authenticate(standby.token.expose()), Err(AdmissionRefusal::Unauthorized));
     // A reconnection with the run credential gets the replay again.
     world.machine.disconnected(run_conn);
     let (_, again, step) = world.connect(&assignment.run_credential);

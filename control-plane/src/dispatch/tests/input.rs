@@ -14,8 +14,8 @@ fn the_reply_of_each_input_is_its_answer() {
     let mut world = World::new(1);
     world.ready_pool();
     let token = || "not-a-credential".to_owned();
-    let _: Result<Admission, Refusal> = answer(&mut world, Input::Check { token: token(), call: Call::Fetch });
-    let _: Result<Admission, Refusal> = answer(&mut world, Input::ClaimSocket { conn: 99, token: token() });
+    let _: Result<Admission, AdmissionRefusal> = answer(&mut world, Input::Check { token: token(), call: Call::Fetch });
+    let _: Result<Admission, AdmissionRefusal> = answer(&mut world, Input::ClaimSocket { conn: 99, token: token() });
     let submit = Input::Submit { run: Box::new(run("true")), request: Box::new(request()), thread_id: None, key: None };
     let submitted: Result<(Submitted, Option<RunRecord>), KeyReused> = answer(&mut world, submit);
     let (submitted, record) = submitted.expect("a new run");
@@ -28,7 +28,7 @@ fn the_reply_of_each_input_is_its_answer() {
     let _: Option<ThreadRecord> = answer(&mut world, Input::Thread { thread_id: "t".into() });
     let _: Option<SandboxRecord> = answer(&mut world, Input::Sandbox { sandbox_id: "sbx".into() });
     let page = SandboxPage { limit: 10, ..SandboxPage::default() };
-    let views: Vec<SandboxView> = answer(&mut world, Input::Sandboxes { page });
+    let views: Vec<LiveSandbox> = answer(&mut world, Input::Sandboxes { page });
     assert!(!views.is_empty());
     let _: MetricsSnapshot = answer(&mut world, Input::Metrics);
     let sandbox_id = || "sbx".to_owned();

@@ -176,7 +176,7 @@ fn an_exited_standby_is_replaced_and_repeated_failures_back_off() {
     let step = world.machine.sandbox_exited(world.now, &first.sandbox_id, Some(15));
     assert_eq!(world.sandbox(&first.sandbox_id).state, SandboxState::Retired);
     assert!(launches(&step).is_empty(), "backoff: no replacement at once after a failure");
-    assert_eq!(world.machine.authenticate(first.token.expose()), Err(Refusal::Gone));
+    assert_eq!(world.machine.authenticate(first.token.expose()), Err(AdmissionRefusal::Gone));
     world.advance(SECOND + 1);
     let second = launches(&world.tick()).remove(0);
     let (_, conn, _) = world.connect(&second.token);

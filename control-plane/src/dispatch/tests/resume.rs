@@ -198,7 +198,7 @@ fn a_resume_that_fails_falls_back_to_a_fresh_sandbox_and_records_why() {
         let new_sandbox = run.current().expect("bound").sandbox_id.clone();
         assert_eq!(world.machine.thread("t1").and_then(|t| t.sandbox_id.clone()), Some(new_sandbox));
         assert_eq!(launches(&step).len(), 1, "{failure}: a cold sandbox");
-        assert_eq!(world.machine.authenticate(token.expose()), Err(Refusal::Unauthorized));
+        assert_eq!(world.machine.authenticate(token.expose()), Err(AdmissionRefusal::Unauthorized));
     }
 }
 

@@ -15,10 +15,10 @@ fn cancel_before_confirmation_withdraws_first_and_retires_the_sandbox() {
     assert!(matches!(sends(&step, conn).as_slice(), [ServerMessage::Cancel(c)] if c.execution_id == run_id));
     assert_eq!(retires(&step), std::slice::from_ref(&standby.sandbox_id));
     // Amendment 8: only the run's events and log, until the agent is done.
-    assert_eq!(world.machine.authenticate(assignment.run_credential.expose()), Err(Refusal::Ended));
+    assert_eq!(world.machine.authenticate(assignment.run_credential.expose()), Err(AdmissionRefusal::Ended));
     assert!(world.machine.check(assignment.run_credential.expose(), Call::Report).is_ok());
-    assert_eq!(world.machine.check(assignment.run_credential.expose(), Call::Socket), Err(Refusal::Ended));
-    assert_eq!(world.machine.authenticate(standby.token.expose()), Err(Refusal::Gone));
+    assert_eq!(world.machine.check(assignment.run_credential.expose(), Call::Socket), Err(AdmissionRefusal::Ended));
+    assert_eq!(world.machine.authenticate(standby.token.expose()), Err(AdmissionRefusal::Gone));
     let record = world.run(&run_id);
     assert_eq!(record.current().and_then(|a| a.outcome), Some(AttemptOutcome::Cancelled));
     assert_eq!(world.sandbox(&standby.sandbox_id).state, SandboxState::Retired);
@@ -37,10 +37,10 @@ fn cancel_of_a_running_run_asks_the_agent_and_waits_for_its_report() {
     assert!(matches!(sends(&step, run_conn).as_slice(), [ServerMessage::Cancel(_)]));
     let token = assignment.run_credential.expose();
     assert!(world.machine.check(token, Call::Report).is_ok(), "it can still report");
-    assert_eq!(world.machine.authenticate(token), Err(Refusal::Ended), "and do nothing else (amendment 8)");
+    assert_eq!(world.machine.authenticate(token), Err(AdmissionRefusal::Ended), "and do nothing else (amendment 8)");
     let step = world.event(&run_id, "e2", EventKind::Cancelled);
     assert_eq!(world.run(&run_id).state, RunState::Cancelled);
-    assert_eq!(world.machine.check(token, Call::Report), Err(Refusal::Ended), "its report was the last");
+    assert_eq!(world.machine.check(token, Call::Report), Err(AdmissionRefusal::Ended), "its report was the last");
     assert_eq!(closes(&step), [run_conn]);
 }
 

@@ -12,8 +12,8 @@ fn a_committed_standby_that_exits_before_confirming_is_written_off_and_the_run_r
     assert_eq!(position(&step, revokes(&first_credential)), 0);
     // Both credentials are now refused with 401: the sandbox can neither
     // start the run nor come back as a standby.
-    assert_eq!(world.machine.authenticate(assignment.run_credential.expose()), Err(Refusal::Unauthorized));
-    assert_eq!(world.machine.authenticate(standby.token.expose()), Err(Refusal::Unauthorized));
+    assert_eq!(world.machine.authenticate(assignment.run_credential.expose()), Err(AdmissionRefusal::Unauthorized));
+    assert_eq!(world.machine.authenticate(standby.token.expose()), Err(AdmissionRefusal::Unauthorized));
     let record = world.run(&run_id);
     assert_eq!(record.attempts.len(), 2);
     assert_eq!(record.attempts[0].outcome, Some(AttemptOutcome::Requeued));
@@ -34,7 +34,7 @@ fn a_sandbox_that_dies_after_confirmation_fails_its_run_rather_than_run_it_twice
     assert_eq!(record.state, RunState::Failed);
     assert_eq!(record.attempts.len(), 1, "not sent to another sandbox");
     assert!(record.error.as_deref().is_some_and(|e| e.contains("not run again")), "{:?}", record.error);
-    assert_eq!(world.machine.authenticate(assignment.run_credential.expose()), Err(Refusal::Unauthorized));
+    assert_eq!(world.machine.authenticate(assignment.run_credential.expose()), Err(AdmissionRefusal::Unauthorized));
     assert!(
         launches(&step).iter().all(|l| world.sandbox(&l.sandbox_id).kind == SandboxKind::Warm),
         "no cold sandbox for it"

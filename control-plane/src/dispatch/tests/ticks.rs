@@ -13,7 +13,7 @@ fn a_silent_standby_is_retired_and_replaced() {
     assert_eq!(retires(&step), std::slice::from_ref(&standby.sandbox_id));
     assert!(matches!(sends(&step, conn).as_slice(), [ServerMessage::Retired(_)]));
     assert_eq!(launches(&step).len(), 1);
-    assert_eq!(world.machine.authenticate(standby.token.expose()), Err(Refusal::Gone));
+    assert_eq!(world.machine.authenticate(standby.token.expose()), Err(AdmissionRefusal::Gone));
 }
 
 #[test]

@@ -16,7 +16,7 @@ use bollard::Docker;
 use bollard::models::ContainerConfig;
 use bollard::query_parameters::{CommitContainerOptions, ListImagesOptions, RemoveImageOptions};
 
-use super::container::{self, INSTANCE_LABEL, SANDBOX_LABEL, engine_error, not_found};
+use super::container::{self, INSTANCE_LABEL, SANDBOX_LABEL, docker_api_failed, not_found};
 use crate::provider::ProviderError;
 
 /// The repository of the archives' images.
@@ -58,7 +58,7 @@ pub(super) async fn archive(
         (STOPPED_AT_LABEL.to_owned(), stopped_at.to_owned()),
     ]);
     let config = ContainerConfig { labels: Some(labels), ..Default::default() };
-    docker.commit_container(options, config).await.map_err(engine_error(sandbox_id, "commit its container"))?;
+    docker.commit_container(options, config).await.map_err(docker_api_failed(sandbox_id, "commit its container"))?;
     container::remove(docker, sandbox_id).await
 }
 
@@ -67,7 +67,7 @@ pub(super) async fn exists(docker: &Docker, sandbox_id: &str) -> Result<bool, Pr
     match docker.inspect_image(&image(sandbox_id)).await {
         Ok(_) => Ok(true),
         Err(error) if not_found(&error) => Ok(false),
-        Err(error) => Err(engine_error(sandbox_id, "inspect its archive image")(error)),
+        Err(error) => Err(docker_api_failed(sandbox_id, "inspect its archive image")(error)),
     }
 }
 
@@ -77,7 +77,7 @@ pub(super) async fn remove(docker: &Docker, sandbox_id: &str) -> Result<(), Prov
     match docker.remove_image(&image(sandbox_id), Some(options), None).await {
         Ok(_) => Ok(()),
         Err(error) if not_found(&error) => Ok(()),
-        Err(error) => Err(engine_error(sandbox_id, "remove its archive image")(error)),
+        Err(error) => Err(docker_api_failed(sandbox_id, "remove its archive image")(error)),
     }
 }
 

@@ -22,7 +22,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use bollard::Docker;
-use bollard::errors::Error as EngineError;
+use bollard::errors::Error as DockerApiError;
 use bollard::models::{ContainerCreateBody, HostConfig};
 use bollard::query_parameters::{
     CreateContainerOptions, RemoveContainerOptions, StartContainerOptions, StopContainerOptions,
@@ -89,26 +89,34 @@ pub(super) fn spec(
     }
 }
 
-/// Whether an engine error is "no such container".
-pub(super) fn not_found(error: &EngineError) -> bool {
-    matches!(error, EngineError::DockerResponseServerError { status_code: 404, .. })
+/// Whether a Docker API error is "no such container".
+pub(super) fn not_found(error: &DockerApiError) -> bool {
+    matches!(error, DockerApiError::DockerResponseServerError { status_code: 404, .. })
 }
 
-/// Whether an engine error is "already in that state" (start of a running
+/// Whether a Docker API error is "already in that state" (start of a running
 /// container, stop of a stopped one).
-fn not_modified(error: &EngineError) -> bool {
-    matches!(error, EngineError::DockerResponseServerError { status_code: 304, .. })
+fn not_modified(error: &DockerApiError) -> bool {
+    matches!(error, DockerApiError::DockerResponseServerError { status_code: 304, .. })
 }
 
-pub(super) fn engine_error(sandbox_id: &str, action: &'static str) -> impl FnOnce(EngineError) -> ProviderError {
+/// A failed Docker API call as a provider error naming the sandbox and what
+/// could not be done.
+pub(super) fn docker_api_failed(
+    sandbox_id: &str,
+    action: &'static str,
+) -> impl FnOnce(DockerApiError) -> ProviderError {
     let sandbox = sandbox_id.to_owned();
-    move |source| ProviderError::Engine { sandbox, action, source }
+    move |source| ProviderError::Docker { sandbox, action, source }
 }
 
 /// Creates the container (not started).
 pub(super) async fn create(docker: &Docker, sandbox_id: &str, body: ContainerCreateBody) -> Result<(), ProviderError> {
     let options = CreateContainerOptions { name: Some(name(sandbox_id)), ..Default::default() };
-    docker.create_container(Some(options), body).await.map_err(engine_error(sandbox_id, "create its container"))?;
+    docker
+        .create_container(Some(options), body)
+        .await
+        .map_err(docker_api_failed(sandbox_id, "create its container"))?;
     Ok(())
 }
 
@@ -117,7 +125,7 @@ pub(super) async fn start(docker: &Docker, sandbox_id: &str) -> Result<(), Provi
     match docker.start_container(&name(sandbox_id), None::<StartContainerOptions>).await {
         Ok(()) => Ok(()),
         Err(error) if not_modified(&error) => Ok(()),
-        Err(error) => Err(engine_error(sandbox_id, "start its container")(error)),
+        Err(error) => Err(docker_api_failed(sandbox_id, "start its container")(error)),
     }
 }
 
@@ -128,7 +136,7 @@ pub(super) async fn stop(docker: &Docker, sandbox_id: &str, grace: Duration) -> 
     match docker.stop_container(&name(sandbox_id), Some(StopContainerOptions { t: Some(t), signal: None })).await {
         Ok(()) => Ok(()),
         Err(error) if not_modified(&error) || not_found(&error) => Ok(()),
-        Err(error) => Err(engine_error(sandbox_id, "stop its container")(error)),
+        Err(error) => Err(docker_api_failed(sandbox_id, "stop its container")(error)),
     }
 }
 
@@ -138,7 +146,7 @@ pub(super) async fn remove(docker: &Docker, sandbox_id: &str) -> Result<(), Prov
     match docker.remove_container(&name(sandbox_id), Some(options)).await {
         Ok(()) => Ok(()),
         Err(error) if not_found(&error) => Ok(()),
-        Err(error) => Err(engine_error(sandbox_id, "remove its container")(error)),
+        Err(error) => Err(docker_api_failed(sandbox_id, "remove its container")(error)),
     }
 }
 

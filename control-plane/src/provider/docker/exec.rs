@@ -18,7 +18,7 @@ use standby_protocol::vars;
 use tokio::io::AsyncWriteExt as _;
 use tokio::sync::{oneshot, watch};
 
-use super::container::{engine_error, name};
+use super::container::{docker_api_failed, name};
 use crate::provider::{AgentLaunch, ProviderError};
 
 /// The agent in the image (`Dockerfile.sandbox`).
@@ -75,11 +75,11 @@ pub(super) async fn start_agent(
     let created = docker
         .create_exec(&name(sandbox_id), options)
         .await
-        .map_err(engine_error(sandbox_id, "create the agent's exec"))?;
+        .map_err(docker_api_failed(sandbox_id, "create the agent's exec"))?;
     let started =
-        docker.start_exec(&created.id, None).await.map_err(engine_error(sandbox_id, "start the agent's exec"))?;
+        docker.start_exec(&created.id, None).await.map_err(docker_api_failed(sandbox_id, "start the agent's exec"))?;
     let StartExecResults::Attached { mut output, mut input } = started else {
-        return Err(ProviderError::Engine {
+        return Err(ProviderError::Docker {
             sandbox: sandbox_id.to_owned(),
             action: "attach to the agent's exec",
             source: bollard::errors::Error::DockerResponseServerError {

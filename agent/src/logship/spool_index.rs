@@ -35,7 +35,7 @@ impl Segment {
     }
 }
 
-/// Where the bytes of one [`Ledger::push`] go.
+/// Where the bytes of one [`SpoolIndex::push`] go.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Placement {
     /// Spool position of the first kept byte.
@@ -61,7 +61,7 @@ pub struct Chunk {
 
 /// The books of one run's output.
 #[derive(Debug, Clone)]
-pub struct Ledger {
+pub struct SpoolIndex {
     bound: u64,
     /// Offset of the next byte the run produces.
     end: u64,
@@ -79,7 +79,7 @@ pub struct Ledger {
     overflowed: u64,
 }
 
-impl Ledger {
+impl SpoolIndex {
     /// Empty books for a spool of `bound` bytes (at least 1).
     pub fn new(bound: u64) -> Self {
         Self { bound: bound.max(1), end: 0, written: 0, acked: 0, floor: 0, segments: VecDeque::new(), overflowed: 0 }
@@ -136,7 +136,7 @@ impl Ledger {
         placement
     }
 
-    /// Takes back the kept bytes of the last [`Ledger::push`] (the spool
+    /// Takes back the kept bytes of the last [`SpoolIndex::push`] (the spool
     /// could not store them): they count as dropped.
     pub fn unwrite(&mut self, placement: &Placement) {
         if placement.keep == 0 || self.written != placement.at + placement.keep {
@@ -227,109 +227,109 @@ mod tests {
 
     #[test]
     fn sends_in_order_and_releases_nothing_until_room_is_needed() {
-        let mut ledger = Ledger::new(100);
-        assert_eq!(ledger.next(10), None, "nothing to send");
-        assert_eq!(ledger.push(30), Placement { at: 0, keep: 30, dropped: 0 });
-        let first = ledger.next(20).expect("a chunk");
+        let mut index = SpoolIndex::new(100);
+        assert_eq!(index.next(10), None, "nothing to send");
+        assert_eq!(index.push(30), Placement { at: 0, keep: 30, dropped: 0 });
+        let first = index.next(20).expect("a chunk");
         assert_eq!(first, chunk(0, 0, 0, 20));
-        ledger.ack(&first);
-        assert_eq!(ledger.next(20), Some(chunk(20, 0, 20, 10)));
-        assert_eq!(ledger.outstanding(), 10);
-        assert_eq!(ledger.occupied(), 30, "acknowledged bytes are retained");
+        index.ack(&first);
+        assert_eq!(index.next(20), Some(chunk(20, 0, 20, 10)));
+        assert_eq!(index.outstanding(), 10);
+        assert_eq!(index.occupied(), 30, "acknowledged bytes are retained");
     }
 
     #[test]
     fn acknowledged_bytes_make_room_oldest_first() {
-        let mut ledger = Ledger::new(100);
-        ledger.push(80);
-        ledger.ack(&chunk(0, 0, 0, 50));
-        assert_eq!(ledger.push(60), Placement { at: 80, keep: 60, dropped: 0 });
-        assert_eq!(ledger.occupied(), 100, "40 of the 50 acknowledged bytes were released");
-        assert_eq!(ledger.next(100), Some(chunk(50, 0, 50, 90)));
+        let mut index = SpoolIndex::new(100);
+        index.push(80);
+        index.ack(&chunk(0, 0, 0, 50));
+        assert_eq!(index.push(60), Placement { at: 80, keep: 60, dropped: 0 });
+        assert_eq!(index.occupied(), 100, "40 of the 50 acknowledged bytes were released");
+        assert_eq!(index.next(100), Some(chunk(50, 0, 50, 90)));
     }
 
     #[test]
     fn overflow_drops_the_newest_bytes_and_the_next_chunk_after_the_gap_carries_them() {
-        let mut ledger = Ledger::new(100);
-        assert_eq!(ledger.push(70), Placement { at: 0, keep: 70, dropped: 0 });
-        assert_eq!(ledger.push(50), Placement { at: 70, keep: 30, dropped: 20 });
-        assert_eq!(ledger.push(5), Placement { at: 100, keep: 0, dropped: 5 });
-        assert_eq!(ledger.overflowed(), 25);
-        assert_eq!(ledger.end(), 125);
-        let all = ledger.next(1000).expect("a chunk");
+        let mut index = SpoolIndex::new(100);
+        assert_eq!(index.push(70), Placement { at: 0, keep: 70, dropped: 0 });
+        assert_eq!(index.push(50), Placement { at: 70, keep: 30, dropped: 20 });
+        assert_eq!(index.push(5), Placement { at: 100, keep: 0, dropped: 5 });
+        assert_eq!(index.overflowed(), 25);
+        assert_eq!(index.end(), 125);
+        let all = index.next(1000).expect("a chunk");
         assert_eq!(all, chunk(0, 0, 0, 100), "the spooled bytes are one run");
-        ledger.ack(&all);
+        index.ack(&all);
         // Room again: the next bytes start after the gap.
-        assert_eq!(ledger.push(10), Placement { at: 100, keep: 10, dropped: 0 });
-        assert_eq!(ledger.next(1000), Some(chunk(125, 25, 100, 10)));
+        assert_eq!(index.push(10), Placement { at: 100, keep: 10, dropped: 0 });
+        assert_eq!(index.next(1000), Some(chunk(125, 25, 100, 10)));
     }
 
     #[test]
     fn a_gap_at_the_end_is_reported_by_an_empty_chunk() {
-        let mut ledger = Ledger::new(10);
-        ledger.push(15);
-        let data = ledger.next(100).expect("a chunk");
-        ledger.ack(&data);
-        let gap = ledger.next(100).expect("the gap");
+        let mut index = SpoolIndex::new(10);
+        index.push(15);
+        let data = index.next(100).expect("a chunk");
+        index.ack(&data);
+        let gap = index.next(100).expect("the gap");
         assert_eq!(gap, chunk(15, 5, 10, 0));
-        ledger.ack(&gap);
-        assert_eq!(ledger.next(100), None);
-        assert_eq!(ledger.outstanding(), 0);
+        index.ack(&gap);
+        assert_eq!(index.next(100), None);
+        assert_eq!(index.outstanding(), 0);
     }
 
     #[test]
     fn a_resync_to_retained_bytes_resends_them() {
-        let mut ledger = Ledger::new(100);
-        ledger.push(60);
-        ledger.ack(&chunk(0, 0, 0, 60));
-        ledger.push(10);
-        ledger.resync(25);
-        assert_eq!(ledger.next(1000), Some(chunk(25, 0, 25, 45)), "from the spool, no gap");
+        let mut index = SpoolIndex::new(100);
+        index.push(60);
+        index.ack(&chunk(0, 0, 0, 60));
+        index.push(10);
+        index.resync(25);
+        assert_eq!(index.next(1000), Some(chunk(25, 0, 25, 45)), "from the spool, no gap");
     }
 
     #[test]
     fn a_resync_to_released_bytes_reports_the_gap() {
-        let mut ledger = Ledger::new(50);
-        ledger.push(50);
-        ledger.ack(&chunk(0, 0, 0, 50));
-        ledger.push(40);
-        assert_eq!(ledger.occupied(), 50, "40 acknowledged bytes were released");
-        ledger.resync(20);
-        assert_eq!(ledger.next(1000), Some(chunk(40, 20, 40, 50)), "the retained tail, after a gap");
+        let mut index = SpoolIndex::new(50);
+        index.push(50);
+        index.ack(&chunk(0, 0, 0, 50));
+        index.push(40);
+        assert_eq!(index.occupied(), 50, "40 acknowledged bytes were released");
+        index.resync(20);
+        assert_eq!(index.next(1000), Some(chunk(40, 20, 40, 50)), "the retained tail, after a gap");
     }
 
     #[test]
     fn a_resync_ahead_of_us_skips_what_the_server_has() {
-        let mut ledger = Ledger::new(100);
-        ledger.push(40);
-        ledger.resync(30);
-        assert_eq!(ledger.next(1000), Some(chunk(30, 0, 30, 10)));
+        let mut index = SpoolIndex::new(100);
+        index.push(40);
+        index.resync(30);
+        assert_eq!(index.next(1000), Some(chunk(30, 0, 30, 10)));
     }
 
     #[test]
     fn bytes_the_spool_could_not_store_become_a_gap() {
-        let mut ledger = Ledger::new(100);
-        ledger.push(10);
-        let failed = ledger.push(20);
-        ledger.unwrite(&failed);
-        ledger.push(5);
-        assert_eq!(ledger.overflowed(), 20);
-        let first = ledger.next(100).expect("a chunk");
+        let mut index = SpoolIndex::new(100);
+        index.push(10);
+        let failed = index.push(20);
+        index.unwrite(&failed);
+        index.push(5);
+        assert_eq!(index.overflowed(), 20);
+        let first = index.next(100).expect("a chunk");
         assert_eq!(first, chunk(0, 0, 0, 10));
-        ledger.ack(&first);
-        assert_eq!(ledger.next(100), Some(chunk(30, 20, 10, 5)));
+        index.ack(&first);
+        assert_eq!(index.next(100), Some(chunk(30, 20, 10, 5)));
     }
 
     #[test]
     fn a_refused_chunk_becomes_a_gap_for_the_next() {
-        let mut ledger = Ledger::new(100);
-        ledger.push(30);
-        let refused = ledger.next(10).expect("a chunk");
-        ledger.give_up(&refused);
-        let next = ledger.next(100).expect("the rest");
+        let mut index = SpoolIndex::new(100);
+        index.push(30);
+        let refused = index.next(10).expect("a chunk");
+        index.give_up(&refused);
+        let next = index.next(100).expect("the rest");
         assert_eq!(next, chunk(10, 10, 10, 20));
-        ledger.ack(&next);
-        assert_eq!(ledger.outstanding(), 0);
+        index.ack(&next);
+        assert_eq!(index.outstanding(), 0);
     }
 
     proptest! {
@@ -342,32 +342,32 @@ mod tests {
             bound in 1u64..200,
             steps in proptest::collection::vec((0u8..4, 0u64..150), 1..60),
         ) {
-            let mut ledger = Ledger::new(bound);
+            let mut index = SpoolIndex::new(bound);
             let mut kept = 0;
             for (kind, n) in steps {
                 match kind {
                     0 | 1 => {
-                        let placement = ledger.push(n);
+                        let placement = index.push(n);
                         prop_assert_eq!(placement.keep + placement.dropped, n);
                         kept += placement.keep;
                     }
-                    2 => if let Some(chunk) = ledger.next(n.max(1)) {
-                        prop_assert_eq!(chunk.offset - chunk.dropped, ledger.acked());
+                    2 => if let Some(chunk) = index.next(n.max(1)) {
+                        prop_assert_eq!(chunk.offset - chunk.dropped, index.acked());
                         prop_assert!(chunk.len <= n.max(1));
-                        prop_assert!(chunk.offset + chunk.len <= ledger.end());
-                        let spooled = ledger.segments.iter().any(|s| {
+                        prop_assert!(chunk.offset + chunk.len <= index.end());
+                        let spooled = index.segments.iter().any(|s| {
                             chunk.len == 0 || (s.offset <= chunk.offset && chunk.offset + chunk.len <= s.end()
                                 && s.at + (chunk.offset - s.offset) == chunk.at)
                         });
-                        prop_assert!(spooled, "chunk {:?} not in {:?}", chunk, ledger.segments);
-                        ledger.ack(&chunk);
+                        prop_assert!(spooled, "chunk {:?} not in {:?}", chunk, index.segments);
+                        index.ack(&chunk);
                     },
-                    _ => ledger.resync(n.min(ledger.end())),
+                    _ => index.resync(n.min(index.end())),
                 }
-                prop_assert!(ledger.occupied() <= bound);
-                prop_assert_eq!(kept + ledger.overflowed(), ledger.end());
+                prop_assert!(index.occupied() <= bound);
+                prop_assert_eq!(kept + index.overflowed(), index.end());
                 let mut previous_end = None;
-                for segment in &ledger.segments {
+                for segment in &index.segments {
                     if let Some(end) = previous_end {
                         prop_assert!(segment.offset >= end);
                     }

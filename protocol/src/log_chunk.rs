@@ -1,5 +1,6 @@
-//! The log endpoint's ledger rule (contract: `POST /v1/executions/{id}/log`
-//! and amendment 6), shared by every server and by the agent's tests.
+//! What a server does with a chunk of a run's log: the log endpoint's
+//! ledger rule (contract: `POST /v1/executions/{id}/log` and amendment 6),
+//! shared by every server and by the agent's tests.
 //!
 //! A server keeps one number per run, `received`: how far into the run's
 //! output stream it has accounted for, counting bytes it holds **and** gaps

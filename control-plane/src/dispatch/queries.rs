@@ -13,7 +13,7 @@ use crate::model::{
 
 /// A sandbox as the API shows it.
 #[derive(Debug, Clone)]
-pub struct SandboxView {
+pub struct LiveSandbox {
     pub record: SandboxRecord,
     pub last_heartbeat_at: Option<Millis>,
     pub last_state: Option<AgentState>,
@@ -58,9 +58,50 @@ pub struct MetricsSnapshot {
     /// live socket (since this process started).
     pub duplicate_connections_refused: u64,
     /// Assignment sent → started of the finished runs no longer in memory.
-    pub assignment_to_start_past: crate::metrics::Histogram,
+    pub assignment_to_start_past: Histogram,
     /// Runs held in memory (the rest are only in the store).
     pub runs_in_memory: u64,
+}
+
+/// Assignment-to-start samples folded into [`Histogram::BUCKETS`]: what
+/// finished runs that left memory still count, in constant space. The
+/// machine keeps it; `/metrics` renders it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Histogram {
+    /// Samples at or under each bound (not cumulative).
+    counts: [u64; Histogram::BUCKETS.len()],
+    count: u64,
+    sum_ms: u64,
+}
+
+impl Histogram {
+    /// Upper bounds of the assignment-to-start histogram, in seconds: from a
+    /// warm start (tens of milliseconds) to a slow cold one (minutes).
+    pub const BUCKETS: [f64; 14] = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0];
+
+    pub fn observe(&mut self, ms: u64) {
+        let seconds = ms as f64 / 1000.0;
+        if let Some(slot) = Self::BUCKETS.iter().position(|bound| seconds <= *bound) {
+            self.counts[slot] += 1;
+        }
+        self.count += 1;
+        self.sum_ms = self.sum_ms.saturating_add(ms);
+    }
+
+    /// Samples at or under `BUCKETS[index]`.
+    pub fn cumulative(&self, index: usize) -> u64 {
+        self.counts[..=index].iter().sum()
+    }
+
+    /// Samples observed.
+    pub fn count(&self) -> u64 {
+        self.count
+    }
+
+    /// Sum of the samples, in milliseconds.
+    pub fn sum_ms(&self) -> u64 {
+        self.sum_ms
+    }
 }
 
 impl Dispatch {
@@ -79,12 +120,12 @@ impl Dispatch {
 
     /// Every sandbox.
     #[cfg(test)]
-    pub(super) fn sandbox_views(&self, now: Millis) -> Vec<SandboxView> {
+    pub(super) fn sandbox_views(&self, now: Millis) -> Vec<LiveSandbox> {
         self.sandbox_page(now, &SandboxPage { limit: usize::MAX, ..SandboxPage::default() })
     }
 
     /// A page of sandboxes in creation order (`created_at`, then id).
-    pub(super) fn sandbox_page(&self, now: Millis, page: &SandboxPage) -> Vec<SandboxView> {
+    pub(super) fn sandbox_page(&self, now: Millis, page: &SandboxPage) -> Vec<LiveSandbox> {
         let mut lives: Vec<&Live> = self
             .sandboxes
             .values()
@@ -98,7 +139,7 @@ impl Dispatch {
         lives.truncate(page.limit);
         lives
             .into_iter()
-            .map(|live| SandboxView {
+            .map(|live| LiveSandbox {
                 record: live.record.clone(),
                 last_heartbeat_at: live.heartbeat.as_ref().map(|h| h.at),
                 last_state: live.heartbeat.as_ref().map(|h| h.state),

@@ -13,8 +13,8 @@ use standby_protocol::layout::StateDir;
 use standby_protocol::{Attachment, AttachmentsResponse, Cause, Stage, paths};
 use tokio::io::AsyncWriteExt;
 
+use super::InstallInput;
 use crate::api::{ApiError, call_backoff, call_name, human_bytes, retry, transport};
-use crate::install::InstallInput;
 use crate::lifecycle::InstallFailure;
 use crate::paths::check_file_name;
 use crate::urls::{attachment_target, describe_url};

@@ -2,7 +2,12 @@
 //! `application/problem+json`, with `type`, `title`, `status`, `detail`
 //! and, when a field is to blame, where it is: a JSON pointer into the body
 //! (`/attachments/0/name`), a query parameter or a header. The agent-facing
-//! contract keeps its own shape ([`ApiError`]'s `{"error", "field"}`).
+//! contract keeps its own shape (`app::ApiError`'s `{"error", "field"}`,
+//! which `app.rs` turns into a problem for the user API).
+//!
+//! It depends on no other module of the server, so that the follower's
+//! forwarding (`cluster::forward`) answers in it without depending on the
+//! handlers.
 
 use axum::Json;
 use axum::extract::rejection::{PathRejection, QueryRejection};
@@ -10,10 +15,6 @@ use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde::Serialize;
 use utoipa::ToSchema;
-
-use crate::app::{ApiError, Place};
-use crate::engine::EngineGone;
-use crate::store::StoreError;
 
 /// The media type of every 4xx and 5xx answer of the user API.
 pub const PROBLEM_JSON: &str = "application/problem+json";
@@ -36,9 +37,9 @@ pub const TYPES: [(&str, &str, &str); 9] = [
     (OTHER, "Error", "any other refusal"),
 ];
 
-const INVALID: &str = "urn:standby:problem:invalid-request";
+pub(crate) const INVALID: &str = "urn:standby:problem:invalid-request";
 const UNAUTHORIZED: &str = "urn:standby:problem:unauthorized";
-const NOT_FOUND: &str = "urn:standby:problem:not-found";
+pub(crate) const NOT_FOUND: &str = "urn:standby:problem:not-found";
 const CONFLICT: &str = "urn:standby:problem:conflict";
 const TOO_LARGE: &str = "urn:standby:problem:too-large";
 /// `POST /v1/runs` with an `Idempotency-Key` already used for another body.
@@ -123,34 +124,6 @@ impl Problem {
     }
 }
 
-impl From<ApiError> for Problem {
-    fn from(error: ApiError) -> Self {
-        let mut problem = Problem::new(error.status(), error.message());
-        if let Some(field) = error.field() {
-            let (pointer, parameter, header) = match error.place() {
-                Place::Body => (Some(pointer(field)), None, None),
-                Place::Query => (None, Some(field.to_owned()), None),
-                Place::Header => (None, None, Some(field.to_owned())),
-            };
-            problem.errors.push(FieldProblem { detail: error.message().to_owned(), pointer, parameter, header });
-            problem.field = Some(field.to_owned());
-        }
-        problem
-    }
-}
-
-impl From<EngineGone> for Problem {
-    fn from(gone: EngineGone) -> Self {
-        ApiError::from(gone).into()
-    }
-}
-
-impl From<StoreError> for Problem {
-    fn from(error: StoreError) -> Self {
-        ApiError::from(error).into()
-    }
-}
-
 impl From<QueryRejection> for Problem {
     fn from(rejection: QueryRejection) -> Self {
         Problem::new(StatusCode::BAD_REQUEST, format!("the query string is refused: {}", rejection.body_text()))
@@ -219,19 +192,6 @@ mod tests {
         for (field, expected) in cases {
             assert_eq!(pointer(field), expected, "{field}");
         }
-    }
-
-    #[test]
-    fn an_api_error_becomes_a_problem_naming_where_the_field_is() {
-        let body = Problem::from(crate::app::bad("attachments[0].name", "is used by another attachment"));
-        assert_eq!((body.status, body.kind, body.title), (400, INVALID, "Invalid request"));
-        assert_eq!(body.errors[0].pointer.as_deref(), Some("/attachments/0/name"));
-        assert_eq!(body.field.as_deref(), Some("attachments[0].name"));
-        let query =
-            Problem::from(ApiError::new(StatusCode::BAD_REQUEST, "limit: too big").with_field("limit").in_query());
-        assert_eq!((query.errors[0].parameter.as_deref(), query.errors[0].pointer.as_deref()), (Some("limit"), None));
-        let gone = Problem::new(StatusCode::NOT_FOUND, "no run `x`");
-        assert_eq!((gone.kind, gone.errors.len(), gone.field), (NOT_FOUND, 0, None));
     }
 
     #[test]

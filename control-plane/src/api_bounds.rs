@@ -1,9 +1,42 @@
-//! What one request may carry and one answer may hold, as pure functions:
-//! the bounds of an event, the paging parameters of the lists, and the view
-//! of a stored log with its gap markers (`docs/operations.md`, "Per-run
-//! bounds"; `docs/protocol.md`, "The log endpoint").
+//! What one API request (the agent's or a user's) may carry and one answer
+//! may hold, as pure functions: the control socket's buffers and message
+//! size (the server's and the follower relay's), the bounds of an event,
+//! the paging parameters of the lists, and the view of a stored log with
+//! its gap markers (`docs/operations.md`, "Per-run bounds";
+//! `docs/protocol.md`, "The log endpoint").
 
+use axum::extract::ws::WebSocketUpgrade;
 use standby_protocol::{Event, EventKind};
+
+/// Agents send heartbeats of under a hundred bytes: a small read buffer per
+/// socket keeps thousands of idle standbys cheap.
+const READ_BUFFER: usize = 4 * 1024;
+/// Anything an agent may legally send is far below this; more fails the
+/// connection instead of making the server hold it.
+const MAX_MESSAGE: usize = 64 * 1024;
+/// A peer that stops reading cannot make the server buffer more than this.
+const MAX_WRITE_BUFFER: usize = 256 * 1024;
+
+/// An agent's socket as the server holds it: the buffers and bounds above.
+/// The follower relay (`cluster::relay`) holds agents' sockets the same
+/// way.
+pub(crate) fn agent_socket(upgrade: WebSocketUpgrade) -> WebSocketUpgrade {
+    upgrade
+        .read_buffer_size(READ_BUFFER)
+        .write_buffer_size(0)
+        .max_write_buffer_size(MAX_WRITE_BUFFER)
+        .max_message_size(MAX_MESSAGE)
+        .max_frame_size(MAX_MESSAGE)
+}
+
+/// The relay's own socket to the leader: as small as an agent's, but open
+/// to anything the leader sends (an assignment's inline attachments).
+pub(crate) fn leader_socket_config() -> tokio_tungstenite::tungstenite::protocol::WebSocketConfig {
+    tokio_tungstenite::tungstenite::protocol::WebSocketConfig::default()
+        .read_buffer_size(READ_BUFFER)
+        .write_buffer_size(0)
+        .max_write_buffer_size(MAX_WRITE_BUFFER)
+}
 
 /// Largest body of `POST /v1/executions/{id}/events`.
 pub const EVENT_BODY_MAX: usize = 64 * 1024;
