@@ -5,6 +5,7 @@
 //! - [`store`]: durable records behind a trait; SQLite by default.
 //! - [`seal`]: what a run was submitted with, encrypted at rest.
 //! - [`engine`]: drives the state machine: store first, then effects.
+//! - [`config`]: `serve`'s flags, file and environment merged and validated.
 //! - [`server`]: HTTP and the control socket on one listener: the router.
 //! - `app`: what every handler shares (state, error answer, store reads).
 //! - [`agent_api`]: the agent-facing contract's handlers.
@@ -23,6 +24,7 @@ pub mod agent_api;
 mod app;
 pub mod bounds;
 pub mod cluster;
+pub mod config;
 pub mod containment;
 pub mod credential;
 pub mod dispatch;
