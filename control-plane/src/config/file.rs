@@ -247,6 +247,7 @@ impl Loaded {
         let text =
             std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.to_owned(), source })?;
         let values = parse(path, &text)?;
+        refuse_exposed_secrets(path, &values)?;
         Ok((Self { path: path.to_owned(), text }, values))
     }
 
@@ -254,6 +255,35 @@ impl Loaded {
     pub fn line_of(&self, offset: usize) -> usize {
         line_of(&self.text, offset)
     }
+}
+
+/// A file holding the API key or a PostgreSQL URL (and so, most likely,
+/// its password) is refused when every local user can read it, as the API
+/// key file is: either opens the whole deployment.
+fn refuse_exposed_secrets(path: &Path, values: &FileConfig) -> Result<(), ConfigError> {
+    use std::os::unix::fs::PermissionsExt as _;
+    let url = values.store.as_ref().is_some_and(|store| {
+        let store = &store.get_ref().0;
+        store.starts_with("postgres://") || store.starts_with("postgresql://")
+    });
+    let secret = match (&values.api_key, url) {
+        (Some(_), _) => "api_key",
+        (None, true) => "a PostgreSQL store URL",
+        (None, false) => return Ok(()),
+    };
+    let mode = std::fs::metadata(path)
+        .map_err(|source| ConfigError::Read { path: path.to_owned(), source })?
+        .permissions()
+        .mode()
+        & 0o777;
+    if mode & 0o007 != 0 {
+        return Err(ConfigError::Invalid(format!(
+            "the configuration file {} holds {secret} and is readable by every user (mode {mode:o}): chmod 600 it \
+             (or 640 for its group)",
+            path.display()
+        )));
+    }
+    Ok(())
 }
 
 /// Parses `text`, the contents of `path`.
