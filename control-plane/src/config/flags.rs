@@ -14,9 +14,11 @@ use crate::containment::ContainmentChoice;
 #[derive(Debug, Clone, clap::Args)]
 pub struct Serve {
     /// A configuration file (TOML, docs/operations.md, "Configuration
-    /// file"): every flag is a key of it, `--pool-size` is `pool_size` in
-    /// `[pool]`. A flag or variable given overrides the file; an unknown key
-    /// or a value of the wrong type stops the start, naming the line.
+    /// file"): every flag is a key of it, in the table its heading names
+    /// (`--pool-size` is `pool_size` in `[pool]`; the flags under Options
+    /// are top-level keys). A flag or variable given overrides the file; an
+    /// unknown key or a value of the wrong type stops the start, naming the
+    /// file and the line. `standby-server config` shows the result.
     #[arg(long, env = "STANDBY_SERVER_CONFIG", value_name = "FILE")]
     pub config: Option<PathBuf>,
     /// Address to listen on (HTTP and `/ws`).
