@@ -31,7 +31,7 @@ use crate::provider::docker::{DockerOptions, Limits};
 use crate::provider::local::LocalOptions;
 use crate::server::ServerConfig;
 use crate::store::StoreLocation;
-use flags::{ProviderKind, Serve};
+use flags::{ProviderKind, Serve, StoreArg};
 
 /// Why a configuration is refused.
 #[derive(Debug, thiserror::Error)]
@@ -122,9 +122,9 @@ impl Config {
     pub fn validate(settings: &Settings) -> Result<Self, ConfigError> {
         let args = &settings.serve;
         let spec = read_spec(args.spec.as_deref())?;
-        let api_key = api_key(args.api_key_file.as_deref(), args.api_key.as_deref())?;
+        let api_key = api_key(args.api_key_file.as_deref(), args.api_key.as_ref())?;
         let provider = provider(args)?;
-        let store = StoreLocation::from_arg(args.store.clone(), &args.data_dir);
+        let store = StoreArg::location(args.store.as_ref(), &args.data_dir);
         // A replica's settings and secret are checked before the database is touched.
         let cluster = matches!(store, StoreLocation::Postgres(_)).then(|| cluster(args)).transpose()?;
         let pool = &args.pool;
@@ -228,7 +228,7 @@ fn read_spec(path: Option<&Path>) -> Result<Spec, ConfigError> {
 /// that every local user can read is refused (the key is the whole user
 /// API); one its group can read is taken with a warning, as a mounted
 /// Kubernetes Secret with an `fsGroup` is.
-fn api_key(file: Option<&Path>, given: Option<&str>) -> Result<Secret, ConfigError> {
+fn api_key(file: Option<&Path>, given: Option<&Secret>) -> Result<Secret, ConfigError> {
     let key = match (file, given) {
         (Some(path), _) => {
             let read = |source| ConfigError::Unreadable {
@@ -247,7 +247,7 @@ fn api_key(file: Option<&Path>, given: Option<&str>) -> Result<Secret, ConfigErr
             }
             std::fs::read_to_string(path).map_err(read)?.trim().to_owned()
         }
-        (None, Some(key)) => key.trim().to_owned(),
+        (None, Some(key)) => key.expose().trim().to_owned(),
         (None, None) => {
             return invalid(
                 "the user API needs a key: --api-key-file <FILE> (STANDBY_SERVER_API_KEY_FILE) or STANDBY_SERVER_API_KEY",

@@ -3,17 +3,20 @@
 //! that `standby-server config` can say which line it came from, and an
 //! unknown key or a wrong type is refused with its line.
 
-use std::ffi::OsString;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use serde::Deserialize;
+use standby_protocol::Secret;
 use toml::Spanned;
 
 use super::ConfigError;
-use super::flags::{Bytes, ProviderKind, parse_bytes, parse_duration};
+use super::flags::{Bytes, ProviderKind, StoreArg, parse_bytes, parse_duration};
 use crate::containment::ContainmentChoice;
+
+/// Keys whose value is a secret (or holds one): an error never quotes it.
+const SECRET_KEYS: &[&str] = &["api_key", "store"];
 
 /// A key's value and where it is in the file.
 pub type Value<T> = Option<Spanned<T>>;
@@ -29,7 +32,7 @@ pub struct FileConfig {
     pub store: Value<StoreText>,
     pub spec: Value<PathBuf>,
     pub api_key_file: Value<PathBuf>,
-    pub api_key: Value<String>,
+    pub api_key: Value<Secret>,
     pub secret_key_file: Value<PathBuf>,
     pub provider: Value<Choice<ProviderKind>>,
     pub inject_latency: Value<HumanDuration>,
@@ -198,7 +201,7 @@ macro_rules! as_is {
         }
     )*};
 }
-as_is!(SocketAddr, String, PathBuf, usize, u32, u64, f64, bool);
+as_is!(SocketAddr, String, PathBuf, usize, u32, u64, f64, bool, Secret);
 
 impl FileValue for HumanDuration {
     type Target = Duration;
@@ -227,9 +230,9 @@ impl<T> FileValue for Choice<T> {
 pub struct StoreText(String);
 
 impl FileValue for StoreText {
-    type Target = OsString;
-    fn into_target(self) -> OsString {
-        self.0.into()
+    type Target = StoreArg;
+    fn into_target(self) -> StoreArg {
+        StoreArg(self.0.into())
     }
 }
 
@@ -316,6 +319,8 @@ fn describe(path: &Path, text: &str, error: &toml::de::Error) -> ConfigError {
         (Some((unknown, expected)), _) if unknown.starts_with("unknown key") => {
             format!("{unknown}{table}; expected{expected}")
         }
+        // The parser's message may quote the value: never a secret's.
+        (_, Some((key, _))) if SECRET_KEYS.contains(&key.trim()) => format!("`{}`{table}: not a string", key.trim()),
         (_, Some((key, _))) => format!("`{}`{table}: {message}", key.trim()),
         _ => format!("{message}{table}"),
     };

@@ -4,11 +4,16 @@
 //! > default, and [`super::merge`] puts the file between the last two.
 
 use std::ffi::OsString;
+use std::fmt;
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use clap::builder::TypedValueParser as _;
+use standby_protocol::Secret;
+
 use crate::containment::ContainmentChoice;
+use crate::store::StoreLocation;
 
 /// `standby-server serve`: the whole configuration as flags.
 #[derive(Debug, Clone, clap::Args)]
@@ -33,8 +38,9 @@ pub struct Serve {
     /// The store: a SQLite file (`<data dir>/standby.db` when unset), or a
     /// PostgreSQL URL (`postgres://user:password@host:5432/db`), best given
     /// through the variable: a command line is readable by every local user.
-    #[arg(long, env = "STANDBY_SERVER_STORE", hide_env_values = true, value_name = "PATH|URL")]
-    pub store: Option<OsString>,
+    #[arg(long, env = "STANDBY_SERVER_STORE", hide_env_values = true, value_name = "PATH|URL",
+          value_parser = clap::builder::OsStringValueParser::new().map(StoreArg))]
+    pub store: Option<StoreArg>,
     /// The standby spec (JSON, the shape of `GET /v1/standby/spec`); an
     /// empty workspace when unset.
     #[arg(long, env = "STANDBY_SERVER_SPEC", value_name = "FILE")]
@@ -46,8 +52,9 @@ pub struct Serve {
     pub api_key_file: Option<PathBuf>,
     /// The key of the user API itself; prefer --api-key-file (or this
     /// variable): other local users can read a command line. Never logged.
-    #[arg(long, env = "STANDBY_SERVER_API_KEY", hide_env_values = true, value_name = "KEY")]
-    pub api_key: Option<String>,
+    #[arg(long, env = "STANDBY_SERVER_API_KEY", hide_env_values = true, value_name = "KEY",
+          value_parser = |key: &str| Ok::<_, std::convert::Infallible>(Secret::new(key)))]
+    pub api_key: Option<Secret>,
     /// The key that seals what runs are submitted with (secrets, cloud
     /// env, git passwords, attachments) in the store: 64 hex digits;
     /// `<data dir>/secret.key` when unset. On SQLite it is generated (mode
@@ -277,6 +284,24 @@ pub struct ReplicaArgs {
     /// Required with a PostgreSQL store.
     #[arg(long, env = "STANDBY_SERVER_CLUSTER_SECRET_FILE", value_name = "FILE")]
     pub cluster_secret_file: Option<PathBuf>,
+}
+
+/// `--store` as given: a SQLite path (any bytes) or a PostgreSQL URL,
+/// whose password `Debug` never shows.
+#[derive(Clone, PartialEq, Eq)]
+pub struct StoreArg(pub OsString);
+
+impl StoreArg {
+    /// The store it names, `data_dir` holding the default SQLite file.
+    pub fn location(given: Option<&Self>, data_dir: &Path) -> StoreLocation {
+        StoreLocation::from_arg(given.map(|store| store.0.clone()), data_dir)
+    }
+}
+
+impl fmt::Debug for StoreArg {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&Self::location(Some(self), Path::new("")).describe())
+    }
 }
 
 /// Where sandboxes come from (`--provider`).

@@ -2,7 +2,6 @@
 //! value came from: clap knows whether a flag or a variable gave a value
 //! (`ArgMatches::value_source`); a file value fills only what neither did.
 
-use std::ffi::OsString;
 use std::fmt;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -13,9 +12,8 @@ use clap::{ArgMatches, Args as _};
 
 use super::ConfigError;
 use super::file::{FileConfig, FileValue, Loaded, Value};
-use super::flags::{Bytes, ProviderKind, Serve};
+use super::flags::{Bytes, ProviderKind, Serve, StoreArg};
 use crate::containment::ContainmentChoice;
-use crate::store::StoreLocation;
 
 /// The environment variable of `--log`, a flag of every command.
 pub const LOG_ENV: &str = "STANDBY_SERVER_LOG";
@@ -278,8 +276,8 @@ impl Merge<'_> {
 }
 
 /// The store as `config` shows it: a PostgreSQL URL without its password.
-fn mask_store(store: &OsString) -> String {
-    quote(&StoreLocation::from_arg(Some(store.clone()), std::path::Path::new("")).describe())
+fn mask_store(store: &StoreArg) -> String {
+    quote(&StoreArg::location(Some(store), std::path::Path::new("")).describe())
 }
 
 /// A value written as the file takes it.

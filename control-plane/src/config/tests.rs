@@ -77,6 +77,9 @@ fn a_wrong_type_is_refused_naming_the_key_and_its_line() {
     assert!(message.contains("standby.toml:1: `provider`: `kubernetes` is not one of `local`"), "{message}");
     let message = refusal(with_file("[bounds]\nlog_cap = \"lots\"\n", &[]));
     assert!(message.contains("standby.toml:2: `log_cap` in [bounds]"), "{message}");
+    let message = refusal(with_file("api_key = 123456789\n", &[]));
+    assert!(message.contains("standby.toml:1: `api_key`: not a string"), "{message}");
+    assert!(!message.contains("123456789"), "a secret's value is never quoted: {message}");
     let message = refusal(with_file("listen = [1, 2]\n", &[]));
     assert!(message.contains("standby.toml:1: `listen`"), "{message}");
 }
