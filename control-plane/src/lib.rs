@@ -8,6 +8,7 @@
 //! - `model`: the records; `credential`: tokens minted, kept as hashes.
 //! - [`seal`]: what a run was submitted with, encrypted at rest.
 //! - `engine`: drives the state machine: store first, then effects.
+//! - [`config`]: `serve`'s flags, file and environment merged and validated.
 //! - [`server`]: HTTP and the control socket on one listener: the router.
 //! - `app`: what every handler shares (state, error answer, store reads).
 //! - `agent_api`: the agent-facing contract's handlers.
@@ -35,6 +36,7 @@ mod agent_api;
 pub mod api_bounds;
 mod app;
 pub mod cluster;
+pub mod config;
 pub mod containment;
 mod credential;
 pub mod dispatch;
