@@ -81,6 +81,9 @@ pub struct Config {
     pub provider: ProviderConfig,
     /// The local and Docker providers' sweeper, in provider minutes.
     pub sweep: Sweep,
+    /// Between SIGTERM and SIGKILL when a sandbox is stopped: the
+    /// provider's, whoever asks it to stop one.
+    pub stop_grace: Duration,
 }
 
 /// Where sandboxes come from, and what only that provider needs.
@@ -150,7 +153,6 @@ impl Config {
         server.launch_timeout = sandbox.launch_timeout;
         server.run_silence = sandbox.run_lost_after;
         server.linger = sandbox.linger;
-        server.stop_grace = sandbox.stop_grace;
         server.agent_log = sandbox.agent_log.clone();
         server.inject_latency = args.inject_latency;
         server.pool_policy = PoolPolicy {
@@ -175,6 +177,7 @@ impl Config {
             cluster,
             provider,
             sweep: Sweep { auto_archive: pool.auto_archive, auto_delete: pool.auto_delete },
+            stop_grace: sandbox.stop_grace,
         })
     }
 
@@ -185,7 +188,7 @@ impl Config {
             minute: self.minute(),
             auto_archive: self.sweep.auto_archive,
             auto_delete: self.sweep.auto_delete,
-            stop_grace: self.server.stop_grace,
+            stop_grace: self.stop_grace,
             containment: local.containment,
         }
     }
@@ -202,7 +205,7 @@ impl Config {
             minute: self.minute(),
             auto_archive: self.sweep.auto_archive,
             auto_delete: self.sweep.auto_delete,
-            stop_grace: self.server.stop_grace,
+            stop_grace: self.stop_grace,
         }
     }
 

@@ -437,7 +437,8 @@ mod tests {
         for_each_containment(async |choice, dir| {
             let [a, b] = tokens(choice, 0);
             let agent = escaping_agent(dir, [&a, &b], "while :; do sleep 1; done");
-            let options = LocalOptions { containment: choice, ..LocalOptions::default() };
+            let stop_grace = Duration::from_millis(300);
+            let options = LocalOptions { containment: choice, stop_grace, ..LocalOptions::default() };
             let provider = LocalProvider::try_with_options(dir.join("sandboxes"), agent, options).expect("probed");
             assert_eq!(provider.containment(), Containment::probe(choice).expect("probed").name());
             provider.create("sbx_e").await.expect("create");
@@ -445,7 +446,7 @@ mod tests {
             let escaped = [format!("1000.{a}"), format!("1000.{b}")];
             let argvs = escaped.each_ref().map(|arg| ["sleep", arg.as_str()]);
             until("the escaped processes", || argvs.iter().all(|argv| !with_argv(argv).is_empty())).await;
-            provider.stop("sbx_e", Duration::from_millis(300)).await;
+            provider.stop("sbx_e").await;
             assert!(launched.exited.await.is_ok());
             until(&format!("{choice:?}: the escaped processes gone"), || {
                 argvs.iter().all(|argv| with_argv(argv).is_empty())

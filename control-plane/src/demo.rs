@@ -28,7 +28,7 @@ use serde_json::json;
 use standby_protocol::{Secret, Spec};
 
 use standby_control_plane::provider::SandboxProvider;
-use standby_control_plane::provider::local::LocalProvider;
+use standby_control_plane::provider::local::{LocalOptions, LocalProvider};
 use standby_control_plane::seal::SealKey;
 use standby_control_plane::server::{RunningServer, ServerConfig, ServerError, start};
 use standby_control_plane::store::{SqliteStore, StoreError};
@@ -118,6 +118,13 @@ fn io(action: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> DemoE
     move |source| DemoError::Io { action, path, source }
 }
 
+/// The demo's local sandboxes, stopped within five seconds.
+fn local_provider(scene: &Scene, options: &DemoOptions) -> LocalProvider {
+    let stop_grace = Duration::from_secs(5);
+    let options_local = LocalOptions { stop_grace, ..LocalOptions::default() };
+    LocalProvider::with_options(scene.logs.clone(), options.agent_bin.clone(), options_local)
+}
+
 /// Runs the demo, writing the table to `out`; the rows (with `--provider
 /// docker`, the warm and cold rows; its follow-ups are printed after them).
 pub async fn run(options: &DemoOptions, out: &mut impl Write) -> Result<Vec<DemoRow>, DemoError> {
@@ -125,7 +132,7 @@ pub async fn run(options: &DemoOptions, out: &mut impl Write) -> Result<Vec<Demo
         return docker::run(options, image, network, out).await;
     }
     let scene = Scene::new(options)?;
-    let provider = Arc::new(LocalProvider::new(scene.logs.clone(), options.agent_bin.clone()));
+    let provider = Arc::new(local_provider(&scene, options));
     let serve = Serve { pool_size: options.pool_size, heartbeat: Duration::from_millis(500), listen: None };
     with_server(
         &scene,
@@ -188,7 +195,6 @@ async fn with_server<P: SandboxProvider, T>(
     config.pool_size = serve.pool_size;
     config.heartbeat_interval = serve.heartbeat;
     config.linger = Duration::from_secs(5);
-    config.stop_grace = Duration::from_secs(5);
     config.launch_timeout = Duration::from_secs(60);
     configure(&mut config);
     let server = start(config, store, provider).await?;

@@ -107,8 +107,6 @@ pub struct EngineConfig {
     pub heartbeat_interval: Duration,
     /// `STANDBY_LOG` of the agents.
     pub agent_log: String,
-    /// Between SIGTERM and SIGKILL when a sandbox is stopped.
-    pub stop_grace: Duration,
     /// How often silence and the pool are checked.
     pub tick: Duration,
     /// Bound on each provider call of a resume (state, start).
@@ -478,10 +476,10 @@ impl<P: SandboxProvider> Engine<P> {
                 let provider = Arc::clone(&self.provider);
                 let handle = self.handle.clone();
                 let launch = self.agent_launch(token);
-                let (bound, grace) = (self.config.resume_timeout, self.config.stop_grace);
+                let bound = self.config.resume_timeout;
                 let id = sandbox_id.clone();
                 self.queue(&id, async move {
-                    match resume(provider.as_ref(), &sandbox_id, launch, auto_stop, bound, grace).await {
+                    match resume(provider.as_ref(), &sandbox_id, launch, auto_stop, bound).await {
                         Ok(launched) => watch_exit(handle, sandbox_id, credential_id, launched),
                         Err(failure) => {
                             tracing::warn!(sandbox_id, %failure, "resuming a kept sandbox failed");
@@ -492,7 +490,6 @@ impl<P: SandboxProvider> Engine<P> {
             }
             Effect::Park { sandbox_id, linger, auto_stop, mode } => {
                 let provider = Arc::clone(&self.provider);
-                let grace = self.config.stop_grace;
                 let id = sandbox_id.clone();
                 self.queue(&id, async move {
                     if !provider.wait_exit(&sandbox_id, linger).await {
@@ -503,28 +500,26 @@ impl<P: SandboxProvider> Engine<P> {
                     // its files, not its processes; one kept running for
                     // the next turn stays running where the provider can.
                     match mode {
-                        ParkMode::Running => provider.clear(&sandbox_id, grace).await,
-                        ParkMode::Stopped => provider.stop(&sandbox_id, grace).await,
+                        ParkMode::Running => provider.clear(&sandbox_id).await,
+                        ParkMode::Stopped => provider.stop(&sandbox_id).await,
                     }
                     set_auto_stop(provider.as_ref(), &sandbox_id, auto_stop).await;
                 });
             }
             Effect::Stop { sandbox_id } => {
                 let provider = Arc::clone(&self.provider);
-                let grace = self.config.stop_grace;
                 let id = sandbox_id.clone();
                 self.queue(&id, async move {
-                    provider.stop(&sandbox_id, grace).await;
+                    provider.stop(&sandbox_id).await;
                 });
             }
             Effect::Touch { sandbox_id } => self.provider.touch(&sandbox_id),
             Effect::Retire { sandbox_id, linger } => {
                 let provider = Arc::clone(&self.provider);
-                let grace = self.config.stop_grace;
                 let id = sandbox_id.clone();
                 self.queue(&id, async move {
                     if !provider.wait_exit(&sandbox_id, linger).await {
-                        provider.stop(&sandbox_id, grace).await;
+                        provider.stop(&sandbox_id).await;
                     }
                     if let Err(error) = provider.delete(&sandbox_id).await {
                         tracing::warn!(%error, "deleting a retired sandbox failed");
@@ -580,7 +575,6 @@ async fn resume<P: SandboxProvider>(
     launch: AgentLaunch,
     auto_stop: u32,
     bound: Duration,
-    grace: Duration,
 ) -> Result<Launched, ResumeFailure> {
     let bounded = |what: &str| {
         ResumeFailure::Failed(format!(
@@ -594,7 +588,7 @@ async fn resume<P: SandboxProvider>(
         .map_err(|error| ResumeFailure::Failed(format!("reading its state failed: {error}")))?;
     if ResumeStart::for_found(found)? == ResumeStart::StopFirst {
         tracing::warn!(sandbox_id, "a kept sandbox was still running: stopped before its resume");
-        provider.stop(sandbox_id, grace).await;
+        provider.stop(sandbox_id).await;
     }
     tokio::time::timeout(bound, provider.start(sandbox_id))
         .await

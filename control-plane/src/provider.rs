@@ -125,16 +125,18 @@ pub trait SandboxProvider: Send + Sync + 'static {
         sandbox_id: &str,
         launch: AgentLaunch,
     ) -> impl Future<Output = Result<Launched, ProviderError>> + Send;
-    /// Stops the sandbox's processes (SIGTERM, then after `grace` SIGKILL);
-    /// its filesystem is kept.
-    fn stop(&self, sandbox_id: &str, grace: Duration) -> impl Future<Output = ()> + Send;
+    /// Stops the sandbox's processes (SIGTERM, then after the provider's
+    /// stop grace SIGKILL); its filesystem is kept. The grace is the
+    /// provider's own setting: every stop of a sandbox, whoever asks for
+    /// it (the engine, the sweeper, a shutdown), gives the same.
+    fn stop(&self, sandbox_id: &str) -> impl Future<Output = ()> + Send;
     /// A finished turn's sandbox is kept running for the thread's next turn
     /// (Tier 2) and its agent has exited: end whatever the turn left
     /// running. A provider that can keep a sandbox running without its
     /// agent (a container with its own PID 1) keeps it running; the
     /// default stops it, which for a process-group sandbox is the same.
-    fn clear(&self, sandbox_id: &str, grace: Duration) -> impl Future<Output = ()> + Send {
-        self.stop(sandbox_id, grace)
+    fn clear(&self, sandbox_id: &str) -> impl Future<Output = ()> + Send {
+        self.stop(sandbox_id)
     }
     /// Waits up to `timeout` for the agent to exit on its own; whether it did.
     fn wait_exit(&self, sandbox_id: &str, timeout: Duration) -> impl Future<Output = bool> + Send;
@@ -143,7 +145,7 @@ pub trait SandboxProvider: Send + Sync + 'static {
     /// Whether the sandbox exists, and whether its agent runs.
     fn state(&self, sandbox_id: &str) -> impl Future<Output = Result<Found, ProviderError>> + Send;
     /// Stops every sandbox this process launched (server shutdown).
-    fn stop_all(&self, grace: Duration) -> impl Future<Output = ()> + Send;
+    fn stop_all(&self) -> impl Future<Output = ()> + Send;
     fn details(&self, sandbox_id: &str) -> Details;
     /// Sets the idle auto-stop: stopped after `minutes` provider minutes
     /// without activity (`0`: never). A provider without one ignores it.
@@ -212,7 +214,7 @@ where
 /// Stops the sandboxes the idle auto-stop claimed, each in a task of its
 /// own: a round of the sweeper does not wait out their grace periods. A
 /// claim ends with its stop.
-pub(crate) fn stop_idle<P: SandboxProvider + Clone>(provider: &P, due: Vec<IdleStop>, grace: Duration) {
+pub(crate) fn stop_idle<P: SandboxProvider + Clone>(provider: &P, due: Vec<IdleStop>) {
     for claim in due {
         tracing::info!(
             sandbox_id = claim.sandbox_id,
@@ -221,7 +223,7 @@ pub(crate) fn stop_idle<P: SandboxProvider + Clone>(provider: &P, due: Vec<IdleS
         );
         let provider = provider.clone();
         tokio::spawn(async move {
-            provider.stop(&claim.sandbox_id, grace).await;
+            provider.stop(&claim.sandbox_id).await;
             drop(claim);
         });
     }

@@ -61,7 +61,6 @@ pub struct ServerConfig {
     /// failed and the sandbox written off (see [`DispatchConfig::run_silence`]).
     pub run_silence: Duration,
     pub linger: Duration,
-    pub stop_grace: Duration,
     pub agent_log: String,
     /// Added before answering every agent call under `/v1/executions/`:
     /// benchmarks give a loopback server the round trip of a remote one.
@@ -89,7 +88,6 @@ impl ServerConfig {
             launch_timeout: Duration::from_secs(120),
             run_silence: Duration::from_secs(300),
             linger: Duration::from_secs(30),
-            stop_grace: Duration::from_secs(10),
             agent_log: "info".into(),
             inject_latency: Duration::ZERO,
             pool_policy: PoolPolicy::default(),
@@ -201,7 +199,6 @@ pub struct RunningServer<P> {
     url: String,
     engine: EngineHandle,
     provider: Arc<P>,
-    stop_grace: Duration,
     stop_serving: watch::Sender<bool>,
     fatal: watch::Receiver<Option<String>>,
     serve: JoinHandle<std::io::Result<()>>,
@@ -322,7 +319,6 @@ async fn start_with<P: SandboxProvider>(
         url,
         engine: handle,
         provider,
-        stop_grace: config.stop_grace,
         stop_serving,
         fatal,
         serve,
@@ -412,7 +408,6 @@ impl<P: SandboxProvider> Launch<P> {
             server_url: url,
             heartbeat_interval: config.heartbeat_interval,
             agent_log: config.agent_log.clone(),
-            stop_grace: config.stop_grace,
             tick: (config.heartbeat_interval / 2).clamp(Duration::from_millis(50), Duration::from_secs(1)),
             resume_timeout: config.pool_policy.resume_timeout,
             clock,
@@ -496,7 +491,7 @@ impl<P: SandboxProvider> RunningServer<P> {
         if self.cluster.is_none() {
             tracing::info!("shutting down: stopping sandboxes");
             let _ = self.engine.ask::<()>(Input::Drain).await;
-            self.provider.stop_all(self.stop_grace).await;
+            self.provider.stop_all().await;
         } else {
             tracing::info!("shutting down a replica: its sandboxes stay for the next leader");
         }

@@ -53,7 +53,7 @@ impl SandboxProvider for FakeProvider {
         let _ = self.launches.send((sandbox_id.to_owned(), launch.token));
         Ok(Launched { pid: None, exited })
     }
-    async fn stop(&self, sandbox_id: &str, _: Duration) {
+    async fn stop(&self, sandbox_id: &str) {
         self.exit(sandbox_id, None);
     }
     async fn wait_exit(&self, sandbox_id: &str, _: Duration) -> bool {
@@ -65,7 +65,7 @@ impl SandboxProvider for FakeProvider {
     async fn state(&self, _: &str) -> Result<Found, ProviderError> {
         Ok(self.found)
     }
-    async fn stop_all(&self, _: Duration) {
+    async fn stop_all(&self) {
         let ids: Vec<String> = self.running.lock().unwrap_or_else(PoisonError::into_inner).keys().cloned().collect();
         for id in ids {
             self.exit(&id, None);

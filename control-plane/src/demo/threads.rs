@@ -8,7 +8,6 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 use standby_control_plane::provider::SandboxProvider;
-use standby_control_plane::provider::local::LocalProvider;
 use standby_control_plane::server::{RunningServer, ServerConfig};
 use standby_protocol::Secret;
 
@@ -46,7 +45,7 @@ pub async fn run_threads(
     out: &mut impl Write,
 ) -> Result<Vec<FollowUp>, DemoError> {
     let scene = Scene::new(options)?;
-    let provider = Arc::new(LocalProvider::new(scene.logs.clone(), options.agent_bin.clone()));
+    let provider = Arc::new(super::local_provider(&scene, options));
     let serve = Serve { pool_size: 0, heartbeat: Duration::from_millis(250), listen: None };
     with_server(&scene, provider, serve, park_threads, async |server, key| {
         let threads = Threads { title: "standby demo --threads", rounds, paths: &FOLLOW_UP_PATHS };

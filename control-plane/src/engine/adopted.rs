@@ -60,7 +60,7 @@ mod tests {
         async fn launch(&self, _: &str, _: AgentLaunch) -> Result<Launched, ProviderError> {
             unreachable!("nothing is launched")
         }
-        async fn stop(&self, _: &str, _: Duration) {}
+        async fn stop(&self, _: &str) {}
         async fn wait_exit(&self, _: &str, _: Duration) -> bool {
             true
         }
@@ -70,7 +70,7 @@ mod tests {
         async fn state(&self, _: &str) -> Result<Found, ProviderError> {
             Ok(*self.0.lock().expect("the state"))
         }
-        async fn stop_all(&self, _: Duration) {}
+        async fn stop_all(&self) {}
         fn details(&self, _: &str) -> Details {
             Details::default()
         }

@@ -126,7 +126,6 @@ fn setup(held: bool, fail: bool) -> Setup {
         server_url: "http://127.0.0.1:9".into(),
         heartbeat_interval: Duration::from_secs(1),
         agent_log: "info".into(),
-        stop_grace: Duration::from_secs(1),
         tick: Duration::from_secs(3600),
         resume_timeout: Duration::from_secs(10),
         clock: Clock::system(),

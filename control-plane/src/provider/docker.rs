@@ -276,7 +276,8 @@ impl SandboxProvider for DockerProvider {
         Ok(Launched { pid: None, exited: started.exited })
     }
 
-    async fn stop(&self, sandbox_id: &str, grace: Duration) {
+    async fn stop(&self, sandbox_id: &str) {
+        let grace = self.inner.options.stop_grace;
         if let Err(error) = container::stop(&self.inner.docker, sandbox_id, grace).await {
             tracing::warn!(%error, "stopping a sandbox's container failed");
         }
@@ -286,7 +287,8 @@ impl SandboxProvider for DockerProvider {
         self.inner.timers.forget(sandbox_id);
     }
 
-    async fn clear(&self, sandbox_id: &str, grace: Duration) {
+    async fn clear(&self, sandbox_id: &str) {
+        let grace = self.inner.options.stop_grace;
         let signal = KillContainerOptions { signal: "SIGUSR1".to_owned() };
         let cleared = match self.inner.docker.kill_container(&container::name(sandbox_id), Some(signal)).await {
             Ok(()) => self.only_pid_one(sandbox_id, grace.max(Duration::from_secs(1))).await,
@@ -297,7 +299,7 @@ impl SandboxProvider for DockerProvider {
         };
         if !cleared {
             tracing::warn!(sandbox_id, "a kept container could not be cleared: stopped instead");
-            self.stop(sandbox_id, grace).await;
+            self.stop(sandbox_id).await;
         }
     }
 
@@ -349,11 +351,11 @@ impl SandboxProvider for DockerProvider {
         })
     }
 
-    async fn stop_all(&self, grace: Duration) {
+    async fn stop_all(&self) {
         *self.inner.closed.write().await = true;
         let ids = sweeper::own_containers(&self.inner).await.into_iter().filter(|c| c.running).map(|c| c.sandbox_id);
         let ids: Vec<String> = ids.collect();
-        futures::future::join_all(ids.iter().map(|id| self.stop(id, grace))).await;
+        futures::future::join_all(ids.iter().map(|id| self.stop(id))).await;
     }
 
     async fn adopt(&self, known: HashSet<String>) {

@@ -79,7 +79,7 @@ pub struct LocalOptions {
     pub auto_archive: u32,
     /// Stopped for this many minutes: deleted (`0`: never).
     pub auto_delete: u32,
-    /// Between SIGTERM and SIGKILL when the auto-stop stops a sandbox.
+    /// Between SIGTERM and SIGKILL when a sandbox is stopped.
     pub stop_grace: Duration,
     /// How every process of a sandbox is kept killable.
     pub containment: ContainmentChoice,
@@ -289,7 +289,7 @@ impl LocalProvider {
         let timers = &self.inner.timers;
         let running: Vec<String> = lock(&self.inner.processes).keys().cloned().collect();
         let auto_stops = running.iter().map(|id| (id.clone(), self.read_meta(id).auto_stop_minutes));
-        stop_idle(self, timers.idle(auto_stops, Instant::now()), self.inner.options.stop_grace);
+        stop_idle(self, timers.idle(auto_stops, Instant::now()));
         if !timers.ages_stopped() {
             return;
         }
@@ -453,7 +453,8 @@ impl SandboxProvider for LocalProvider {
         Ok(Launched { pid: Some(pid), exited })
     }
 
-    async fn stop(&self, sandbox_id: &str, grace: Duration) {
+    async fn stop(&self, sandbox_id: &str) {
+        let grace = self.inner.options.stop_grace;
         if let Some(process) = self.process(sandbox_id) {
             let pid = Pid::from_raw(i32::try_from(process.pid).unwrap_or(i32::MAX));
             let agent = self.inner.containment.agent_pid(process.pid);
@@ -503,9 +504,9 @@ impl SandboxProvider for LocalProvider {
         })
     }
 
-    async fn stop_all(&self, grace: Duration) {
+    async fn stop_all(&self) {
         let ids: Vec<String> = lock(&self.inner.processes).keys().cloned().collect();
-        futures::future::join_all(ids.iter().map(|id| self.stop(id, grace))).await;
+        futures::future::join_all(ids.iter().map(|id| self.stop(id))).await;
         self.inner.containment.kill_all().await;
     }
 
@@ -594,7 +595,7 @@ mod tests {
         let starts = dir.path().join("sandboxes/sbx_s/workspace/starts");
         until("the first start", || starts.is_file()).await;
         std::fs::write(dir.path().join("sandboxes/sbx_s/workspace/note"), "kept").expect("a file");
-        provider.stop("sbx_s", Duration::from_secs(2)).await;
+        provider.stop("sbx_s").await;
         assert_eq!(first.exited.await.expect("an exit"), None, "stopped by a signal");
         assert!(!pid_alive(pid), "no process is left");
         assert_eq!(provider.state("sbx_s").await.expect("state"), Found::NoAgent);
@@ -603,7 +604,7 @@ mod tests {
         until("the second start", || std::fs::read_to_string(&starts).is_ok_and(|t| t.lines().count() == 2)).await;
         let note = std::fs::read_to_string(dir.path().join("sandboxes/sbx_s/workspace/note")).expect("the file");
         assert_eq!(note, "kept");
-        provider.stop("sbx_s", Duration::from_secs(2)).await;
+        provider.stop("sbx_s").await;
         assert!(second.exited.await.is_ok());
     }
 
@@ -630,7 +631,7 @@ mod tests {
         assert_eq!(code.expect("an exit"), None);
         assert_eq!(provider.state("sbx_idle").await.expect("state"), Found::NoAgent, "the files are kept");
         assert_eq!(provider.state("sbx_never").await.expect("state"), Found::Running, "0 means never");
-        provider.stop("sbx_never", Duration::from_secs(2)).await;
+        provider.stop("sbx_never").await;
         assert!(never.exited.await.is_ok());
     }
 
@@ -643,7 +644,7 @@ mod tests {
         provider.create("sbx_old").await.expect("create");
         let launched = provider.launch("sbx_old", launch()).await.expect("launch");
         std::fs::write(root.join("sbx_old/workspace/note"), "kept").expect("a file");
-        provider.stop("sbx_old", Duration::from_secs(2)).await;
+        provider.stop("sbx_old").await;
         assert!(launched.exited.await.is_ok());
         let archived = async {
             while provider.state("sbx_old").await.expect("state") != Found::Archived {
@@ -702,7 +703,8 @@ mod tests {
             dir.path(),
             "trap '' TERM; setsid sleep 300 & echo $! > \"$STANDBY_WORKSPACE/child.pid\"; while :; do sleep 1; done",
         );
-        let provider = LocalProvider::new(dir.path().join("sandboxes"), agent);
+        let grace = LocalOptions { stop_grace: Duration::from_millis(200), ..LocalOptions::default() };
+        let provider = LocalProvider::with_options(dir.path().join("sandboxes"), agent, grace);
         provider.create("sbx_b").await.expect("create");
         let launched = provider.launch("sbx_b", launch()).await.expect("launch");
         let pid_file = dir.path().join("sandboxes/sbx_b/workspace/child.pid");
@@ -713,7 +715,7 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(20)).await;
         };
         assert_eq!(provider.state("sbx_b").await.expect("state"), Found::Running);
-        provider.stop("sbx_b", Duration::from_millis(200)).await;
+        provider.stop("sbx_b").await;
         assert_eq!(launched.exited.await.expect("an exit"), None, "killed by a signal");
         // The child was SIGKILLed by the sweep; wait for the kernel to reap it.
         let gone = async {

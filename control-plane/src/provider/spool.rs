@@ -106,7 +106,7 @@ impl SandboxProvider for SpoolProvider {
         Ok(Launched { pid: None, exited })
     }
 
-    async fn stop(&self, sandbox_id: &str, _grace: Duration) {
+    async fn stop(&self, sandbox_id: &str) {
         if let Err(error) = self.remove_file(sandbox_id) {
             tracing::warn!(%error, "removing a spooled credential failed");
         }
@@ -149,10 +149,10 @@ impl SandboxProvider for SpoolProvider {
         Ok(if self.launched().contains_key(sandbox_id) { Found::Running } else { Found::Missing })
     }
 
-    async fn stop_all(&self, grace: Duration) {
+    async fn stop_all(&self) {
         let ids: Vec<String> = self.launched().keys().cloned().collect();
         for id in ids {
-            self.stop(&id, grace).await;
+            self.stop(&id).await;
         }
     }
 
@@ -189,7 +189,7 @@ mod tests {
         assert_eq!(std::fs::metadata(&file).expect("metadata").permissions().mode() & 0o777, 0o600);
         assert_eq!(provider.state("sbx_a").await.expect("state"), Found::Running);
         assert!(!provider.wait_exit("sbx_a", Duration::ZERO).await);
-        provider.stop("sbx_a", Duration::ZERO).await;
+        provider.stop("sbx_a").await;
         assert_eq!(launched.exited.await.expect("an exit"), Some(0));
         assert!(!file.exists());
         assert_eq!(provider.state("sbx_a").await.expect("state"), Found::Missing);
@@ -207,7 +207,7 @@ mod tests {
             earlier.create(id).await.expect("create");
             drop(earlier.launch(id, launch()).await.expect("launch"));
         }
-        earlier.stop("sbx_b", Duration::ZERO).await;
+        earlier.stop("sbx_b").await;
         let known: HashSet<String> = ["sbx_a", "sbx_b", "sbx_c"].into_iter().map(str::to_owned).collect();
 
         let unshared = SpoolProvider::new(spool.clone());
@@ -220,7 +220,7 @@ mod tests {
         for gone in ["sbx_b", "sbx_c"] {
             assert_eq!(shared.state(gone).await.expect("state"), Found::Missing, "{gone}");
         }
-        shared.stop("sbx_a", Duration::ZERO).await;
+        shared.stop("sbx_a").await;
         assert!(!dir.path().join("spool/sbx_a.token").exists());
     }
 }

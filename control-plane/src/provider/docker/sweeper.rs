@@ -60,7 +60,7 @@ pub(super) async fn sweep_once(inner: Arc<DockerInner>) {
         let minutes = lock(&inner.auto_stop).get(&own.sandbox_id).copied().unwrap_or(0);
         (own.sandbox_id.clone(), minutes)
     });
-    stop_idle(&provider, inner.timers.idle(auto_stops, Instant::now()), options.stop_grace);
+    stop_idle(&provider, inner.timers.idle(auto_stops, Instant::now()));
     if inner.timers.ages_stopped() {
         for own in own.iter().filter(|own| own.exited) {
             age_stopped(&provider, &own.sandbox_id).await;
