@@ -371,7 +371,10 @@ impl<P: SandboxProvider> Engine<P> {
         let effects = after.iter().any(|action| matches!(action, After::Effect(_)));
         if !writes.is_empty() || (effects && fence.is_some()) {
             blocking(&self.store, move |store| store.apply(&writes, fence.as_ref())).await.inspect_err(|error| {
-                if error.deposes() {
+                // A write that failed once the lease lapsed (the database
+                // ended the transaction of a leader frozen past its
+                // deadline) says as much as one refused for the lease.
+                if error.deposes() || leadership.lapsed(Instant::now()) {
                     leadership.depose(&error.to_string());
                 }
             })?;
