@@ -373,7 +373,7 @@ fn spread_tables(out: &mut String, spread: &SpreadResults) {
     let _ = writeln!(
         out,
         "## Server capacity over replicas\n\nStandbys spread round-robin over the replicas and over load-generator \
-         processes (open-files limit {} each), heartbeat every {:.0} s. Dispatch: runs one at a time through the \
+         processes (open-files limit {} each), heartbeat every {:.0} s. Rules: runs one at a time through the \
          replicas in turn, `POST /v1/runs` sent → assignment frame read. Burst: runs at once through every \
          replica, runs over first request → last frame.\n\n\
          | connections | replicas | store | workers | connect time | dispatch p50 | p99 | dispatches | burst runs/s | burst p50 | burst p99 | load average |\n\
@@ -445,7 +445,7 @@ fn capacity_table(out: &mut String, capacity: &CapacityResults, targets: &mut Ve
         "## Server capacity\n\nStandby connections held by the load generator (`standby-bench`), heartbeat every {:.0} s, \
          against `standby-server serve --provider spool`. An empty server: {} MiB RSS. Memory per connection = \
          (RSS connected − RSS with the credentials minted) / connections; per standby also counts the sandbox and \
-         credential records (against the empty server). Dispatch = `POST /v1/runs` sent → assignment frame read by \
+         credential records (against the empty server). Rules = `POST /v1/runs` sent → assignment frame read by \
          the chosen connection.\n\n\
          | connections | connect time | RSS minted | RSS connected | KiB / connection | KiB / standby | idle CPU (one core) | dispatch p50 | p99 | max | dispatches |\n\
          |---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",

@@ -19,10 +19,10 @@ use tokio::sync::mpsc;
 
 use crate::api_bounds::{EVENT_BODY_MAX, LOG_BODY_MAX, agent_socket, bound_event};
 use crate::app::{ApiError, AppState, Unread, bearer, from_store, parse_json, read_body};
-use crate::dispatch::{Admission, AdmissionRefusal, Call, ConnId, Input, LogError};
 use crate::engine::{EngineHandle, Outbound};
 use crate::listener::ConnectionSlot;
 use crate::model::{RunRequest, SandboxRecord};
+use crate::rules::{Admission, AdmissionRefusal, Call, ConnId, Input, LogError};
 
 fn check_protocol(headers: &HeaderMap) -> Result<(), ApiError> {
     match headers.get(standby_protocol::PROTOCOL_HEADER) {

@@ -1,4 +1,4 @@
-//! Drives the [`Dispatch`] state machine: one task owns it, takes commands
+//! Drives the [`Rules`] state machine: one task owns it, takes commands
 //! from HTTP handlers, sockets, provider tasks and a ticker, and applies
 //! their steps' writes in one store transaction **before** carrying out
 //! the effects (sending frames, launching, parking, resuming and retiring
@@ -29,13 +29,12 @@ use standby_protocol::{Secret, ServerMessage};
 use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::cluster::Leadership;
-use crate::dispatch::{
-    Answer, ConnId, Dispatch, Effect, Input, LiveSandbox, Provision, Reply, ResumeFailure, ResumeStart, SandboxPage,
-    Step,
-};
 use crate::model::{Clock, ParkMode};
 use crate::policy::raised_auto_stop;
 use crate::provider::{AgentLaunch, Details, Found, Launched, SandboxProvider};
+use crate::rules::{
+    Answer, ConnId, Effect, Input, LiveSandbox, Provision, Reply, ResumeFailure, ResumeStart, Rules, SandboxPage, Step,
+};
 use crate::store::{Store, StoreError};
 
 use self::batch::{After, Batch};
@@ -195,7 +194,7 @@ impl EngineHandle {
 
 /// The task that owns the state machine.
 pub struct Engine<P> {
-    machine: Dispatch,
+    machine: Rules,
     store: Arc<dyn Store>,
     provider: Arc<P>,
     config: EngineConfig,
@@ -247,11 +246,11 @@ impl EngineHandle {
 
 impl<P: SandboxProvider> Engine<P> {
     /// An engine for `machine` taking `mailbox`'s commands; `initial` (of
-    /// [`Self::run`]) is the step [`Dispatch::restore`] returned, applied
+    /// [`Self::run`]) is the step [`Rules::restore`] returned, applied
     /// before anything else.
     pub fn new(
         mailbox: Mailbox,
-        machine: Dispatch,
+        machine: Rules,
         store: Arc<dyn Store>,
         provider: Arc<P>,
         config: EngineConfig,

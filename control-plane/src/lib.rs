@@ -1,7 +1,7 @@
 //! The reference control plane: the server half of the standby contract.
 //!
 //! Modules, one job each:
-//! - [`dispatch`]: the server's rules as a pure state machine.
+//! - [`rules`]: the server's rules as a pure state machine.
 //! - [`policy`]: the pool's policy and its numeric rules (auto-stop floor,
 //!   TTL schedule).
 //! - [`store`]: durable records behind a trait; SQLite by default.
@@ -26,11 +26,13 @@
 //!
 //! # API boundary
 //!
-//! A module is `pub` only when another crate uses it: the `standby-server`
-//! binary (`main.rs`: `cluster`, `containment`, `dispatch`, `listener`,
-//! `policy`, `provider`, `seal`, `server`, `store`) and the integration
-//! tests in `control-plane/tests/` (`api_bounds` as well). The handlers,
-//! the engine, the records and the metrics are private to the crate.
+//! A module is `pub` only when another crate uses it, or a `pub` type
+//! shows its types: the `standby-server` binary (`main.rs` and its demo:
+//! `cluster`, `config`, `listener`, `provider`, `seal`, `server`,
+//! `store`), the integration tests (`api_bounds`, `rules`), and
+//! `containment` and `policy`, whose choices the configuration holds. The
+//! handlers, the engine, the records and the metrics are private to the
+//! crate.
 
 mod agent_api;
 pub mod api_bounds;
@@ -39,7 +41,6 @@ pub mod cluster;
 pub mod config;
 pub mod containment;
 mod credential;
-pub mod dispatch;
 mod engine;
 pub mod listener;
 mod metrics;
@@ -47,6 +48,7 @@ mod model;
 pub mod policy;
 mod problem;
 pub mod provider;
+pub mod rules;
 pub mod seal;
 pub mod server;
 pub mod store;

@@ -7,9 +7,9 @@
 use std::fmt::Write as _;
 use std::sync::atomic::Ordering;
 
-use crate::dispatch::{Histogram, MetricsSnapshot};
 use crate::listener::ListenerStats;
 use crate::model::{RunPath, RunState};
+use crate::rules::{Histogram, MetricsSnapshot};
 
 pub fn render(snapshot: &MetricsSnapshot) -> String {
     let mut out = String::new();

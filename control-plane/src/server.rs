@@ -20,11 +20,12 @@ use tokio::task::JoinHandle;
 use crate::app::AppState;
 use crate::cluster::{Cluster, ClusterConfig, ClusterView, Leadership, Role};
 use crate::credential::{RandomMint, TokenHash};
-use crate::dispatch::{Dispatch, DispatchConfig, Input, PoolPolicy, RunBounds};
 use crate::engine::{Engine, EngineConfig, EngineHandle, Mailbox};
 use crate::listener::{ListenerLimits, ListenerStats};
 use crate::model::Clock;
+use crate::policy::PoolPolicy;
 use crate::provider::SandboxProvider;
+use crate::rules::{Input, Rules, RulesConfig, RunBounds};
 use crate::store::{LeaseStore, Store, StoreError};
 use crate::{agent_api, user_api};
 
@@ -58,7 +59,7 @@ pub struct ServerConfig {
     pub max_attempts: u32,
     pub launch_timeout: Duration,
     /// How long a running run's sandbox may go unheard before the run is
-    /// failed and the sandbox written off (see [`DispatchConfig::run_silence`]).
+    /// failed and the sandbox written off (see [`RulesConfig::run_silence`]).
     pub run_silence: Duration,
     pub linger: Duration,
     pub agent_log: String,
@@ -126,7 +127,7 @@ async fn restore_auto_stops<P: SandboxProvider>(provider: &P, records: &[crate::
 fn router(state: AppState) -> Router {
     Router::new()
         .route("/healthz", get(health))
-        .route("/v1/cluster", get(user_api::cluster::cluster))
+        .route("/v1/cluster", get(user_api::cluster_status::cluster))
         .route(standby_protocol::SOCKET_PATH, get(agent_api::socket))
         .route(standby_protocol::SPEC_PATH, get(agent_api::spec))
         .route(paths::SECRETS_ROUTE, get(agent_api::secrets))
@@ -270,7 +271,7 @@ async fn start_with<P: SandboxProvider>(
         None => None,
     };
     let leadership = cluster.as_ref().map_or_else(Leadership::sole, |cluster| cluster.leadership.clone());
-    let launch = Launch {
+    let start = EngineStart {
         config: config.clone(),
         url: url.clone(),
         store: Arc::clone(&store),
@@ -279,11 +280,11 @@ async fn start_with<P: SandboxProvider>(
     };
     let engine_task = match &cluster {
         None => {
-            let (engine, initial) = launch.engine(mailbox).await?;
+            let (engine, initial) = start.engine(mailbox).await?;
             tokio::spawn(engine.run(initial, fatal_tx))
         }
         Some(cluster) => {
-            tokio::spawn(lead_when_elected(launch, mailbox, cluster.view.clone(), fatal_tx, stopped.clone()))
+            tokio::spawn(lead_when_elected(start, mailbox, cluster.view.clone(), fatal_tx, stopped.clone()))
         }
     };
     let state = AppState {
@@ -291,7 +292,7 @@ async fn start_with<P: SandboxProvider>(
         store,
         api_key: Arc::new(TokenHash::of(config.api_key.expose())),
         spec: Arc::new(config.spec.clone()),
-        idle_timeout: config.heartbeat_interval * (crate::dispatch::HEARTBEAT_WINDOW + 1),
+        idle_timeout: config.heartbeat_interval * (crate::rules::HEARTBEAT_WINDOW + 1),
         listener: Arc::clone(&listener_stats),
         containment: provider.containment(),
         cluster: cluster.clone(),
@@ -365,7 +366,7 @@ impl std::fmt::Display for Ending {
 impl std::error::Error for Ending {}
 
 /// What starting the engine needs.
-struct Launch<P> {
+struct EngineStart<P> {
     config: ServerConfig,
     url: String,
     store: Arc<dyn Store>,
@@ -373,10 +374,10 @@ struct Launch<P> {
     leadership: Leadership,
 }
 
-impl<P: SandboxProvider> Launch<P> {
+impl<P: SandboxProvider> EngineStart<P> {
     /// Loads the store, adopts the sandboxes it knows and restores the
     /// machine: the engine and its first step.
-    async fn engine(self, mailbox: Mailbox) -> Result<(Engine<P>, crate::dispatch::Step), ServerError> {
+    async fn engine(self, mailbox: Mailbox) -> Result<(Engine<P>, crate::rules::Step), ServerError> {
         let Self { config, url, store, provider, leadership } = self;
         let loader = Arc::clone(&store);
         let snapshot = tokio::task::spawn_blocking(move || loader.load())
@@ -390,7 +391,7 @@ impl<P: SandboxProvider> Launch<P> {
             .collect();
         provider.adopt(known).await;
         restore_auto_stops(provider.as_ref(), &snapshot.sandboxes).await;
-        let dispatch_config = DispatchConfig {
+        let rules_config = RulesConfig {
             heartbeat_interval: config.heartbeat_interval,
             pool_size: config.pool_size,
             max_attempts: config.max_attempts,
@@ -403,7 +404,7 @@ impl<P: SandboxProvider> Launch<P> {
             bounds: config.bounds,
         };
         let clock = Clock::system();
-        let (machine, initial) = Dispatch::restore(dispatch_config, Box::new(RandomMint), snapshot, clock.now());
+        let (machine, initial) = Rules::restore(rules_config, Box::new(RandomMint), snapshot, clock.now());
         let engine_config = EngineConfig {
             server_url: url,
             heartbeat_interval: config.heartbeat_interval,
@@ -420,7 +421,7 @@ impl<P: SandboxProvider> Launch<P> {
 /// A replica's engine: started once it leads (the calls queued meanwhile
 /// are then handled), never if it shuts down first.
 async fn lead_when_elected<P: SandboxProvider>(
-    launch: Launch<P>,
+    start: EngineStart<P>,
     mailbox: Mailbox,
     mut view: watch::Receiver<ClusterView>,
     fatal: watch::Sender<Option<String>>,
@@ -435,7 +436,7 @@ async fn lead_when_elected<P: SandboxProvider>(
         _ = stopped.wait_for(|stop| *stop) => return,
     }
     tracing::info!("leading: loading the state from the store");
-    match launch.engine(mailbox).await {
+    match start.engine(mailbox).await {
         Ok((engine, initial)) => engine.run(initial, fatal).await,
         Err(error) => {
             let _ = fatal.send(Some(error.to_string()));

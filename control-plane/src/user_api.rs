@@ -13,7 +13,7 @@ use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 use utoipa::IntoParams;
 
-pub(crate) mod cluster;
+pub(crate) mod cluster_status;
 pub(crate) mod documented;
 pub(crate) mod openapi;
 pub(crate) mod reads;
@@ -24,9 +24,9 @@ use self::documented::{NoSuchRun, ShuttingDown, StoreFailed, Unauthorized};
 use self::submission::Submission;
 use self::views::{RunView, ThreadView, view};
 use crate::app::{ApiError, AppState, bearer, from_store, parse_json, read_body};
-use crate::dispatch::{CancelError, IdempotencyKey, Input, KeyReused, Submitted};
 use crate::model::{RunRecord, RunState, ThreadRecord};
 use crate::problem::{self, PROBLEM_JSON, Problem};
+use crate::rules::{CancelError, IdempotencyKey, Input, KeyReused, Submitted};
 use crate::store::Store;
 
 pub(crate) fn authorize(state: &AppState, headers: &HeaderMap) -> Result<(), Problem> {

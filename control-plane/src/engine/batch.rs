@@ -14,7 +14,7 @@
 use tokio::sync::{mpsc, oneshot};
 
 use super::Outbound;
-use crate::dispatch::{ConnId, Effect, Reply, Step, Write};
+use crate::rules::{ConnId, Effect, Reply, Step, Write};
 
 /// The most commands one transaction carries: enough to fold a burst into a
 /// few commits, few enough that the first command of a batch does not wait

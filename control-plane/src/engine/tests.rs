@@ -10,9 +10,10 @@ use standby_protocol::{Run, Workspace, fingerprint};
 
 use super::*;
 use crate::credential::RandomMint;
-use crate::dispatch::{DispatchConfig, KeyReused, LogLedger, PoolPolicy, RunBounds, Snapshot, Submitted, Write};
 use crate::model::{RunRecord, RunRequest};
+use crate::policy::PoolPolicy;
 use crate::provider::spool::SpoolProvider;
+use crate::rules::{KeyReused, LogLedger, RulesConfig, RunBounds, Snapshot, Submitted, Write};
 use crate::seal::SealKey;
 use crate::store::{Fence, RunQuery, SqliteStore};
 
@@ -108,7 +109,7 @@ fn setup(held: bool, fail: bool) -> Setup {
         release: held.then(|| Mutex::new(release_rx)),
         fail,
     });
-    let config = DispatchConfig {
+    let config = RulesConfig {
         heartbeat_interval: Duration::from_secs(1),
         pool_size: 0,
         max_attempts: 1,
@@ -120,7 +121,7 @@ fn setup(held: bool, fail: bool) -> Setup {
         pool_policy: PoolPolicy::default(),
         bounds: RunBounds::default(),
     };
-    let machine = Dispatch::new(config, Box::new(RandomMint));
+    let machine = Rules::new(config, Box::new(RandomMint));
     let provider = Arc::new(SpoolProvider::new(dir.path().join("spool")));
     let engine_config = EngineConfig {
         server_url: "http://127.0.0.1:9".into(),

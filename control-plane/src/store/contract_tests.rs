@@ -13,11 +13,11 @@ use standby_protocol::{Event, EventKind, Run, Secret, Workspace, fingerprint};
 
 use super::{PostgresStore, RunQuery, SqliteStore, Store, StoreError};
 use crate::credential::{CredentialKind, TokenHash};
-use crate::dispatch::{LogLedger, Write};
 use crate::model::{
     Attempt, AttemptOutcome, CredentialRecord, CredentialState, IdempotencyRecord, Millis, RunPath, RunRecord,
     RunRequest, RunState, StoredAttachment, StoredEvent, ThreadRecord,
 };
+use crate::rules::{LogLedger, Write};
 use crate::seal::{SealKey, Sealer};
 
 /// Where a store's data lives, for the tests.

@@ -21,7 +21,7 @@
 //!
 //! Calls block; the engine and the API run them on the blocking pool.
 //!
-//! [`Step`]: crate::dispatch::Step
+//! [`Step`]: crate::rules::Step
 
 mod postgres;
 mod sqlite;
@@ -39,8 +39,8 @@ use standby_protocol::Secret;
 
 pub use self::postgres::{PostgresStore, redact_url};
 pub use self::sqlite::SqliteStore;
-use crate::dispatch::{LogLedger, Snapshot, Write};
 use crate::model::{Millis, RunPath, RunRecord, RunRequest, RunState, StoredEvent};
+use crate::rules::{LogLedger, Snapshot, Write};
 use crate::seal::{SealKey, Sealer};
 
 /// A store operation that failed, naming the store (a file path, or a

@@ -38,8 +38,8 @@ pub use self::url::redact_url;
 use super::{
     Fence, RunQuery, Store, StoreError, decode, encode, finished_key, open_request, terminal_states, to_i64, to_u64,
 };
-use crate::dispatch::{LogLedger, Snapshot, Write};
 use crate::model::{RunRecord, RunRequest, StoredEvent, ThreadRecord};
+use crate::rules::{LogLedger, Snapshot, Write};
 use crate::seal::{SealKey, Sealer};
 
 /// Connections kept: one for the engine's writes, the rest for the API's

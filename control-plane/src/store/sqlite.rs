@@ -18,10 +18,10 @@ use serde::de::DeserializeOwned;
 use super::{
     Fence, RunQuery, Store, StoreError, decode, encode, finished_key, open_request, terminal_states, to_i64, to_u64,
 };
-use crate::dispatch::{LogLedger, Snapshot, Write};
 use crate::model::{
     CredentialRecord, IdempotencyRecord, RunRecord, RunRequest, RunState, SandboxRecord, StoredEvent, ThreadRecord,
 };
+use crate::rules::{LogLedger, Snapshot, Write};
 use crate::seal::{SealKey, Sealer};
 
 /// Columns of `runs` read from its document, indexed for paging and for

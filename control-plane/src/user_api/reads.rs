@@ -18,9 +18,9 @@ use super::views::{EventView, EventsPage, RunsPage, SandboxView, SandboxesPage, 
 use super::{RunPath, authorize, find};
 use crate::api_bounds::{LogView, OutOfBounds, cursor, page_limit, parse_cursor};
 use crate::app::{ApiError, AppState, from_store};
-use crate::dispatch::SandboxPage;
 use crate::model::{Millis, RunState, SandboxState};
 use crate::problem::Problem;
+use crate::rules::SandboxPage;
 use crate::store::RunQuery;
 
 /// Stored pieces of a log read per store call while streaming: at most 16

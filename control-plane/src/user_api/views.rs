@@ -5,12 +5,12 @@
 use serde::Serialize;
 use utoipa::ToSchema;
 
-use crate::dispatch::LiveSandbox;
 use crate::model::{
     Attempt, AttemptOutcome, Millis, ParkMode, Resume, RunPath, RunRecord, RunState, SandboxKind, SandboxState,
     StoredEvent, ThreadRecord,
 };
 use crate::provider::Details;
+use crate::rules::LiveSandbox;
 
 #[derive(Debug, Serialize, ToSchema)]
 pub(crate) struct AttemptView {

@@ -36,7 +36,7 @@ use std::time::Duration;
 use axum::http::StatusCode;
 use standby_protocol::{self as protocol, Standing};
 
-use super::{ConnId, Dispatch, Effect, Step};
+use super::{ConnId, Effect, Rules, Step};
 use crate::credential::{self, CredentialKind};
 use crate::model::{CredentialState, Millis, RunState};
 
@@ -154,7 +154,7 @@ pub(super) struct Admissions {
     pub(super) duplicates_refused: u64,
 }
 
-impl Dispatch {
+impl Rules {
     /// Who `token` is for `call`, or why it is refused. Rules: a token of a
     /// shape this server never mints, a wrong secret or a revoked
     /// credential is `401`; an unknown or retired standby credential is
@@ -197,7 +197,7 @@ impl Dispatch {
     }
 
     /// Who `token` is, or why it is refused, for anything but a run's
-    /// events and log (see [`Dispatch::check`]).
+    /// events and log (see [`Rules::check`]).
     #[cfg(test)]
     pub(super) fn authenticate(&self, token: &str) -> Result<Admission, AdmissionRefusal> {
         self.check(token, Call::Fetch)

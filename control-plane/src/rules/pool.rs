@@ -14,11 +14,11 @@
 use std::time::Duration;
 
 use super::sandboxes::Retirement;
-use super::{Dispatch, Effect, Provision, Step};
+use super::{Effect, Provision, Rules, Step};
 use crate::model::{Millis, ParkMode, SandboxKind, SandboxState};
 use crate::policy::{retire_at, ttl_schedule};
 
-impl Dispatch {
+impl Rules {
     /// Sandboxes costing compute now.
     pub(super) fn running_count(&self) -> usize {
         self.sandboxes.values().filter(|live| !live.exited).count()

@@ -8,7 +8,7 @@ use std::collections::VecDeque;
 
 use standby_protocol::AgentState;
 
-use super::{ConnId, Dispatch, Effect, Live, Provision, Step};
+use super::{ConnId, Effect, Live, Provision, Rules, Step};
 use crate::credential::CredentialKind;
 use crate::model::{Attempt, Millis, RunPath, RunState, SandboxKind, SandboxState, Wait};
 
@@ -45,7 +45,7 @@ pub(super) enum SlotQueue {
     BehindWaiting,
 }
 
-impl Dispatch {
+impl Rules {
     pub(super) fn is_candidate(&self, now: Millis, live: &Live) -> bool {
         live.record.kind == SandboxKind::Warm
             && live.record.state == SandboxState::Standby

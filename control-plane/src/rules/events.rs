@@ -6,10 +6,10 @@
 use standby_protocol::{Event, EventKind};
 
 use super::runs::{Retry, SandboxFate};
-use super::{Dispatch, MAX_EVENTS_PER_RUN, Step, Write};
+use super::{MAX_EVENTS_PER_RUN, Rules, Step, Write};
 use crate::model::{AttemptOutcome, Millis, RunState, StoredEvent};
 
-impl Dispatch {
+impl Rules {
     /// An event arrived with the credential of `attempt`. Duplicates (same
     /// `event_id`) are acknowledged and ignored. The agent's last event
     /// (anything but `started`) ends that credential's cancel grace.

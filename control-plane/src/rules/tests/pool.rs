@@ -28,7 +28,7 @@ enum Action {
 }
 
 impl Sim {
-    fn new(config: DispatchConfig) -> Self {
+    fn new(config: RulesConfig) -> Self {
         Self {
             world: World::with(config),
             alive: BTreeSet::new(),
@@ -54,7 +54,7 @@ impl Sim {
     }
 
     /// A sim of `config` whose pool is filled and ready.
-    fn filled(config: DispatchConfig) -> Self {
+    fn filled(config: RulesConfig) -> Self {
         let mut sim = Self::new(config);
         let step = sim.world.tick();
         sim.observe(&step);

@@ -7,7 +7,7 @@
 
 use standby_protocol::Run;
 
-use super::{Dispatch, Step, Write};
+use super::{Rules, Step, Write};
 use crate::model::{IdempotencyRecord, Millis, RunRequest};
 
 /// A submission's `Idempotency-Key` and the hash of its body.
@@ -50,7 +50,7 @@ fn decide(kept: Option<&IdempotencyRecord>, request_hash: &str) -> Result<Option
     }
 }
 
-impl Dispatch {
+impl Rules {
     /// Submits a run (a turn of `thread_id` when given), unless `key` was
     /// used before within the window: then the run it made, or
     /// [`KeyReused`] when the body differs.

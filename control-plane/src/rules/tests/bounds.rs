@@ -134,7 +134,7 @@ fn finished_runs_leave_memory_after_the_retention_window_and_stay_counted() {
     let (step, received) = world.machine.log(&run_id, 3, 0, b"late").expect("acknowledged");
     assert_eq!((received, step.writes.len()), (7, 0));
     // A restart loads no finished run, and counts them all the same.
-    let restored = Dispatch::restore(config(1), Box::new(CountingMint::default()), world.snapshot(), world.now).0;
+    let restored = Rules::restore(config(1), Box::new(CountingMint::default()), world.snapshot(), world.now).0;
     assert_eq!(restored.runs_in_memory(), 0);
     assert_eq!(restored.metrics().runs.get(&(RunState::Exited, Some(RunPath::Warm))), Some(&1));
 }

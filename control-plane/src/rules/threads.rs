@@ -18,7 +18,7 @@
 //!   park: its sandbox is released.
 
 use super::sandboxes::Retirement;
-use super::{ConnId, Dispatch, Effect, Step, Write};
+use super::{ConnId, Effect, Rules, Step, Write};
 use crate::model::{CredentialState, Millis, Park, ParkMode, SandboxState, ThreadRecord};
 
 /// A pointer write whose expected generation is not the current one.
@@ -30,7 +30,7 @@ pub struct StalePointer {
     pub found: u64,
 }
 
-impl Dispatch {
+impl Rules {
     // ---- the pointer -----------------------------------------------------------
 
     /// Compare-and-set of the thread's pointer: applied (and its generation

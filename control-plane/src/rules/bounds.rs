@@ -11,7 +11,7 @@
 
 use std::time::Duration;
 
-use super::{Dispatch, Histogram};
+use super::{Histogram, Rules};
 use crate::model::{AttemptOutcome, Millis, RunPath, RunRecord, RunState};
 
 /// Distinct events a run records. An agent sends a handful per attempt;
@@ -67,7 +67,7 @@ impl Evicted {
     }
 }
 
-impl Dispatch {
+impl Rules {
     /// Drops from memory the runs that finished `retention` ago or more,
     /// with what is kept per run (events seen, log ledger); their counts
     /// stay in `/metrics`.

@@ -38,7 +38,7 @@ fn a_restart_remembers_the_key_and_the_window_forgets_it() {
     let mut world = World::new(0);
     let Ok(Submitted::New(run_id)) = keyed(&mut world, "h1") else { panic!("a new run") };
     let (mut restored, _) =
-        Dispatch::restore(config(0), Box::new(CountingMint::starting_at(1000)), world.snapshot(), world.now);
+        Rules::restore(config(0), Box::new(CountingMint::starting_at(1000)), world.snapshot(), world.now);
     let replay = restored.submit_keyed(world.now, run("a"), request(), None, key("h1")).expect("the same body");
     assert_eq!(replay.1, Submitted::Replayed(run_id));
     world.advance(i64::try_from(RunBounds::default().idempotency_window.as_millis()).expect("fits") - 1);

@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, HashSet};
 
 use standby_protocol::AgentState;
 
-use super::{Dispatch, Live};
+use super::{Live, Rules};
 use crate::credential::CredentialKind;
 use crate::model::{
     AttemptOutcome, Millis, ParkMode, RunPath, RunRecord, RunState, SandboxRecord, SandboxState, ThreadRecord,
@@ -24,7 +24,7 @@ pub struct LiveSandbox {
     pub running: bool,
 }
 
-/// Which sandboxes a page of [`Dispatch::sandbox_views`] holds.
+/// Which sandboxes a page of [`Rules::sandbox_views`] holds.
 #[derive(Debug, Clone, Default)]
 pub struct SandboxPage {
     /// The last sandbox of the previous page (`created_at`, id).
@@ -104,7 +104,7 @@ impl Histogram {
     }
 }
 
-impl Dispatch {
+impl Rules {
     pub(super) fn run(&self, run_id: &str) -> Option<&RunRecord> {
         self.runs.get(run_id)
     }

@@ -88,7 +88,7 @@ fn after_a_restart_a_confirmed_run_whose_agent_never_returns_is_failed() {
     assert_eq!(world.run(&run_id).state, RunState::Confirmed);
     world.advance(500 * SECOND);
     let (mut machine, _) =
-        Dispatch::restore(config(1), Box::new(CountingMint::starting_at(1000)), world.snapshot(), world.now);
+        Rules::restore(config(1), Box::new(CountingMint::starting_at(1000)), world.snapshot(), world.now);
     let restarted = world.now;
     let sandbox_id = world.run(&run_id).current().map(|a| a.sandbox_id.clone()).expect("an attempt");
     machine.probed(restarted, &sandbox_id, Found::Running);

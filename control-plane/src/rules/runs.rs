@@ -5,7 +5,7 @@
 use standby_protocol::{Cancel, Run, ServerMessage, fingerprint};
 
 use super::sandboxes::Retirement;
-use super::{ConnId, Dispatch, Effect, Step, Write};
+use super::{ConnId, Effect, Rules, Step, Write};
 use crate::model::{AttemptOutcome, CredentialState, Millis, RunRecord, RunRequest, RunState};
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -55,7 +55,7 @@ enum Fence {
     Grace,
 }
 
-impl Dispatch {
+impl Rules {
     /// Queues a run and dispatches it at once if it can be.
     #[cfg(test)]
     pub(super) fn submit(&mut self, now: Millis, run: Run, request: RunRequest) -> (Step, String) {

@@ -22,7 +22,7 @@ fn running(world: &mut World) -> (String, Assignment, ConnId) {
     (run_id, assignment, run_conn)
 }
 
-fn refused_everywhere(machine: &Dispatch, token: &Secret) {
+fn refused_everywhere(machine: &Rules, token: &Secret) {
     for call in [Call::Socket, Call::Fetch, Call::Report] {
         assert_eq!(machine.check(token.expose(), call), Err(AdmissionRefusal::Ended), "{call:?}");
     }
@@ -44,7 +44,7 @@ fn a_run_credential_is_retired_in_the_step_that_records_its_run_exited() {
     assert!(world.heartbeat(run_conn, AgentState::Ready).is_empty());
     // After a restart too.
     let (machine, _) =
-        Dispatch::restore(config(1), Box::new(CountingMint::starting_at(1000)), world.snapshot(), world.now);
+        Rules::restore(config(1), Box::new(CountingMint::starting_at(1000)), world.snapshot(), world.now);
     refused_everywhere(&machine, &assignment.run_credential);
 }
 
@@ -71,7 +71,7 @@ fn a_restart_retires_the_credentials_an_older_server_left_active() {
             credential.state = CredentialState::Active;
         }
     }
-    let (machine, step) = Dispatch::restore(config(1), Box::new(CountingMint::starting_at(1000)), snapshot, world.now);
+    let (machine, step) = Rules::restore(config(1), Box::new(CountingMint::starting_at(1000)), snapshot, world.now);
     let credential_id = world.run(&run_id).current().map(|a| a.credential_id.clone()).expect("an attempt");
     position(&step, retires_credential(&credential_id));
     refused_everywhere(&machine, &assignment.run_credential);
@@ -122,7 +122,7 @@ fn a_cancel_grace_survives_a_restart_with_a_fresh_bound() {
     let (step, _) = world.machine.cancel(world.now, &run_id).expect("cancelled");
     world.keep(step);
     let (mut machine, _) =
-        Dispatch::restore(config(1), Box::new(CountingMint::starting_at(1000)), world.snapshot(), world.now);
+        Rules::restore(config(1), Box::new(CountingMint::starting_at(1000)), world.snapshot(), world.now);
     assert!(machine.check(token.expose(), Call::Report).is_ok());
     assert_eq!(machine.check(token.expose(), Call::Fetch), Err(AdmissionRefusal::Ended));
     machine.tick(world.now.plus(Duration::from_millis((5 * SECOND + SILENCE + 1) as u64)));

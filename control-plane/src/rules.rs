@@ -50,9 +50,9 @@
 //!   recorded. Turns of one thread take the sandbox one at a time, through
 //!   a pointer written compare-and-set.
 //!
-//! Every input comes in through [`Dispatch::handle`] (`input`: the one
+//! Every input comes in through [`Rules::handle`] (`input`: the one
 //! [`Input`] type and its [`Reply`]), which hands it to the rule of its
-//! concern. One file per concern, each an `impl Dispatch` block over the
+//! concern. One file per concern, each an `impl Rules` block over the
 //! state below: `admission` (credentials, one socket each), `connections` (control
 //! sockets, heartbeats, delivery), `runs` (submit, cancel, and how a run
 //! ends), `events`, `logs`, `sandboxes` (launch, exit, loss, probes after
@@ -88,10 +88,7 @@ use crate::model::{
     CredentialRecord, CredentialState, IdempotencyRecord, Millis, Park, ParkMode, RunPath, RunRecord, RunRequest,
     RunState, SandboxRecord, SandboxState, StoredEvent, ThreadRecord,
 };
-/// The pool policy is `policy.rs`'s; the machine's configuration holds it,
-/// and the server and the binary name it from here with the rest of that
-/// configuration.
-pub use crate::policy::PoolPolicy;
+use crate::policy::PoolPolicy;
 
 pub use admission::{Admission, AdmissionRefusal, Call};
 pub use bounds::{Evicted, MAX_EVENTS_PER_RUN, RunBounds};
@@ -110,7 +107,7 @@ pub type ConnId = u64;
 pub const HEARTBEAT_WINDOW: u32 = 3;
 
 #[derive(Debug, Clone)]
-pub struct DispatchConfig {
+pub struct RulesConfig {
     /// The interval the agents are launched with.
     pub heartbeat_interval: Duration,
     /// Standbys kept ready.
@@ -139,7 +136,7 @@ pub struct DispatchConfig {
     pub bounds: RunBounds,
 }
 
-impl DispatchConfig {
+impl RulesConfig {
     fn silence(&self) -> Duration {
         self.heartbeat_interval * HEARTBEAT_WINDOW
     }
@@ -207,7 +204,7 @@ pub enum Effect {
     /// Make a kept sandbox run again, as [`ResumeStart::for_found`] says
     /// by its provider state, raise a shorter auto-stop (bounded, best
     /// effort), and launch a fresh agent with `token`. Failures come back
-    /// as [`Dispatch::resume_failed`].
+    /// as [`Rules::resume_failed`].
     Resume { sandbox_id: String, credential_id: String, token: Secret, auto_stop: u32 },
     /// The sandbox is busy (preparing, installing or running): the
     /// provider's idle auto-stop clock starts over.
@@ -285,7 +282,7 @@ struct Live {
     spec_served: bool,
     /// An assignment waits for [`Live::may_assign`].
     assignment_withheld: bool,
-    /// Its open connections (keys of `Dispatch::conns`), oldest first:
+    /// Its open connections (keys of `Rules::conns`), oldest first:
     /// finding a sandbox's connections must not cost all of them, since
     /// every dispatch asks each standby whether it is connected.
     conns: BTreeSet<ConnId>,
@@ -334,8 +331,8 @@ struct Conn {
     credential_id: String,
 }
 
-pub struct Dispatch {
-    config: DispatchConfig,
+pub struct Rules {
+    config: RulesConfig,
     mint: Box<dyn Mint>,
     runs: BTreeMap<String, RunRecord>,
     queue: VecDeque<String>,
@@ -361,9 +358,9 @@ pub struct Dispatch {
     idempotency: HashMap<String, IdempotencyRecord>,
 }
 
-impl std::fmt::Debug for Dispatch {
+impl std::fmt::Debug for Rules {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Dispatch")
+        f.debug_struct("Rules")
             .field("runs", &self.runs.len())
             .field("sandboxes", &self.sandboxes.len())
             .field("conns", &self.conns.len())
@@ -372,8 +369,8 @@ impl std::fmt::Debug for Dispatch {
     }
 }
 
-impl Dispatch {
-    pub fn new(config: DispatchConfig, mint: Box<dyn Mint>) -> Self {
+impl Rules {
+    pub fn new(config: RulesConfig, mint: Box<dyn Mint>) -> Self {
         Self {
             config,
             mint,
@@ -401,7 +398,7 @@ impl Dispatch {
     /// resume in progress is undone (the run queued again, the sandbox
     /// parked stopped), and parked-running sandboxes count as stopped: their
     /// agents went with the old process.
-    pub fn restore(config: DispatchConfig, mint: Box<dyn Mint>, snapshot: Snapshot, now: Millis) -> (Self, Step) {
+    pub fn restore(config: RulesConfig, mint: Box<dyn Mint>, snapshot: Snapshot, now: Millis) -> (Self, Step) {
         let mut machine = Self::new(config, mint);
         let mut step = Step::default();
         let mut queued: Vec<&RunRecord> = snapshot.runs.iter().filter(|run| run.state.is_unbound()).collect();

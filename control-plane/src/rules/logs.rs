@@ -5,7 +5,7 @@
 
 use standby_protocol::log_chunk::{MAX_POSITION, Verdict, accept, in_range};
 
-use super::{Dispatch, Step, Write};
+use super::{Rules, Step, Write};
 
 /// Where a run's log stands, kept in memory while the run is and stored
 /// with every chunk (so a restart and the log endpoint know it).
@@ -36,7 +36,7 @@ pub enum LogError {
     OutOfRange { field: &'static str },
 }
 
-impl Dispatch {
+impl Rules {
     /// A chunk of the run's log: `data` at stream `offset`, after `dropped`
     /// bytes the agent gave up on. The ledger rule is
     /// [`standby_protocol::log_chunk::accept`]; past the run's log cap the

@@ -4,7 +4,7 @@
 //! the pool are looked at again.
 
 use super::sandboxes::Retirement;
-use super::{Dispatch, Live, Step};
+use super::{Live, Rules, Step};
 use crate::model::{Millis, RunState, SandboxState};
 
 /// A sandbox that stopped being heard from.
@@ -15,7 +15,7 @@ struct Silent {
     reason: &'static str,
 }
 
-impl Dispatch {
+impl Rules {
     /// Time passed: write off silent committed sandboxes, retire silent
     /// standbys, refill the pool once its backoff expired.
     pub(super) fn tick(&mut self, now: Millis) -> Step {
@@ -44,7 +44,7 @@ impl Dispatch {
     /// heard from within the silence limit, or a sandbox bound to a run
     /// whose delivery is unconfirmed not heard from within it since the
     /// commit. A confirmed run is written off only after the far longer
-    /// [`super::DispatchConfig::run_silence`]: its agent may be busy
+    /// [`super::RulesConfig::run_silence`]: its agent may be busy
     /// starting it, or reconnecting.
     fn silent(&self, now: Millis, live: &Live) -> Option<Silent> {
         let record = &live.record;

@@ -7,7 +7,7 @@ use std::time::Duration;
 use standby_protocol::{ExitCode, Fingerprint, Retired, Secret, ServerMessage, Workspace};
 
 use super::runs::{Retry, SandboxFate};
-use super::{Agent, Dispatch, Effect, Live, Provision, Step, Write};
+use super::{Agent, Effect, Live, Provision, Rules, Step, Write};
 use crate::credential::CredentialKind;
 use crate::model::{
     AttemptOutcome, CredentialState, Millis, RunRecord, RunState, SandboxKind, SandboxRecord, SandboxState,
@@ -57,7 +57,7 @@ impl Retirement {
     }
 }
 
-impl Dispatch {
+impl Rules {
     /// The sandbox's agent process ended.
     pub(super) fn sandbox_exited(&mut self, now: Millis, sandbox_id: &str, code: Option<i32>) -> Step {
         let mut step = Step::default();

@@ -1,5 +1,5 @@
 //! The machine's one way in: every input the server's rules react to is an
-//! [`Input`], taken by [`Dispatch::handle`], which returns one [`Step`]: the
+//! [`Input`], taken by [`Rules::handle`], which returns one [`Step`]: the
 //! writes to commit, the effects to carry out once they are, and the
 //! [`Reply`] for whoever asked. The driver forwards inputs without knowing
 //! them, so a new input is a variant here and a rule in its own file, as in
@@ -12,8 +12,8 @@
 use standby_protocol::{AgentState, Event, Run, Secret};
 
 use super::{
-    Admission, AdmissionRefusal, Call, CancelError, ConnId, Dispatch, IdempotencyKey, KeyReused, LiveSandbox, LogError,
-    MetricsSnapshot, ResumeFailure, SandboxPage, Step, Submitted,
+    Admission, AdmissionRefusal, Call, CancelError, ConnId, IdempotencyKey, KeyReused, LiveSandbox, LogError,
+    MetricsSnapshot, ResumeFailure, Rules, SandboxPage, Step, Submitted,
 };
 use crate::model::{Millis, RunRecord, RunRequest, RunState, SandboxRecord, ThreadRecord};
 use crate::provider::Found;
@@ -181,7 +181,7 @@ impl Step {
     }
 }
 
-impl Dispatch {
+impl Rules {
     /// Takes one input at `now`: its writes, effects and reply.
     pub fn handle(&mut self, now: Millis, input: Input) -> Step {
         match input {

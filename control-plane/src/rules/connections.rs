@@ -6,11 +6,11 @@
 
 use standby_protocol::{AgentState, Assignment, Secret, ServerMessage};
 
-use super::{Conn, ConnId, Dispatch, Effect, Heartbeat, Live, Step};
+use super::{Conn, ConnId, Effect, Heartbeat, Live, Rules, Step};
 use crate::credential::CredentialKind;
 use crate::model::{CredentialState, Millis, RunState, SandboxKind, SandboxState};
 
-impl Dispatch {
+impl Rules {
     /// A connection was admitted with `credential_id` (checked again here:
     /// it may have been revoked between the upgrade and now).
     pub(super) fn connected(&mut self, now: Millis, conn: ConnId, credential_id: &str, presented: &Secret) -> Step {

@@ -67,8 +67,7 @@ fn a_restart_probes_sandboxes_and_resumes_stopped_standbys_with_a_new_credential
         .find(|v| v.record.state == SandboxState::Standby)
         .expect("a replacement");
     let snapshot = world.snapshot();
-    let (mut machine, step) =
-        Dispatch::restore(config(1), Box::new(CountingMint::starting_at(1000)), snapshot, world.now);
+    let (mut machine, step) = Rules::restore(config(1), Box::new(CountingMint::starting_at(1000)), snapshot, world.now);
     assert!(machine.run(&done).is_none(), "a finished run is not loaded");
     assert_eq!(machine.metrics().runs.get(&(RunState::Exited, Some(RunPath::Warm))), Some(&1), "but counted");
     let probes: Vec<&Effect> = step.effects.iter().filter(|e| matches!(e, Effect::Probe { .. })).collect();
@@ -91,7 +90,7 @@ fn a_restart_writes_off_a_committed_sandbox_that_stopped() {
     let (standby, _) = world.ready_pool().remove(0);
     let (run_id, _) = world.submit(run("a"));
     let (mut machine, _) =
-        Dispatch::restore(config(1), Box::new(CountingMint::starting_at(1000)), world.snapshot(), world.now);
+        Rules::restore(config(1), Box::new(CountingMint::starting_at(1000)), world.snapshot(), world.now);
     let step = machine.probed(world.now, &standby.sandbox_id, Found::NoAgent);
     let record = machine.run(&run_id).expect("the run").clone();
     assert_eq!(record.attempts[0].outcome, Some(AttemptOutcome::Requeued));
@@ -105,7 +104,7 @@ fn after_a_restart_the_assignment_is_resent_with_a_new_run_credential() {
     let (run_id, step) = world.submit(run("a"));
     let cold = launches(&step).remove(0);
     let (mut machine, _) =
-        Dispatch::restore(config(0), Box::new(CountingMint::starting_at(1000)), world.snapshot(), world.now);
+        Rules::restore(config(0), Box::new(CountingMint::starting_at(1000)), world.snapshot(), world.now);
     machine.probed(world.now, &cold.sandbox_id, Found::Running);
     let (admission, _) = machine.claim_socket(world.now, 1, cold.token.expose()).expect("admitted");
     let step = machine.connected(world.now, 1, admission.credential_id(), &cold.token);

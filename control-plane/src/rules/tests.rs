@@ -14,8 +14,8 @@ use crate::provider::Found;
 
 const SECOND: i64 = 1000;
 
-fn config(pool_size: usize) -> DispatchConfig {
-    DispatchConfig {
+fn config(pool_size: usize) -> RulesConfig {
+    RulesConfig {
         heartbeat_interval: Duration::from_secs(1),
         pool_size,
         max_attempts: 3,
@@ -96,7 +96,7 @@ fn retires(step: &Step) -> Vec<String> {
 /// The machine plus a clock and a record of every write, from which a
 /// restart's snapshot is built.
 struct World {
-    machine: Dispatch,
+    machine: Rules,
     now: Millis,
     next_conn: ConnId,
     writes: Vec<Write>,
@@ -107,9 +107,9 @@ impl World {
         Self::with(config(pool_size))
     }
 
-    fn with(config: DispatchConfig) -> Self {
+    fn with(config: RulesConfig) -> Self {
         Self {
-            machine: Dispatch::new(config, Box::new(CountingMint::default())),
+            machine: Rules::new(config, Box::new(CountingMint::default())),
             now: Millis(1_000_000),
             next_conn: 1,
             writes: Vec::new(),
@@ -280,7 +280,7 @@ const MINUTE: Duration = Duration::from_secs(60);
 
 /// A config with a running cap, a one-minute warm idle window and Tier 1
 /// parking.
-fn policy(pool_size: usize, running_cap: usize) -> DispatchConfig {
+fn policy(pool_size: usize, running_cap: usize) -> RulesConfig {
     let mut config = config(pool_size);
     config.pool_policy = PoolPolicy {
         running_cap,

@@ -19,7 +19,7 @@
 
 use super::placement::{Need, Placement, SlotQueue};
 use super::sandboxes::Retirement;
-use super::{Dispatch, Effect, Live, Step};
+use super::{Effect, Live, Rules, Step};
 use crate::credential::CredentialKind;
 use crate::model::{CredentialState, Millis, Park, ParkMode, Resume, RunPath, RunState, SandboxState};
 use crate::provider::Found;
@@ -128,7 +128,7 @@ pub enum ResumeFailure {
     Failed(String),
 }
 
-impl Dispatch {
+impl Rules {
     /// Binds `run_id` to its thread's parked sandbox, or starts making it
     /// ready, as [`follow_up`] decides; `None` when there is nothing to
     /// resume (or it cannot be, for a reason now recorded on the run) and

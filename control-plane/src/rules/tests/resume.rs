@@ -231,7 +231,7 @@ fn a_restart_brings_parked_sandboxes_back_stopped_and_resumes_again() {
     };
     assert_eq!(world.run(&second).state, RunState::Resuming);
     let (mut machine, step) =
-        Dispatch::restore(policy(0, 8), Box::new(CountingMint::starting_at(10_000)), world.snapshot(), world.now);
+        Rules::restore(policy(0, 8), Box::new(CountingMint::starting_at(10_000)), world.snapshot(), world.now);
     // The turn claims its sandbox again at once; it is started once the
     // provider said what became of it.
     assert_eq!(machine.sandbox(&sandbox_id).map(|r| r.state), Some(SandboxState::Resuming));
