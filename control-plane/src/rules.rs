@@ -67,6 +67,7 @@ mod bounds;
 mod connections;
 mod events;
 mod idempotency;
+mod index;
 mod input;
 mod logs;
 mod placement;
@@ -83,6 +84,7 @@ use std::time::Duration;
 
 use standby_protocol::{AgentState, Fingerprint, Secret, ServerMessage};
 
+use self::index::LiveSandboxes;
 use crate::credential::{CredentialKind, Mint, TokenHash};
 use crate::model::{
     CredentialRecord, CredentialState, IdempotencyRecord, Millis, Park, ParkMode, RunPath, RunRecord, RunRequest,
@@ -336,7 +338,7 @@ pub struct Rules {
     mint: Box<dyn Mint>,
     runs: BTreeMap<String, RunRecord>,
     queue: VecDeque<String>,
-    sandboxes: BTreeMap<String, Live>,
+    sandboxes: LiveSandboxes,
     credentials: HashMap<String, CredentialRecord>,
     conns: HashMap<ConnId, Conn>,
     /// Event ids recorded, per run in memory.
@@ -376,7 +378,7 @@ impl Rules {
             mint,
             runs: BTreeMap::new(),
             queue: VecDeque::new(),
-            sandboxes: BTreeMap::new(),
+            sandboxes: LiveSandboxes::default(),
             credentials: HashMap::new(),
             conns: HashMap::new(),
             events_seen: HashMap::new(),
@@ -499,7 +501,7 @@ impl Rules {
     }
 
     fn update_sandbox(&mut self, step: &mut Step, sandbox_id: &str, change: impl FnOnce(&mut SandboxRecord)) {
-        if let Some(live) = self.sandboxes.get_mut(sandbox_id) {
+        if let Some(mut live) = self.sandboxes.get_mut(sandbox_id) {
             change(&mut live.record);
             step.writes.push(Write::Sandbox(Box::new(live.record.clone())));
         }

@@ -29,7 +29,7 @@ impl Rules {
             conn,
             Conn { sandbox_id: sandbox_id.clone(), kind: credential.kind, credential_id: credential_id.to_owned() },
         );
-        if let Some(live) = self.sandboxes.get_mut(&sandbox_id) {
+        if let Some(mut live) = self.sandboxes.get_mut(&sandbox_id) {
             live.conns.insert(conn);
         }
         self.update_sandbox(&mut step, &sandbox_id, |record| match credential.kind {
@@ -47,7 +47,7 @@ impl Rules {
                 let may_assign = self.sandboxes.get(&sandbox_id).is_some_and(Live::may_assign);
                 if unconfirmed && may_assign {
                     self.send_assignment(&mut step, conn, &run_id);
-                } else if unconfirmed && let Some(live) = self.sandboxes.get_mut(&sandbox_id) {
+                } else if unconfirmed && let Some(mut live) = self.sandboxes.get_mut(&sandbox_id) {
                     live.assignment_withheld = true;
                 }
             }
@@ -78,7 +78,7 @@ impl Rules {
                 attempt.delivery_confirmed_at = Some(now);
             }
         });
-        if let Some(live) = self.sandboxes.get_mut(sandbox_id) {
+        if let Some(mut live) = self.sandboxes.get_mut(sandbox_id) {
             live.run_token = None;
         }
         let standby: Vec<ConnId> = self.standby_conns(sandbox_id).collect();
@@ -130,7 +130,7 @@ impl Rules {
                 attempt.credential_id = credential_id;
             }
         });
-        if let Some(live) = self.sandboxes.get_mut(sandbox_id) {
+        if let Some(mut live) = self.sandboxes.get_mut(sandbox_id) {
             live.run_token = Some(token.clone());
         }
         token
@@ -140,18 +140,21 @@ impl Rules {
     /// go out now.
     pub(super) fn spec_served(&mut self, sandbox_id: &str) -> Step {
         let mut step = Step::default();
-        let Some(live) = self.sandboxes.get_mut(sandbox_id) else { return step };
+        let Some(mut live) = self.sandboxes.get_mut(sandbox_id) else { return step };
         live.spec_served = true;
-        if live.assignment_withheld {
+        let withheld = live.assignment_withheld;
+        drop(live);
+        if withheld {
             self.send_withheld(&mut step, sandbox_id);
         }
         step
     }
 
     fn send_withheld(&mut self, step: &mut Step, sandbox_id: &str) {
-        let Some(live) = self.sandboxes.get_mut(sandbox_id) else { return };
+        let Some(mut live) = self.sandboxes.get_mut(sandbox_id) else { return };
         live.assignment_withheld = false;
         let Some(run_id) = live.record.run_id.clone() else { return };
+        drop(live);
         let unconfirmed = self.runs.get(&run_id).is_some_and(|run| {
             run.state == RunState::Committed
                 && run.current().is_some_and(|a| a.sandbox_id == sandbox_id && a.delivery_confirmed_at.is_none())
@@ -170,7 +173,7 @@ impl Rules {
             return;
         };
         self.socket_closed(conn, Some(&gone.credential_id));
-        if let Some(live) = self.sandboxes.get_mut(&gone.sandbox_id) {
+        if let Some(mut live) = self.sandboxes.get_mut(&gone.sandbox_id) {
             live.conns.remove(&conn);
         }
     }
@@ -206,22 +209,26 @@ impl Rules {
             return step;
         };
         let was_candidate = self.is_candidate(now, live);
-        let Some(live) = self.sandboxes.get_mut(&sandbox_id) else {
+        let Some(mut live) = self.sandboxes.get_mut(&sandbox_id) else {
             return step;
         };
         live.heartbeat = Some(Heartbeat { at: now, state });
-        if live.assignment_withheld && live.may_assign() {
+        let withheld = live.assignment_withheld && live.may_assign();
+        drop(live);
+        if withheld {
             self.send_withheld(&mut step, &sandbox_id);
         }
-        let Some(live) = self.sandboxes.get_mut(&sandbox_id) else {
+        let Some(mut live) = self.sandboxes.get_mut(&sandbox_id) else {
             return step;
         };
         if state == AgentState::Ready {
             live.ever_ready = true;
-            if live.record.kind == SandboxKind::Warm && live.record.state == SandboxState::Standby {
+            let (kind, sandbox_state) = (live.record.kind, live.record.state);
+            drop(live);
+            if kind == SandboxKind::Warm && sandbox_state == SandboxState::Standby {
                 self.pool_failures = 0;
             }
-            match live.record.state {
+            match sandbox_state {
                 SandboxState::Standby => {
                     self.dispatch_queued(now, &mut step);
                     // A new candidate may let an expired standby go; a

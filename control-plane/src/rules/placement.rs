@@ -58,11 +58,8 @@ impl Rules {
     }
 
     fn candidate(&self, now: Millis) -> Option<String> {
-        self.sandboxes
-            .values()
-            .filter(|live| self.is_candidate(now, live))
-            .min_by(|a, b| (a.record.created_at, &a.record.id).cmp(&(b.record.created_at, &b.record.id)))
-            .map(|live| live.record.id.clone())
+        // Oldest first: the first ready one is the oldest ready one.
+        self.sandboxes.standbys().find(|live| self.is_candidate(now, live)).map(|live| live.record.id.clone())
     }
 
     /// Whether a run at `queue` may have a new running slot now.
@@ -192,7 +189,7 @@ impl Rules {
             record.run_id = Some(run_id.to_owned());
             record.park = None;
         });
-        if let Some(live) = self.sandboxes.get_mut(sandbox_id) {
+        if let Some(mut live) = self.sandboxes.get_mut(sandbox_id) {
             live.run_token = Some(token);
         }
     }

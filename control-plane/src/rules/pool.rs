@@ -21,7 +21,7 @@ use crate::policy::{retire_at, ttl_schedule};
 impl Rules {
     /// Sandboxes costing compute now.
     pub(super) fn running_count(&self) -> usize {
-        self.sandboxes.values().filter(|live| !live.exited).count()
+        self.sandboxes.running()
     }
 
     pub(super) fn slot_free(&self) -> bool {
@@ -40,12 +40,7 @@ impl Rules {
         if self.draining || now < self.pool_backoff_until || self.blocked > 0 {
             return;
         }
-        let live = self
-            .sandboxes
-            .values()
-            .filter(|l| l.record.kind == SandboxKind::Warm && l.record.state == SandboxState::Standby && !l.exited)
-            .filter(|l| l.record.expires_at.is_none_or(|expires_at| now < expires_at))
-            .count();
+        let live = self.sandboxes.standbys_unexpired(now);
         let cap = self.config.pool_policy.running_cap;
         let room = if cap == 0 { usize::MAX } else { cap.saturating_sub(self.running_count()) };
         for _ in 0..self.config.pool_size.saturating_sub(live).min(room) {
@@ -79,14 +74,13 @@ impl Rules {
     /// `pool_size` ready standbys remain without them (their replacements
     /// are ready), and any standby at 95% of its TTL.
     pub(super) fn expire_standbys(&mut self, now: Millis, step: &mut Step) {
-        if self.draining {
+        if self.draining || !self.sandboxes.any_standby_expired(now) {
             return;
         }
-        let mut ready = self.sandboxes.values().filter(|live| self.is_candidate(now, live)).count();
+        let mut ready = self.sandboxes.standbys().filter(|live| self.is_candidate(now, live)).count();
         let mut expired: Vec<(Millis, String, bool, bool)> = self
             .sandboxes
-            .values()
-            .filter(|l| l.record.kind == SandboxKind::Warm && l.record.state == SandboxState::Standby && !l.exited)
+            .standbys()
             .filter_map(|live| {
                 let expires_at = live.record.expires_at?;
                 let hard = live.record.deadline.is_some_and(|d| now >= retire_at(live.record.created_at, d));

@@ -185,7 +185,7 @@ impl Rules {
             }
             FollowUp::ResumeAfterExit => {
                 self.claim_for_resume(now, step, run_id, &sandbox_id, resume(None));
-                if let Some(live) = self.sandboxes.get_mut(&sandbox_id) {
+                if let Some(mut live) = self.sandboxes.get_mut(&sandbox_id) {
                     live.resume_after_exit = true;
                 }
                 Some(Placement::Placed)
@@ -237,7 +237,7 @@ impl Rules {
             record.exit_code = None;
             record.auto_stop_minutes = Some(auto_stop);
         });
-        if let Some(live) = self.sandboxes.get_mut(sandbox_id) {
+        if let Some(mut live) = self.sandboxes.get_mut(sandbox_id) {
             live.exited = false;
             live.launched_at = now;
             live.heartbeat = None;
@@ -323,9 +323,11 @@ impl Rules {
     /// The provider could not make `sandbox_id` run again.
     pub(super) fn resume_failed(&mut self, now: Millis, sandbox_id: &str, failure: &ResumeFailure) -> Step {
         let mut step = Step::default();
-        let Some(live) = self.sandboxes.get_mut(sandbox_id) else { return step };
+        let Some(mut live) = self.sandboxes.get_mut(sandbox_id) else { return step };
         live.exited = true;
-        match (live.record.state, failure) {
+        let state = live.record.state;
+        drop(live);
+        match (state, failure) {
             (SandboxState::Resuming, _) => self.resume_fallback(now, &mut step, sandbox_id, &failure.to_string()),
             (SandboxState::Parked, ResumeFailure::Gone) => {
                 let retirement = Retirement::new(format!("a parked sandbox could not be started: {failure}"));

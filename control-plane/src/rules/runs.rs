@@ -166,7 +166,7 @@ impl Rules {
             Fence::Grace => self.begin_grace(step, run_id),
             Fence::Revoke => self.withdraw(step, &attempt.credential_id, CredentialState::Revoked),
         }
-        if let Some(live) = self.sandboxes.get_mut(&attempt.sandbox_id) {
+        if let Some(mut live) = self.sandboxes.get_mut(&attempt.sandbox_id) {
             live.run_token = None;
         }
         Some(attempt.sandbox_id)

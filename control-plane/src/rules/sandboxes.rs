@@ -61,7 +61,7 @@ impl Rules {
     /// The sandbox's agent process ended.
     pub(super) fn sandbox_exited(&mut self, now: Millis, sandbox_id: &str, code: Option<i32>) -> Step {
         let mut step = Step::default();
-        let Some(live) = self.sandboxes.get_mut(sandbox_id) else {
+        let Some(mut live) = self.sandboxes.get_mut(sandbox_id) else {
             return step;
         };
         if live.exited {
@@ -73,6 +73,7 @@ impl Rules {
         let kind = live.record.kind;
         let state = live.record.state;
         let run_id = live.record.run_id.clone();
+        drop(live);
         if self.draining {
             // The server is stopping its own sandboxes: their state stays as
             // it is, to be probed and resumed by the next start.
@@ -152,7 +153,7 @@ impl Rules {
         };
         let (state, run_id, kind) = (live.record.state, live.record.run_id.clone(), live.record.kind);
         let reason = format!("launch failed: {error}");
-        if let Some(live) = self.sandboxes.get_mut(sandbox_id) {
+        if let Some(mut live) = self.sandboxes.get_mut(sandbox_id) {
             live.exited = true;
         }
         self.sandbox_lost(now, &mut step, sandbox_id, state, run_id, &reason);
@@ -169,14 +170,17 @@ impl Rules {
     /// of the old one was kept. A sandbox that held a run is written off.
     pub(super) fn probed(&mut self, now: Millis, sandbox_id: &str, found: Found) -> Step {
         let mut step = Step::default();
-        let Some(live) = self.sandboxes.get_mut(sandbox_id) else {
+        let Some(mut live) = self.sandboxes.get_mut(sandbox_id) else {
             return step;
         };
         if found != Found::Running {
             live.exited = true;
+            drop(live);
             self.end_graces_of(&mut step, sandbox_id);
+        } else {
+            drop(live);
         }
-        let Some(live) = self.sandboxes.get_mut(sandbox_id) else {
+        let Some(live) = self.sandboxes.get(sandbox_id) else {
             return step;
         };
         let (state, run_id) = (live.record.state, live.record.run_id.clone());
@@ -184,30 +188,32 @@ impl Rules {
             .record
             .deadline
             .is_some_and(|deadline| now >= crate::policy::retire_at(live.record.created_at, deadline));
+        let (resume_after_exit, old) = (live.resume_after_exit, live.record.standby_credential_id.clone());
         match (found, state) {
             (_, SandboxState::Retired) => {}
             (Found::Running, SandboxState::Parked | SandboxState::Resuming) => {
                 // Not this process's agent: its exit would never be seen.
                 // Stop it; the sandbox stays parked stopped.
                 step.effects.push(Effect::Stop { sandbox_id: sandbox_id.to_owned() });
-                live.exited = true;
+                if let Some(mut live) = self.sandboxes.get_mut(sandbox_id) {
+                    live.exited = true;
+                }
             }
             (Found::Running, _) => {}
             (Found::NoAgent | Found::Archived, SandboxState::Parked | SandboxState::Resuming) => {
                 // A turn claimed it before the probe answered: start it now.
-                if live.resume_after_exit && !self.draining {
+                if resume_after_exit && !self.draining {
                     self.emit_resume(now, &mut step, sandbox_id);
                 }
             }
             (Found::NoAgent, SandboxState::Standby) if !self.draining && !expired => {
-                let old = live.record.standby_credential_id.clone();
                 self.set_credential(&mut step, &old, CredentialState::Revoked);
                 let (credential_id, token) = self.new_credential(&mut step, CredentialKind::Standby, sandbox_id, None);
                 self.update_sandbox(&mut step, sandbox_id, |record| {
                     record.standby_credential_id = credential_id.clone();
                     record.exit_code = None;
                 });
-                if let Some(live) = self.sandboxes.get_mut(sandbox_id) {
+                if let Some(mut live) = self.sandboxes.get_mut(sandbox_id) {
                     live.launched_at = now;
                     live.exited = false;
                 }
@@ -287,7 +293,7 @@ impl Rules {
             record.retire_reason = Some(reason);
             record.park = None;
         });
-        if let Some(live) = self.sandboxes.get_mut(sandbox_id) {
+        if let Some(mut live) = self.sandboxes.get_mut(sandbox_id) {
             live.resume_after_exit = false;
         }
         if let Some(thread_id) = thread_id {

@@ -117,6 +117,7 @@ impl World {
     }
 
     fn keep(&mut self, step: Step) -> Step {
+        self.machine.sandboxes.check();
         self.writes.extend(step.writes.iter().cloned());
         step
     }

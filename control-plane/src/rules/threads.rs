@@ -167,7 +167,7 @@ impl Rules {
             record.park = Some(Park { mode, since: now, until });
             record.auto_stop_minutes = Some(auto_stop);
         });
-        if let Some(live) = self.sandboxes.get_mut(sandbox_id) {
+        if let Some(mut live) = self.sandboxes.get_mut(sandbox_id) {
             live.resume_after_exit = mode == ParkMode::Running;
             live.run_token = None;
         }
@@ -212,7 +212,7 @@ impl Rules {
         self.update_sandbox(step, sandbox_id, |record| {
             record.park = Some(Park { mode: ParkMode::Stopped, since: now, until: None });
         });
-        if let Some(live) = self.sandboxes.get_mut(sandbox_id) {
+        if let Some(mut live) = self.sandboxes.get_mut(sandbox_id) {
             live.resume_after_exit = false;
         }
         if running {
