@@ -97,3 +97,20 @@ fn a_connection_whose_credential_was_revoked_meanwhile_is_closed() {
     let step = world.machine.connected(world.now, 99, admission.credential_id(), &standby.token);
     assert_eq!(closes(&step), [99]);
 }
+
+/// A heartbeat that changes nothing writes nothing: thousands of standbys
+/// heartbeating cost the store no transaction (with nothing to tell, the
+/// engine does not even check the lease).
+#[test]
+fn a_routine_heartbeat_of_a_ready_standby_writes_and_tells_nothing() {
+    let mut world = World::new(3);
+    let pool = world.ready_pool();
+    assert_eq!(pool.len(), 3);
+    for round in 0..3 {
+        world.advance(1000);
+        for (_, conn) in &pool {
+            let step = world.heartbeat(*conn, AgentState::Ready);
+            assert!(step.writes.is_empty() && step.effects.is_empty(), "round {round}: {step:?}");
+        }
+    }
+}
