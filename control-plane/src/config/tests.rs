@@ -391,3 +391,41 @@ fn the_documented_example_parses_shows_only_defaults_and_every_key() {
     }
     assert_eq!(shown.len(), defaults.entries.len(), "the example names no key the server does not know: {shown:?}");
 }
+
+/// Every flag of `serve` has its row in docs/operations.md's flags table
+/// (`| \`--flag\`` … with its variable), and every row there is a flag of
+/// `serve` (or the global `--log`).
+#[test]
+fn the_flags_table_of_the_operations_guide_lists_every_flag_of_serve() {
+    use std::collections::BTreeMap;
+    let doc = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/operations.md"))
+        .expect("read docs/operations.md");
+    let table = doc.find("| flag | env | default | meaning |").expect("the flags table of docs/operations.md");
+    let documented: BTreeMap<String, String> = doc[table..]
+        .lines()
+        .take_while(|line| line.starts_with('|'))
+        .filter(|line| line.starts_with("| `--"))
+        .filter_map(|line| {
+            let cells: Vec<&str> = line.split('|').map(str::trim).collect();
+            let flag = cells.get(1)?.split('`').nth(1)?;
+            let env = cells.get(2)?.trim_matches('`');
+            Some((flag.to_owned(), env.to_owned()))
+        })
+        .collect();
+    let command = Serve::augment_args(clap::Command::new("serve"));
+    let flags: BTreeMap<String, String> = command
+        .get_arguments()
+        .filter_map(|arg| {
+            let env = arg.get_env().map(|env| env.to_string_lossy().into_owned()).unwrap_or_default();
+            Some((format!("--{}", arg.get_long()?), env))
+        })
+        .collect();
+    let undocumented: Vec<&String> = flags.keys().filter(|flag| !documented.contains_key(*flag)).collect();
+    let unknown: Vec<&String> =
+        documented.keys().filter(|flag| !flags.contains_key(*flag) && *flag != "--log").collect();
+    assert!(undocumented.is_empty(), "flags of `serve` missing from docs/operations.md's table: {undocumented:?}");
+    assert!(unknown.is_empty(), "rows of docs/operations.md's flags table `serve` does not take: {unknown:?}");
+    for (flag, env) in &flags {
+        assert_eq!(&documented[flag], env, "the variable docs/operations.md gives {flag}");
+    }
+}
