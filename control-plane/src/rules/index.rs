@@ -22,6 +22,8 @@ struct Standing {
     expiry: Option<(Millis, String)>,
     /// Its agent runs or is being started: it counts against the cap.
     running: bool,
+    /// Not retired: the tick's timers (silence, Tier 2 windows) look at it.
+    active: Option<String>,
 }
 
 impl Standing {
@@ -32,6 +34,7 @@ impl Standing {
             standby: standby.then(|| (record.created_at, record.id.clone())),
             expiry: record.expires_at.filter(|_| standby).map(|at| (at, record.id.clone())),
             running: !live.exited,
+            active: (record.state != SandboxState::Retired).then(|| record.id.clone()),
         }
     }
 }
@@ -43,6 +46,7 @@ struct Indexes {
     standbys: BTreeSet<(Millis, String)>,
     expiries: BTreeSet<(Millis, String)>,
     running: usize,
+    active: BTreeSet<String>,
 }
 
 impl Indexes {
@@ -54,6 +58,9 @@ impl Indexes {
             self.expiries.remove(key);
         }
         self.running -= usize::from(standing.running);
+        if let Some(id) = &standing.active {
+            self.active.remove(id);
+        }
     }
 
     fn add(&mut self, standing: Standing) {
@@ -63,6 +70,9 @@ impl Indexes {
         }
         if let Some(key) = standing.expiry {
             self.expiries.insert(key);
+        }
+        if let Some(id) = standing.active {
+            self.active.insert(id);
         }
     }
 }
@@ -107,6 +117,13 @@ impl LiveSandboxes {
         self.indexes.running
     }
 
+    /// Every sandbox not retired: what the tick's timers look at (retired
+    /// ones stay in memory for the API, and would otherwise make every
+    /// tick cost all sandboxes ever made).
+    pub(super) fn active(&self) -> impl Iterator<Item = &Live> {
+        self.indexes.active.iter().filter_map(|id| self.map.get(id))
+    }
+
     /// Warm standbys with no run whose agent runs, oldest first.
     pub(super) fn standbys(&self) -> impl Iterator<Item = &Live> {
         self.indexes.standbys.iter().filter_map(|(_, id)| self.map.get(id))
@@ -134,6 +151,7 @@ impl LiveSandboxes {
         assert_eq!(scanned.standbys, self.indexes.standbys, "the standby index");
         assert_eq!(scanned.expiries, self.indexes.expiries, "the expiry index");
         assert_eq!(scanned.running, self.indexes.running, "the running count");
+        assert_eq!(scanned.active, self.indexes.active, "the sandboxes not retired");
     }
 }
 

@@ -234,7 +234,7 @@ impl Rules {
         let resume_timeout = self.config.pool_policy.resume_timeout;
         let mut to_stop = Vec::new();
         let mut too_slow = Vec::new();
-        for live in self.sandboxes.values() {
+        for live in self.sandboxes.active() {
             let record = &live.record;
             match (record.state, record.park.as_ref()) {
                 (SandboxState::Parked, Some(park)) if park.mode == ParkMode::Running => {

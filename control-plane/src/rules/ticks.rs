@@ -23,7 +23,7 @@ impl Rules {
         if self.draining {
             return step;
         }
-        let silent: Vec<Silent> = self.sandboxes.values().filter_map(|live| self.silent(now, live)).collect();
+        let silent: Vec<Silent> = self.sandboxes.active().filter_map(|live| self.silent(now, live)).collect();
         for Silent { sandbox_id, state, run_id, reason } in silent {
             if state == SandboxState::Standby {
                 self.retire_sandbox(now, &mut step, &sandbox_id, Retirement::new(reason).told());
