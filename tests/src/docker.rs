@@ -153,10 +153,17 @@ pub fn spy_available(test: &str) -> bool {
     std::fs::write(&wrapper, SPY_WRAPPER).expect("write the wrapper");
     std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755)).expect("make the wrapper executable");
     std::fs::write(context.path().join("Dockerfile"), SPY_DOCKERFILE).expect("write the Dockerfile");
+    // Under the lock: the build, then the removal of the image the tag
+    // named before (left untagged by the build; every test run makes one).
+    // One a running container still uses stays, for a later build to take.
+    let script = r#"previous=$(docker image inspect --format '{{.Id}}' "$2" 2>/dev/null || true)
+docker build -q --build-arg "BASE=$1" -t "$2" "$3" || exit 1
+current=$(docker image inspect --format '{{.Id}}' "$2")
+if [ -n "$previous" ] && [ "$previous" != "$current" ]; then docker rmi "$previous" >/dev/null 2>&1 || true; fi"#;
     let lock = repo_root().join("target/image/.lock");
     let output = Command::new("flock")
         .arg(lock)
-        .args(["docker", "build", "-q", "--build-arg", &format!("BASE={}", image()), "-t", SPY_IMAGE])
+        .args(["sh", "-c", script, "spy-build", &image(), SPY_IMAGE])
         .arg(context.path())
         .output()
         .expect("run docker build");
