@@ -62,8 +62,7 @@ fn presented(headers: &HeaderMap) -> Result<&str, ApiError> {
 }
 
 async fn admit(state: &AppState, headers: &HeaderMap, call: Call) -> Result<Admission, ApiError> {
-    let token = presented(headers)?;
-    let token = token.to_owned();
+    let token = Secret::new(presented(headers)?.to_owned());
     state.engine.ask::<Result<Admission, AdmissionRefusal>>(Input::Check { token, call }).await?.map_err(refused)
 }
 
@@ -82,8 +81,7 @@ async fn admit_run(
             format!("the credential is not a run credential of `{execution_id}`"),
         )
     };
-    let token = presented(headers)?;
-    let token = token.to_owned();
+    let token = Secret::new(presented(headers)?.to_owned());
     match state.engine.ask(Input::Check { token, call }).await? {
         Ok(Admission::Run { run_id, attempt, .. }) if run_id == execution_id => Ok((run_id, attempt)),
         Ok(_) | Err(AdmissionRefusal::Gone) => Err(wrong()),
@@ -147,7 +145,7 @@ pub(crate) async fn socket(
         return (StatusCode::TOO_MANY_REQUESTS, [(header::RETRY_AFTER, "1")], busy).into_response();
     };
     let token = match presented(&headers) {
-        Ok(token) => token.to_owned(),
+        Ok(token) => Secret::new(token.to_owned()),
         Err(error) => return error.into_response(),
     };
     let upgrade = match upgrade {
@@ -172,7 +170,7 @@ pub(crate) async fn socket(
         async move {
             // The socket keeps its connection's place under the cap.
             let _slot = slot;
-            connection(state, socket, conn, admission, Secret::new(token)).await;
+            connection(state, socket, conn, admission, token).await;
         }
     })
 }

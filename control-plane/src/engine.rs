@@ -139,9 +139,9 @@ impl EngineHandle {
         let (reply, answer) = oneshot::channel();
         self.tx.send(Command::Input { input, reply: Some(reply) }).await.map_err(|_| EngineGone)?;
         let reply = answer.await.map_err(|_| EngineGone)?;
-        let kind = format!("{reply:?}");
         A::from_reply(reply).ok_or_else(|| {
-            tracing::error!(reply = kind, "the machine answered another kind of reply than asked for");
+            let asked = std::any::type_name::<A>();
+            tracing::error!(asked, "the machine answered another kind of reply than asked for");
             EngineGone
         })
     }

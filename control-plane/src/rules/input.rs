@@ -22,8 +22,9 @@ use crate::provider::Found;
 #[derive(Debug)]
 pub enum Input {
     /// Who `token` is for an agent's HTTP `call` ([`Reply::Admission`]).
+    /// Tokens are [`Secret`]s: an input printed never shows one.
     Check {
-        token: String,
+        token: Secret,
         call: Call,
     },
     /// The upgrade of control connection `conn` with `token`, claiming the
@@ -31,7 +32,7 @@ pub enum Input {
     /// [`Input::Disconnected`] frees the claim.
     ClaimSocket {
         conn: ConnId,
-        token: String,
+        token: Secret,
     },
     /// A control connection of `credential_id` is open (the agent presented
     /// `presented`, whose hash was checked at the claim).
@@ -185,8 +186,8 @@ impl Rules {
     /// Takes one input at `now`: its writes, effects and reply.
     pub fn handle(&mut self, now: Millis, input: Input) -> Step {
         match input {
-            Input::Check { token, call } => Step::replying(Reply::Admission(self.check(&token, call))),
-            Input::ClaimSocket { conn, token } => match self.claim_socket(now, conn, &token) {
+            Input::Check { token, call } => Step::replying(Reply::Admission(self.check(token.expose(), call))),
+            Input::ClaimSocket { conn, token } => match self.claim_socket(now, conn, token.expose()) {
                 Ok((admission, step)) => step.with_reply(Reply::Admission(Ok(admission))),
                 Err(refusal) => Step::replying(Reply::Admission(Err(refusal))),
             },

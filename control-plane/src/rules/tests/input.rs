@@ -13,7 +13,7 @@ fn answer<A: Answer>(world: &mut World, input: Input) -> A {
 fn the_reply_of_each_input_is_its_answer() {
     let mut world = World::new(1);
     world.ready_pool();
-    let token = || "not-a-credential".to_owned();
+    let token = || Secret::new("not-a-credential".to_owned());
     let _: Result<Admission, AdmissionRefusal> = answer(&mut world, Input::Check { token: token(), call: Call::Fetch });
     let _: Result<Admission, AdmissionRefusal> = answer(&mut world, Input::ClaimSocket { conn: 99, token: token() });
     let submit = Input::Submit { run: Box::new(run("true")), request: Box::new(request()), thread_id: None, key: None };
@@ -33,7 +33,7 @@ fn the_reply_of_each_input_is_its_answer() {
     let _: MetricsSnapshot = answer(&mut world, Input::Metrics);
     let sandbox_id = || "sbx".to_owned();
     let told = [
-        Input::Connected { conn: 98, credential_id: "cred".into(), presented: Secret::new(token()) },
+        Input::Connected { conn: 98, credential_id: "cred".into(), presented: token() },
         Input::Heartbeat { conn: 98, state: AgentState::Ready },
         Input::Disconnected { conn: 98 },
         Input::AssignmentSent { run_id: run_id.clone() },
