@@ -364,7 +364,6 @@ mod tests {
     use super::*;
     use crate::provider::local::{LocalOptions, LocalProvider};
     use crate::provider::{AgentLaunch, SandboxProvider};
-    use standby_protocol::Secret;
 
     /// Live processes whose command line is exactly `argv`.
     fn with_argv(argv: &[&str]) -> Vec<u32> {
@@ -405,15 +404,6 @@ mod tests {
         path
     }
 
-    fn launch() -> AgentLaunch {
-        AgentLaunch {
-            server_url: "http://127.0.0.1:1".into(),
-            token: Secret::new("sby_x_y"),
-            heartbeat_interval: Duration::from_millis(500),
-            log_filter: "info".into(),
-        }
-    }
-
     /// Runs `check` for each containment this host allows (cgroup, PID
     /// namespace); says which it skipped.
     async fn for_each_containment(check: impl AsyncFn(ContainmentChoice, &Path)) {
@@ -442,7 +432,7 @@ mod tests {
             let provider = LocalProvider::try_with_options(dir.join("sandboxes"), agent, options).expect("probed");
             assert_eq!(provider.containment(), Containment::probe(choice).expect("probed").name());
             provider.create("sbx_e").await.expect("create");
-            let launched = provider.launch("sbx_e", launch()).await.expect("launch");
+            let launched = provider.launch("sbx_e", AgentLaunch::unreachable()).await.expect("launch");
             let escaped = [format!("1000.{a}"), format!("1000.{b}")];
             let argvs = escaped.each_ref().map(|arg| ["sleep", arg.as_str()]);
             until("the escaped processes", || argvs.iter().all(|argv| !with_argv(argv).is_empty())).await;
@@ -464,7 +454,7 @@ mod tests {
             let options = LocalOptions { containment: choice, ..LocalOptions::default() };
             let provider = LocalProvider::try_with_options(dir.join("sandboxes"), agent, options).expect("probed");
             provider.create("sbx_x").await.expect("create");
-            let launched = provider.launch("sbx_x", launch()).await.expect("launch");
+            let launched = provider.launch("sbx_x", AgentLaunch::unreachable()).await.expect("launch");
             assert_eq!(launched.exited.await.expect("an exit"), Some(0));
             assert!(dir.join("sandboxes/sbx_x/workspace/up").is_file(), "the agent started its processes");
             let escaped = [format!("1000.{a}"), format!("1000.{b}")];

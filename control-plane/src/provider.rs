@@ -96,6 +96,19 @@ pub struct AgentLaunch {
     pub log_filter: String,
 }
 
+impl AgentLaunch {
+    /// A launch the providers' tests give agents that never reach a server.
+    #[cfg(test)]
+    pub(crate) fn unreachable() -> Self {
+        Self {
+            server_url: "http://127.0.0.1:1".into(),
+            token: Secret::new("sby_x_y"),
+            heartbeat_interval: Duration::from_millis(500),
+            log_filter: "info".into(),
+        }
+    }
+}
+
 /// A launched agent: its pid where the provider knows one, and its exit
 /// code (`None` for death by signal) once it ends.
 #[derive(Debug)]

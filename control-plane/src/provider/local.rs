@@ -538,7 +538,6 @@ impl SandboxProvider for LocalProvider {
 
 #[cfg(test)]
 mod tests {
-    use standby_protocol::Secret;
 
     use super::*;
 
@@ -548,15 +547,6 @@ mod tests {
         std::fs::write(&path, format!("#!/bin/sh\n{body}\n")).expect("write the script");
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).expect("chmod");
         path
-    }
-
-    fn launch() -> AgentLaunch {
-        AgentLaunch {
-            server_url: "http://127.0.0.1:1".into(),
-            token: Secret::new("sby_x_y"),
-            heartbeat_interval: Duration::from_millis(500),
-            log_filter: "info".into(),
-        }
     }
 
     /// An agent that records each start in its workspace and then waits.
@@ -590,7 +580,7 @@ mod tests {
         let provider =
             LocalProvider::with_options(dir.path().join("sandboxes"), waiting_agent(dir.path()), options(60_000));
         provider.create("sbx_s").await.expect("create");
-        let first = provider.launch("sbx_s", launch()).await.expect("launch");
+        let first = provider.launch("sbx_s", AgentLaunch::unreachable()).await.expect("launch");
         let pid = first.pid.expect("a pid");
         let starts = dir.path().join("sandboxes/sbx_s/workspace/starts");
         until("the first start", || starts.is_file()).await;
@@ -600,7 +590,7 @@ mod tests {
         assert!(!pid_alive(pid), "no process is left");
         assert_eq!(provider.state("sbx_s").await.expect("state"), Found::NoAgent);
         provider.start("sbx_s").await.expect("start");
-        let second = provider.launch("sbx_s", launch()).await.expect("launch again");
+        let second = provider.launch("sbx_s", AgentLaunch::unreachable()).await.expect("launch again");
         until("the second start", || std::fs::read_to_string(&starts).is_ok_and(|t| t.lines().count() == 2)).await;
         let note = std::fs::read_to_string(dir.path().join("sandboxes/sbx_s/workspace/note")).expect("the file");
         assert_eq!(note, "kept");
@@ -619,8 +609,8 @@ mod tests {
         provider.set_auto_stop("sbx_idle", 2).await.expect("auto-stop of two minutes");
         assert_eq!(provider.auto_stop("sbx_idle").await.expect("read"), Some(2));
         assert_eq!(provider.auto_stop("sbx_never").await.expect("read"), Some(0), "never, by default");
-        let idle = provider.launch("sbx_idle", launch()).await.expect("launch");
-        let never = provider.launch("sbx_never", launch()).await.expect("launch");
+        let idle = provider.launch("sbx_idle", AgentLaunch::unreachable()).await.expect("launch");
+        let never = provider.launch("sbx_never", AgentLaunch::unreachable()).await.expect("launch");
         // Activity holds the auto-stop off.
         for _ in 0..6 {
             provider.touch("sbx_idle");
@@ -642,7 +632,7 @@ mod tests {
         let archive_only = LocalOptions { auto_archive: 2, ..options(100) };
         let provider = LocalProvider::with_options(root.clone(), waiting_agent(dir.path()), archive_only);
         provider.create("sbx_old").await.expect("create");
-        let launched = provider.launch("sbx_old", launch()).await.expect("launch");
+        let launched = provider.launch("sbx_old", AgentLaunch::unreachable()).await.expect("launch");
         std::fs::write(root.join("sbx_old/workspace/note"), "kept").expect("a file");
         provider.stop("sbx_old").await;
         assert!(launched.exited.await.is_ok());
@@ -680,7 +670,7 @@ mod tests {
         let provider = LocalProvider::new(dir.path().join("sandboxes"), agent);
         provider.create("sbx_a").await.expect("create");
         provider.start("sbx_a").await.expect("start");
-        let launched = provider.launch("sbx_a", launch()).await.expect("launch");
+        let launched = provider.launch("sbx_a", AgentLaunch::unreachable()).await.expect("launch");
         assert_eq!(launched.exited.await.expect("an exit"), Some(12));
         let env = std::fs::read_to_string(dir.path().join("sandboxes/sbx_a/env.txt")).expect("the env file");
         for expected in
@@ -706,7 +696,7 @@ mod tests {
         let grace = LocalOptions { stop_grace: Duration::from_millis(200), ..LocalOptions::default() };
         let provider = LocalProvider::with_options(dir.path().join("sandboxes"), agent, grace);
         provider.create("sbx_b").await.expect("create");
-        let launched = provider.launch("sbx_b", launch()).await.expect("launch");
+        let launched = provider.launch("sbx_b", AgentLaunch::unreachable()).await.expect("launch");
         let pid_file = dir.path().join("sandboxes/sbx_b/workspace/child.pid");
         let child = loop {
             if let Some(pid) = std::fs::read_to_string(&pid_file).ok().and_then(|t| t.trim().parse::<i32>().ok()) {
