@@ -800,17 +800,25 @@ mod tests {
         assert_eq!(replicas.len(), 2, "{replicas:?}");
     }
 
+    /// How long [`lead`]'s lease runs.
+    const LEAD: Duration = Duration::from_secs(60);
+
+    /// Replica `a` takes the lease of `store` for [`LEAD`]: the fence its
+    /// writes run under.
+    fn lead(store: &PostgresStore) -> Fence {
+        use crate::store::LeaseStore as _;
+        let lease = store.claim("a", "http://a", 0, LEAD, BOUND).expect("claim");
+        Fence { epoch: lease.epoch, deadline: std::time::Instant::now() + LEAD, bound: BOUND }
+    }
+
     /// The fence: once another replica took the lease, a write under the
     /// old epoch fails, rolled back (nothing of it is kept), and so does a
     /// step with no writes at all.
     #[test]
     fn a_write_under_a_stale_epoch_fails_and_writes_nothing() {
-        use crate::store::LeaseStore as _;
         let Some(backend) = backend("fenced") else { return };
         let store = connect(&backend);
-        let ttl = Duration::from_secs(60);
-        let lease = store.claim("a", "http://a", 0, ttl, BOUND).expect("claim");
-        let fence = Fence { epoch: lease.epoch, deadline: std::time::Instant::now() + ttl, bound: BOUND };
+        let fence = lead(&store);
         store
             .apply(&[Write::NewRun(Box::new(run("exe_1")), Box::new(request()))], Some(&fence))
             .expect("a write at our epoch");
@@ -944,9 +952,7 @@ mod tests {
         use crate::store::LeaseStore as _;
         let Some(backend) = backend("write_bound") else { return };
         let store = Arc::new(connect(&backend));
-        let ttl = Duration::from_secs(60);
-        let lease = store.claim("a", "http://a", 0, ttl, BOUND).expect("claim");
-        let fence = Fence { epoch: lease.epoch, deadline: std::time::Instant::now() + ttl, bound: BOUND };
+        let fence = lead(&store);
         let held = backend.schema.hold("LOCK TABLE runs IN SHARE MODE");
         let writer = Arc::clone(&store);
         let started = std::time::Instant::now();
@@ -956,7 +962,7 @@ mod tests {
         let error = written.expect("the write is ended, not left waiting").expect_err("the table is locked");
         assert!(started.elapsed() < BOUND + Duration::from_millis(500), "{:?}", started.elapsed());
         assert!(error.to_string().contains("timeout"), "{error}");
-        let renewed = store.claim("a", "http://a", lease.epoch, ttl, BOUND).expect("the lease row is free");
+        let renewed = store.claim("a", "http://a", fence.epoch, LEAD, BOUND).expect("the lease row is free");
         assert!(renewed.ours);
         drop(held);
         assert!(backend.schema.query_text("SELECT id FROM runs").is_empty());
@@ -968,12 +974,9 @@ mod tests {
     /// last, the last time with the bound to spare.
     #[test]
     fn a_write_is_refused_when_the_databases_lease_has_run_out_or_is_about_to() {
-        use crate::store::LeaseStore as _;
         let Some(backend) = backend("db_expiry") else { return };
         let store = connect(&backend);
-        let ttl = Duration::from_secs(60);
-        let lease = store.claim("a", "http://a", 0, ttl, BOUND).expect("claim");
-        let fence = Fence { epoch: lease.epoch, deadline: std::time::Instant::now() + ttl, bound: BOUND };
+        let fence = lead(&store);
         store
             .apply(&[Write::NewRun(Box::new(run("exe_1")), Box::new(request()))], Some(&fence))
             .expect("a write in time");
@@ -985,7 +988,7 @@ mod tests {
         assert!(matches!(error, StoreError::LeaseEnding { .. }), "{error}");
 
         let store = connect(&backend);
-        let fence = Fence { epoch: lease.epoch, deadline: std::time::Instant::now() + ttl, bound: BOUND };
+        let fence = Fence { deadline: std::time::Instant::now() + LEAD, ..fence };
         backend.schema.execute("UPDATE cluster_lease SET expires_at = now() + interval '200 milliseconds'");
         let error = store
             .apply(&[Write::NewRun(Box::new(run("exe_3")), Box::new(request()))], Some(&fence))
