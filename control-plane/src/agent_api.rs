@@ -19,7 +19,7 @@ use tokio::sync::mpsc;
 
 use crate::api_bounds::{EVENT_BODY_MAX, LOG_BODY_MAX, agent_socket, bound_event};
 use crate::app::{ApiError, AppState, Unread, bearer, from_store, parse_json, read_body};
-use crate::engine::{EngineHandle, Outbound};
+use crate::engine::{ConnWriter, EngineHandle, Outbound};
 use crate::listener::ConnectionSlot;
 use crate::model::{RunRequest, SandboxRecord};
 use crate::rules::{Admission, AdmissionRefusal, Call, ConnId, Input, LogError};
@@ -54,7 +54,9 @@ fn refused(refusal: AdmissionRefusal) -> ApiError {
     }
 }
 
-fn presented(headers: &HeaderMap) -> Result<&str, ApiError> {
+/// The credential an agent's call presents, once its protocol header is
+/// one this server speaks.
+pub(crate) fn presented(headers: &HeaderMap) -> Result<&str, ApiError> {
     check_protocol(headers)?;
     bearer(headers).ok_or_else(|| {
         ApiError::new(AdmissionRefusal::Unauthorized.status(), "missing `Authorization: Bearer <credential>`")
@@ -86,6 +88,20 @@ async fn admit_run(
         Ok(Admission::Run { run_id, attempt, .. }) if run_id == execution_id => Ok((run_id, attempt)),
         Ok(_) | Err(AdmissionRefusal::Gone) => Err(wrong()),
         Err(refusal) => Err(refused(refusal)),
+    }
+}
+
+/// The answer to an upgrade whose socket claim was refused (here or, for
+/// a follower's agent, by the leader over the link).
+pub(crate) fn socket_refused(refusal: AdmissionRefusal) -> Response {
+    match refusal {
+        AdmissionRefusal::Duplicate { retry_after } => {
+            // When the live socket counts as gone if it stays silent: an
+            // agent whose old connection died unseen comes back then.
+            let seconds = retry_after.as_millis().div_ceil(1000).to_string();
+            ([(header::RETRY_AFTER, seconds)], refused(refusal)).into_response()
+        }
+        refusal => refused(refusal).into_response(),
     }
 }
 
@@ -155,13 +171,7 @@ pub(crate) async fn socket(
     let conn = state.engine.next_conn_id();
     let admission = match state.engine.ask(Input::ClaimSocket { conn, token: token.clone() }).await {
         Ok(Ok(admission)) => admission,
-        Ok(Err(refusal @ AdmissionRefusal::Duplicate { retry_after })) => {
-            // When the live socket counts as gone if it stays silent: an
-            // agent whose old connection died unseen comes back then.
-            let seconds = retry_after.as_millis().div_ceil(1000).to_string();
-            return ([(header::RETRY_AFTER, seconds)], refused(refusal)).into_response();
-        }
-        Ok(Err(refusal)) => return refused(refusal).into_response(),
+        Ok(Err(refusal)) => return socket_refused(refusal),
         Err(gone) => return ApiError::from(gone).into_response(),
     };
     let mut claim = Claim { engine: state.engine.clone(), conn, armed: true };
@@ -180,7 +190,7 @@ pub(crate) async fn socket(
 async fn connection(state: AppState, mut socket: WebSocket, conn: ConnId, admission: Admission, presented: Secret) {
     let engine = state.engine.clone();
     let (sender, mut outbound) = mpsc::unbounded_channel();
-    engine.connect(conn, sender, admission.credential_id(), presented).await;
+    engine.connect(conn, ConnWriter::local(sender), admission.credential_id(), presented).await;
     tracing::debug!(conn, ?admission, "control connection open");
     // A peer that vanished without closing (a half-open TCP connection)
     // sends nothing more: past the idle timeout the socket is dropped.

@@ -18,8 +18,8 @@ const MAX_MESSAGE: usize = 64 * 1024;
 const MAX_WRITE_BUFFER: usize = 256 * 1024;
 
 /// An agent's socket as the server holds it: the buffers and bounds above.
-/// The follower relay (`cluster::relay`) holds agents' sockets the same
-/// way.
+/// A follower holds the sockets of its agents the same way
+/// (`cluster::link`).
 pub(crate) fn agent_socket(upgrade: WebSocketUpgrade) -> WebSocketUpgrade {
     upgrade
         .read_buffer_size(READ_BUFFER)
@@ -27,15 +27,6 @@ pub(crate) fn agent_socket(upgrade: WebSocketUpgrade) -> WebSocketUpgrade {
         .max_write_buffer_size(MAX_WRITE_BUFFER)
         .max_message_size(MAX_MESSAGE)
         .max_frame_size(MAX_MESSAGE)
-}
-
-/// The relay's own socket to the leader: as small as an agent's, but open
-/// to anything the leader sends (an assignment's inline attachments).
-pub(crate) fn leader_socket_config() -> tokio_tungstenite::tungstenite::protocol::WebSocketConfig {
-    tokio_tungstenite::tungstenite::protocol::WebSocketConfig::default()
-        .read_buffer_size(READ_BUFFER)
-        .write_buffer_size(0)
-        .max_write_buffer_size(MAX_WRITE_BUFFER)
 }
 
 /// Largest body of `POST /v1/executions/{id}/events`.

@@ -1,8 +1,9 @@
 //! A replicated deployment (`--store postgres://…`): every `serve` on one
 //! database is a replica, one of them (the holder of the lease row) the
 //! leader that runs the engine; the others forward every call to it
-//! ([`forward`]) and relay agents' sockets to it ([`relay`]), once it
-//! proved the cluster secret they share ([`trust`], [`secret`]).
+//! ([`forward`]) and hold the sockets of the agents that reached them,
+//! speaking for them over one link to it ([`link`]), once it proved the
+//! cluster secret they share ([`trust`], [`secret`]).
 //!
 //! This module is the IO half: a loop that claims the lease every third of
 //! its time to live, lets the pure [`lease`] rules decide, and publishes
@@ -15,7 +16,7 @@
 pub mod forward;
 mod leadership;
 pub mod lease;
-pub mod relay;
+pub mod link;
 pub mod secret;
 pub mod trust;
 
@@ -92,8 +93,14 @@ pub struct ClusterView {
 pub struct ClusterStats {
     pub leadership_changes: AtomicU64,
     pub forwarded_requests: AtomicU64,
-    pub relayed_sockets: AtomicI64,
-    pub relay_redials: AtomicU64,
+    /// Agents' sockets this replica holds and speaks for over its link.
+    pub held_agents: AtomicI64,
+    /// Links made after the first (to a new leader, or after one dropped).
+    pub relinks: AtomicU64,
+    /// Replicas linked to this one while it leads.
+    pub linked_replicas: AtomicI64,
+    /// Links this replica accepted (each one's number).
+    pub links_accepted: AtomicU64,
 }
 
 /// What the router and the handlers share about the cluster.
@@ -116,6 +123,10 @@ pub struct Cluster {
     pub proven: Arc<trust::Proven>,
     /// The listener's cap, which a connection to the leader counts under.
     pub listener: Arc<ListenerStats>,
+    /// The agents' sockets this replica holds.
+    pub hub: Arc<link::follower::Hub>,
+    /// The replicas' links, while this one leads.
+    pub links: Arc<link::leader::Links>,
 }
 
 impl Cluster {
@@ -133,26 +144,30 @@ impl Cluster {
              # TYPE standby_leadership_changes_total counter\nstandby_leadership_changes_total {}\n\
              # HELP standby_forwarded_requests_total HTTP calls this replica forwarded to the leader.\n\
              # TYPE standby_forwarded_requests_total counter\nstandby_forwarded_requests_total {}\n\
-             # HELP standby_relayed_sockets Upgraded connections this replica relays to the leader now.\n\
-             # TYPE standby_relayed_sockets gauge\nstandby_relayed_sockets {}\n\
-             # HELP standby_relay_redials_total Relayed sockets re-dialled to a new leader, the agent's socket kept.\n\
-             # TYPE standby_relay_redials_total counter\nstandby_relay_redials_total {}\n",
+             # HELP standby_held_agents Agents' control sockets this replica holds and speaks for over its link.\n\
+             # TYPE standby_held_agents gauge\nstandby_held_agents {}\n\
+             # HELP standby_relinks_total Links to the leader made after the first, the agents' sockets kept.\n\
+             # TYPE standby_relinks_total counter\nstandby_relinks_total {}\n\
+             # HELP standby_linked_replicas Replicas linked to this one while it leads.\n\
+             # TYPE standby_linked_replicas gauge\nstandby_linked_replicas {}\n",
             self.stats.leadership_changes.load(Ordering::Relaxed),
             self.stats.forwarded_requests.load(Ordering::Relaxed),
-            self.stats.relayed_sockets.load(Ordering::Relaxed),
-            self.stats.relay_redials.load(Ordering::Relaxed),
+            self.stats.held_agents.load(Ordering::Relaxed),
+            self.stats.relinks.load(Ordering::Relaxed),
+            self.stats.linked_replicas.load(Ordering::Relaxed),
         )
     }
 }
 
 /// Starts the claim loop of replica `config` advertised at `url` (its
-/// `advertise_url`, else its own address); it runs until `shutdown` turns
-/// true or this replica is deposed.
+/// `advertise_url`, else its own address), and its link to the leader
+/// for the agents `hub` holds; both run until `shutdown` turns true or
+/// this replica is deposed.
 pub fn start(
     config: ClusterConfig,
     url: String,
     lease: Arc<dyn LeaseStore>,
-    listener: Arc<ListenerStats>,
+    (listener, hub): (Arc<ListenerStats>, link::follower::Hub),
     shutdown: watch::Receiver<bool>,
 ) -> Cluster {
     let (view_tx, view) = watch::channel(ClusterView {
@@ -171,7 +186,23 @@ pub fn start(
     let claims =
         Claims { store: Arc::clone(&lease), view: view_tx, leadership: leadership.clone(), stats: Arc::clone(&stats) };
     tokio::spawn(claim_loop(config, url.clone(), claims, shutdown.clone()));
-    Cluster { view, stats, lease, leadership, ttl, shutdown, secret, url, proven: Arc::default(), listener }
+    let (hub, links) = (Arc::new(hub), Arc::default());
+    let cluster = Cluster {
+        view,
+        stats,
+        lease,
+        leadership,
+        ttl,
+        shutdown,
+        secret,
+        url,
+        proven: Arc::default(),
+        listener,
+        hub,
+        links,
+    };
+    tokio::spawn(link::follower::run(cluster.clone()));
+    cluster
 }
 
 /// What the claim loop works on.

@@ -52,6 +52,39 @@ pub enum Outbound {
     Close,
 }
 
+/// Where a control connection's frames go: the socket task of this
+/// process that holds it, or the link to the replica that holds it
+/// (`cluster::link`), under that replica's number for the agent.
+#[derive(Debug, Clone)]
+pub struct ConnWriter(Writer);
+
+#[derive(Debug, Clone)]
+enum Writer {
+    Local(mpsc::UnboundedSender<Outbound>),
+    Linked { link: mpsc::UnboundedSender<(u64, Outbound)>, agent: u64 },
+}
+
+impl ConnWriter {
+    /// A socket held by a task of this process.
+    pub fn local(sender: mpsc::UnboundedSender<Outbound>) -> Self {
+        Self(Writer::Local(sender))
+    }
+
+    /// A socket another replica holds: its frames go down `link`.
+    pub fn linked(link: mpsc::UnboundedSender<(u64, Outbound)>, agent: u64) -> Self {
+        Self(Writer::Linked { link, agent })
+    }
+
+    /// Queues `outbound`; a writer that is gone drops it (its connection
+    /// is being closed, and the machine hears of it).
+    fn send(&self, outbound: Outbound) {
+        let _ = match &self.0 {
+            Writer::Local(sender) => sender.send(outbound).map_err(drop),
+            Writer::Linked { link, agent } => link.send((*agent, outbound)).map_err(drop),
+        };
+    }
+}
+
 /// A provider operation on one sandbox, queued behind its earlier ones.
 type Op = Pin<Box<dyn Future<Output = ()> + Send>>;
 
@@ -82,7 +115,7 @@ enum Command {
     /// machine hears of it (its effects may use it).
     Connect {
         conn: ConnId,
-        sender: mpsc::UnboundedSender<Outbound>,
+        writer: ConnWriter,
         credential_id: String,
         presented: Secret,
     },
@@ -163,14 +196,8 @@ impl EngineHandle {
 
     /// Control connection `conn` (claimed with [`Input::ClaimSocket`]) is
     /// open: frames for it go to `sender`.
-    pub async fn connect(
-        &self,
-        conn: ConnId,
-        sender: mpsc::UnboundedSender<Outbound>,
-        credential_id: &str,
-        presented: Secret,
-    ) {
-        self.send(Command::Connect { conn, sender, credential_id: credential_id.to_owned(), presented }).await;
+    pub async fn connect(&self, conn: ConnId, writer: ConnWriter, credential_id: &str, presented: Secret) {
+        self.send(Command::Connect { conn, writer, credential_id: credential_id.to_owned(), presented }).await;
     }
 
     /// Control connection `conn` closed (or its upgrade never completed):
@@ -198,7 +225,7 @@ pub struct Engine<P> {
     store: Arc<dyn Store>,
     provider: Arc<P>,
     config: EngineConfig,
-    conns: HashMap<ConnId, mpsc::UnboundedSender<Outbound>>,
+    conns: HashMap<ConnId, ConnWriter>,
     /// One queue per sandbox: its provider operations (launch, park, stop,
     /// resume, retire) run one after another in the order the machine
     /// emitted them.
@@ -325,8 +352,8 @@ impl<P: SandboxProvider> Engine<P> {
                     batch.then(batch::reply(to, reply));
                 }
             }
-            Command::Connect { conn, sender, credential_id, presented } => {
-                batch.then(After::Attach(conn, sender));
+            Command::Connect { conn, writer, credential_id, presented } => {
+                batch.then(After::Attach(conn, writer));
                 batch.stage(self.machine.handle(now, Input::Connected { conn, credential_id, presented }));
             }
             Command::Disconnect { conn } => {
@@ -388,8 +415,8 @@ impl<P: SandboxProvider> Engine<P> {
             match action {
                 After::Effect(effect) => self.effect(*effect),
                 After::Reply(answer) => answer(),
-                After::Attach(conn, sender) => {
-                    self.conns.insert(conn, sender);
+                After::Attach(conn, writer) => {
+                    self.conns.insert(conn, writer);
                 }
                 After::Detach(conn) => {
                     self.conns.remove(&conn);
@@ -439,13 +466,13 @@ impl<P: SandboxProvider> Engine<P> {
                     ServerMessage::Assignment(assignment) => Some(assignment.execution_id.clone()),
                     _ => None,
                 };
-                if let (Some(sender), Some(text)) = (self.conns.get(&conn), message.encode()) {
-                    let _ = sender.send(Outbound::Frame { text, assignment_of });
+                if let (Some(writer), Some(text)) = (self.conns.get(&conn), message.encode()) {
+                    writer.send(Outbound::Frame { text, assignment_of });
                 }
             }
             Effect::Close { conn } => {
-                if let Some(sender) = self.conns.get(&conn) {
-                    let _ = sender.send(Outbound::Close);
+                if let Some(writer) = self.conns.get(&conn) {
+                    writer.send(Outbound::Close);
                 }
             }
             Effect::Launch { sandbox_id, credential_id, token, provision, auto_stop } => {

@@ -129,6 +129,7 @@ fn router(state: AppState) -> Router {
         .route("/healthz", get(health))
         .route("/v1/cluster", get(user_api::cluster_status::cluster))
         .route(standby_protocol::SOCKET_PATH, get(agent_api::socket))
+        .route(crate::cluster::link::LINK_PATH, get(crate::cluster::link::leader::link))
         .route(standby_protocol::SPEC_PATH, get(agent_api::spec))
         .route(paths::SECRETS_ROUTE, get(agent_api::secrets))
         .route(paths::ATTACHMENTS_ROUTE, get(agent_api::attachments))
@@ -266,7 +267,9 @@ async fn start_with<P: SandboxProvider>(
         Some(Replica { cluster, lease }) => {
             let advertised = advertise_url(cluster.advertise_url.as_deref(), addr)?;
             let listener = Arc::clone(&listener_stats);
-            Some(crate::cluster::start(cluster, advertised, lease, listener, stopped.clone()))
+            let idle_timeout = config.heartbeat_interval * (crate::rules::HEARTBEAT_WINDOW + 1);
+            let hub = crate::cluster::link::follower::Hub::new(idle_timeout, config.heartbeat_interval);
+            Some(crate::cluster::start(cluster, advertised, lease, (listener, hub), stopped.clone()))
         }
         None => None,
     };

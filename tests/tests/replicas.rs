@@ -271,9 +271,9 @@ async fn an_agent_on_a_follower_keeps_its_socket_when_the_leader_is_killed() {
     cluster.agents.pin(&cluster.replica(follower).url());
     let standby = cluster
         .replica(leader)
-        .until("the standby relayed by the follower to connect", WAIT, async || {
+        .until("the standby held by the follower to connect", WAIT, async || {
             let page = cluster.replica(leader).get("/v1/sandboxes?state=standby").await;
-            let connected = metric(cluster.replica(follower), "standby_relayed_sockets").await? == 1;
+            let connected = metric(cluster.replica(follower), "standby_held_agents").await? == 1;
             (connected && page["sandboxes"][0]["connected"] == true).then(|| page["sandboxes"][0]["id"].clone())
         })
         .await;
@@ -284,8 +284,8 @@ async fn an_agent_on_a_follower_keeps_its_socket_when_the_leader_is_killed() {
     assert!(next_epoch > epoch, "r{next} leads at epoch {next_epoch} after r{leader} at {epoch}");
     cluster
         .replica(follower)
-        .until("the follower to re-dial the new leader", WAIT, async || {
-            (metric(cluster.replica(follower), "standby_relay_redials_total").await? >= 1).then_some(())
+        .until("the follower to link to the new leader", WAIT, async || {
+            (metric(cluster.replica(follower), "standby_relinks_total").await? >= 1).then_some(())
         })
         .await;
 
@@ -572,9 +572,9 @@ async fn an_agent_on_a_follower_keeps_its_socket_when_the_leader_is_paused() {
     cluster.agents.pin(&cluster.replica(follower).url());
     let standby = cluster
         .replica(leader)
-        .until("the standby relayed by the follower to connect", WAIT, async || {
+        .until("the standby held by the follower to connect", WAIT, async || {
             let page = cluster.replica(leader).get("/v1/sandboxes?state=standby").await;
-            let connected = metric(cluster.replica(follower), "standby_relayed_sockets").await? == 1;
+            let connected = metric(cluster.replica(follower), "standby_held_agents").await? == 1;
             (connected && page["sandboxes"][0]["connected"] == true).then(|| page["sandboxes"][0]["id"].clone())
         })
         .await;
@@ -586,8 +586,8 @@ async fn an_agent_on_a_follower_keeps_its_socket_when_the_leader_is_paused() {
     // Within a lease time of the view changing, not when the paused one wakes.
     cluster
         .replica(follower)
-        .until("the follower to re-dial the new leader", Duration::from_secs(20), async || {
-            (metric(cluster.replica(follower), "standby_relay_redials_total").await? >= 1).then_some(())
+        .until("the follower to link to the new leader", Duration::from_secs(20), async || {
+            (metric(cluster.replica(follower), "standby_relinks_total").await? >= 1).then_some(())
         })
         .await;
 

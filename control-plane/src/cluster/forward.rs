@@ -2,8 +2,8 @@
 //! ([`LOCAL_PATHS`]) goes to the leader's advertised URL as it came
 //! (method, path, headers, streamed body), and its answer comes back as the
 //! leader gave it (status, headers such as `Retry-After`, streamed body).
-//! An agent's control socket is relayed frame by frame instead
-//! ([`super::relay`]), so that it outlives the leader.
+//! An agent's control socket is not forwarded: this replica holds it and
+//! speaks for it to the leader over its one link ([`super::link`]).
 //!
 //! Nothing is sent to a leader before it proved the cluster secret for its
 //! id, epoch and URL ([`super::trust`]): the lease row is not trusted.
@@ -15,9 +15,7 @@
 //! caller never sees the leader's internal URL or an OS error: those are
 //! logged.
 //!
-//! Each forwarded call is a connection of its own to the leader; a relayed
-//! socket holds one on the leader for as long as it lives (the capacity
-//! cost of a follower's sockets, `docs/operations.md`).
+//! Each forwarded call is a connection of its own to the leader.
 
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -82,23 +80,34 @@ pub async fn route(State(cluster): State<Cluster>, mut request: Request, next: N
         return Problem::new(StatusCode::FORBIDDEN, "a forwarded call must come from a replica of this deployment")
             .into_response();
     }
+    if request.uri().path() == super::link::LINK_PATH && !forwarded {
+        // Only a replica links: never forwarded for an outside caller.
+        return Problem::new(StatusCode::FORBIDDEN, "only a replica of this deployment links to the leader")
+            .into_response();
+    }
     if LOCAL_PATHS.contains(&request.uri().path()) {
         return next.run(request).await;
     }
+    let meant_for = meant_for.filter(|_| forwarded);
     let view = cluster.view.borrow().clone();
     match (view.role, view.leader.clone()) {
         // A call forwarded to the leader of another epoch is not ours to
         // answer (a restarted replica of the same id): the caller retries.
-        (Role::Leader, _) if forwarded && meant_for != Some(view.epoch) => {
+        (Role::Leader, _) if forwarded && meant_for.as_ref().map(|by| by.epoch) != Some(view.epoch) => {
             unavailable("the call was forwarded to a former leader: retry")
         }
-        (Role::Leader, _) => next.run(request).await,
+        (Role::Leader, _) => {
+            if let Some(by) = meant_for {
+                request.extensions_mut().insert(by);
+            }
+            next.run(request).await
+        }
         (Role::Follower, Some((id, url))) if !forwarded => {
-            let target = Target { id, url, epoch: view.epoch };
             if request.uri().path() == standby_protocol::SOCKET_PATH && request.headers().contains_key(header::UPGRADE)
             {
-                return super::relay::socket(cluster.clone(), target, request).await;
+                return super::link::follower::socket(cluster.clone(), request).await;
             }
+            let target = Target { id, url, epoch: view.epoch };
             cluster.stats.forwarded_requests.fetch_add(1, Ordering::Relaxed);
             forward(&cluster, &view, target, request, next).await
         }
@@ -280,8 +289,8 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_call_waits_for_the_leader_as_long_as_a_relay_waits_for_a_new_one() {
-        assert_eq!(answer_bound(Duration::from_secs(3)), super::super::relay::wait_bound(Duration::from_secs(3)));
+    fn a_call_waits_for_the_leader_as_long_as_a_link_waits_for_a_new_one() {
+        assert_eq!(answer_bound(Duration::from_secs(3)), super::super::link::wait_bound(Duration::from_secs(3)));
     }
 
     #[tokio::test]

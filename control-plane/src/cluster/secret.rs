@@ -114,9 +114,9 @@ impl ClusterSecret {
         format!("{follower} {epoch} {}", crate::credential::hex(&mac.finalize().into_bytes()))
     }
 
-    /// The epoch a follower's token for `me` was made at, when it is one
-    /// (constant time in the MAC).
-    pub fn verify_follower(&self, token: &str, me: &str) -> Option<u64> {
+    /// The follower a token for `me` was made by and the epoch it was made
+    /// at, when it is one (constant time in the MAC).
+    pub fn verify_follower<'t>(&self, token: &'t str, me: &str) -> Option<(&'t str, u64)> {
         let mut parts = token.rsplitn(3, ' ');
         let (mac, epoch, follower) = (parts.next()?, parts.next()?, parts.next()?);
         let epoch: u64 = epoch.parse().ok()?;
@@ -124,7 +124,7 @@ impl ClusterSecret {
         self.mac(FOLLOWER_LABEL, &[follower.as_bytes(), me.as_bytes(), &epoch.to_be_bytes()])
             .verify_slice(&mac)
             .is_ok()
-            .then_some(epoch)
+            .then_some((follower, epoch))
     }
 }
 
@@ -159,7 +159,7 @@ mod tests {
     #[test]
     fn a_follower_token_names_its_epoch_and_holds_only_for_its_leader() {
         let token = secret().follower_token("r 1", "r0", 7);
-        assert_eq!(secret().verify_follower(&token, "r0"), Some(7), "an id may hold spaces");
+        assert_eq!(secret().verify_follower(&token, "r0"), Some(("r 1", 7)), "an id may hold spaces");
         assert_eq!(secret().verify_follower(&token, "r2"), None, "made for another leader");
         assert_eq!(secret().verify_follower(&token.replace(" 7 ", " 8 "), "r0"), None, "the epoch is bound");
         assert_eq!(secret().verify_follower("r1 7", "r0"), None);

@@ -112,10 +112,21 @@ pub(super) fn sign(cluster: &Cluster, me: &str, target: &Target, headers: &mut H
     }
 }
 
-/// The epoch a forwarded call was meant for, when its token is a
-/// replica's (made for this one).
-pub(super) fn forwarded_by_replica(cluster: &Cluster, token: Option<&HeaderValue>) -> Option<u64> {
+/// The replica that forwarded a call and the epoch it was meant for, when
+/// its token is a replica's (made for this one).
+pub(super) fn forwarded_by_replica(cluster: &Cluster, token: Option<&HeaderValue>) -> Option<Forwarded> {
     let token = token?.to_str().ok()?;
     let me = cluster.view.borrow().replica_id.clone();
-    cluster.secret.verify_follower(token, &me)
+    let (by, epoch) = cluster.secret.verify_follower(token, &me)?;
+    Some(Forwarded { by: by.to_owned(), epoch })
+}
+
+/// A call another replica of this deployment forwarded (its token
+/// checked): a request extension, for the handlers that serve replicas
+/// only (the agents' link, [`super::link`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Forwarded {
+    pub by: String,
+    /// The epoch of the leader it was meant for.
+    pub epoch: u64,
 }

@@ -13,7 +13,7 @@
 
 use tokio::sync::{mpsc, oneshot};
 
-use super::Outbound;
+use super::ConnWriter;
 use crate::rules::{ConnId, Effect, Reply, Step, Write};
 
 /// The most commands one transaction carries: enough to fold a burst into a
@@ -28,7 +28,7 @@ pub enum After {
     /// Answer the caller.
     Reply(Box<dyn FnOnce() + Send>),
     /// A control connection's writer, before the effects that may use it.
-    Attach(ConnId, mpsc::UnboundedSender<Outbound>),
+    Attach(ConnId, ConnWriter),
     Detach(ConnId),
 }
 

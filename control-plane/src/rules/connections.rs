@@ -247,6 +247,27 @@ impl Rules {
         step
     }
 
+    /// Heartbeats another replica gathered for `conns`, each of the state
+    /// its sandbox reported last; a connection that never reported one
+    /// has its heartbeat forwarded, not gathered.
+    pub(super) fn heard(&mut self, now: Millis, conns: &[ConnId]) -> Step {
+        let mut step = Step::default();
+        for &conn in conns {
+            let state = self
+                .conns
+                .get(&conn)
+                .and_then(|known| self.sandboxes.get(&known.sandbox_id))
+                .and_then(|live| live.heartbeat.as_ref())
+                .map(|heartbeat| heartbeat.state);
+            if let Some(state) = state {
+                let Step { writes, effects, .. } = self.heartbeat(now, conn, state);
+                step.writes.extend(writes);
+                step.effects.extend(effects);
+            }
+        }
+        step
+    }
+
     /// Connections of the sandbox's current standby credential.
     pub(super) fn standby_conns<'a>(&'a self, sandbox_id: &'a str) -> impl Iterator<Item = ConnId> + 'a {
         self.sandboxes.get(sandbox_id).into_iter().flat_map(|live| self.live_standby_conns(live))

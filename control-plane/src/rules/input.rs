@@ -48,6 +48,12 @@ pub enum Input {
         conn: ConnId,
         state: AgentState,
     },
+    /// Routine heartbeats of `conns` (their state unchanged), gathered by
+    /// the replica that holds their sockets: each counts as a heartbeat of
+    /// the state its sandbox reported last.
+    Heard {
+        conns: Vec<ConnId>,
+    },
     /// The socket task wrote a run's assignment frame.
     AssignmentSent {
         run_id: String,
@@ -199,6 +205,7 @@ impl Rules {
                 Step::default()
             }
             Input::Heartbeat { conn, state } => self.heartbeat(now, conn, state),
+            Input::Heard { conns } => self.heard(now, &conns),
             Input::AssignmentSent { run_id } => self.assignment_sent(now, &run_id),
             Input::SpecServed { sandbox_id } => self.spec_served(&sandbox_id),
             Input::Event { run_id, attempt, event } => self.event(now, &run_id, attempt, event),

@@ -35,6 +35,7 @@ fn the_reply_of_each_input_is_its_answer() {
     let told = [
         Input::Connected { conn: 98, credential_id: "cred".into(), presented: token() },
         Input::Heartbeat { conn: 98, state: AgentState::Ready },
+        Input::Heard { conns: vec![98] },
         Input::Disconnected { conn: 98 },
         Input::AssignmentSent { run_id: run_id.clone() },
         Input::SpecServed { sandbox_id: sandbox_id() },

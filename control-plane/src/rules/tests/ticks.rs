@@ -97,3 +97,19 @@ fn after_a_restart_a_confirmed_run_whose_agent_never_returns_is_failed() {
     machine.tick(restarted.plus(Duration::from_secs(121)));
     assert_eq!(machine.run(&run_id).map(|r| r.state), Some(RunState::Failed));
 }
+
+/// A replica holding agents' sockets gathers their routine heartbeats
+/// (`cluster::link`): gathered, they keep a standby alive as forwarded
+/// ones do, and write and tell nothing.
+#[test]
+fn gathered_heartbeats_keep_a_standby_alive_and_write_nothing() {
+    let mut world = World::new(1);
+    let (standby, conn) = world.ready_pool().remove(0);
+    world.advance(3 * SECOND);
+    let step = world.machine.handle(world.now, Input::Heard { conns: vec![conn, 999] });
+    assert!(step.writes.is_empty() && step.effects.is_empty(), "{step:?}");
+    world.advance(3 * SECOND);
+    assert!(world.tick().is_empty(), "heard three seconds ago: not silent");
+    world.advance(1);
+    assert_eq!(retires(&world.tick()), [standby.sandbox_id], "silent once the gathered heartbeats stop");
+}
