@@ -22,19 +22,41 @@ use crate::harness::{AgentBuilder, AgentProcess};
 pub struct Balancer {
     addr: SocketAddr,
     task: tokio::task::JoinHandle<()>,
+    targets: Arc<Mutex<Vec<SocketAddr>>>,
 }
 
 impl Balancer {
+    /// Round robin over `targets`.
     pub async fn start(targets: Vec<SocketAddr>) -> Self {
+        Self::spread(targets, true).await
+    }
+
+    /// Always the first of `targets` that accepts: a test decides which
+    /// replica its agents reach, and where they go when it is gone.
+    pub async fn failover(targets: Vec<SocketAddr>) -> Self {
+        Self::spread(targets, false).await
+    }
+
+    /// From now on, only `targets` (as a balancer's health check would
+    /// take a replica out of its pool).
+    pub fn set_targets(&self, targets: Vec<SocketAddr>) {
+        *self.targets.lock().unwrap_or_else(PoisonError::into_inner) = targets;
+    }
+
+    async fn spread(targets: Vec<SocketAddr>, round_robin: bool) -> Self {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind the balancer");
         let addr = listener.local_addr().expect("an address");
         let next = Arc::new(AtomicUsize::new(0));
+        let targets = Arc::new(Mutex::new(targets));
+        let pool = Arc::clone(&targets);
         let task = tokio::spawn(async move {
             while let Ok((mut client, _)) = listener.accept().await {
-                let (targets, next) = (targets.clone(), Arc::clone(&next));
+                let targets = pool.lock().unwrap_or_else(PoisonError::into_inner).clone();
+                let next = Arc::clone(&next);
                 tokio::spawn(async move {
-                    for _ in 0..targets.len() {
-                        let target = targets[next.fetch_add(1, Ordering::Relaxed) % targets.len()];
+                    for tried in 0..targets.len() {
+                        let at = if round_robin { next.fetch_add(1, Ordering::Relaxed) } else { tried };
+                        let target = targets[at % targets.len()];
                         let connect = tokio::time::timeout(Duration::from_secs(1), TcpStream::connect(target)).await;
                         if let Ok(Ok(mut server)) = connect {
                             let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
@@ -44,7 +66,7 @@ impl Balancer {
                 });
             }
         });
-        Self { addr, task }
+        Self { addr, task, targets }
     }
 
     pub fn addr(&self) -> SocketAddr {

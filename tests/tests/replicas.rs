@@ -605,6 +605,125 @@ async fn an_agent_on_a_follower_keeps_its_socket_when_the_leader_is_paused() {
     assert_eq!(standby_connections, 1, "one standby control connection: {output}");
 }
 
+/// Waits until replica `owner` holds the one standby's socket and the
+/// leader counts it connected: the standby's id.
+async fn held_by(cluster: &Cluster, leader: usize, owner: usize) -> Value {
+    cluster
+        .replica(leader)
+        .until("the standby held by the follower to connect", WAIT, async || {
+            let page = cluster.replica(leader).get("/v1/sandboxes?state=standby").await;
+            let held = metric(cluster.replica(owner), "standby_held_agents").await? == 1;
+            (held && page["sandboxes"][0]["candidate"] == true).then(|| page["sandboxes"][0]["id"].clone())
+        })
+        .await
+}
+
+/// Issue 27: each replica holds the sockets its agents opened. A run
+/// submitted to one follower lands on the standby another follower holds;
+/// the leader holds no agent's socket, only one link per follower.
+#[tokio::test]
+async fn a_run_submitted_to_one_replica_lands_on_a_standby_another_holds() {
+    let Some(cluster) = Cluster::start_agents("held_elsewhere", 1, false, &[]).await else { return };
+    let (leader, _) = cluster.leader(None).await;
+    let (owner, other) = ((leader + 1) % 3, (leader + 2) % 3);
+    cluster.agents.pin(&cluster.replica(owner).url());
+    let standby = held_by(&cluster, leader, owner).await;
+    // Each replica links to the leader, the leader itself included (a
+    // follower keeps its agents when it takes the lease).
+    assert_eq!(metric(cluster.replica(leader), "standby_linked_replicas").await, Some(3), "a link per replica");
+    assert_eq!(metric(cluster.replica(leader), "standby_held_agents").await, Some(0), "no agent socket on the leader");
+
+    let marker = "held-elsewhere";
+    let id = cluster.submit(other, marker, &cluster.run_body(marker)).await;
+    let runs = cluster.finished(std::slice::from_ref(&id)).await;
+    cluster.assert_once(&BTreeMap::from([(marker.to_owned(), id)]), &runs).await;
+    let attempt = &runs[0]["attempts"][0];
+    assert_eq!((&attempt["sandbox_id"], attempt["path"].as_str()), (&standby, Some("warm")), "{}", runs[0]);
+}
+
+/// Waits until run `id` is placed (its first attempt names a sandbox).
+async fn placed(cluster: &Cluster, at: usize, id: &str) -> Value {
+    let path = format!("/v1/runs/{id}");
+    cluster
+        .replica(at)
+        .until("the run to be placed", WAIT, async || {
+            let run = cluster.replica(at).get(&path).await;
+            let sandbox = run["attempts"][0]["sandbox_id"].clone();
+            sandbox.is_string().then_some(sandbox)
+        })
+        .await
+}
+
+/// Issue 27: the follower holding the standby is SIGKILLed after the
+/// placement committed and before it could write the frame (it was
+/// paused). The agent reconnects through the balancer to another replica;
+/// the run is delivered there or requeued by the contract's rules, and
+/// runs exactly once.
+#[tokio::test]
+async fn the_owner_killed_between_placement_and_frame_loses_nothing_and_runs_nothing_twice() {
+    let Some(mut cluster) = Cluster::start_agents("owner_killed", 1, false, &[]).await else { return };
+    let (leader, _) = cluster.leader(None).await;
+    let (owner, other) = ((leader + 1) % 3, (leader + 2) % 3);
+    let balancer = Balancer::failover(vec![cluster.replica(owner).addr(), cluster.replica(other).addr()]).await;
+    cluster.agents.pin(&balancer.url());
+    let standby = held_by(&cluster, leader, owner).await;
+
+    let stopped = cluster.replicas[owner].take().expect("the owner");
+    kill(Pid::from_raw(stopped.pid()), Signal::SIGSTOP).expect("SIGSTOP");
+    let marker = "owner-killed";
+    let id = cluster.submit(leader, marker, &cluster.run_body(marker)).await;
+    assert_eq!(placed(&cluster, leader, &id).await, standby, "placed on the held standby");
+    balancer.set_targets(vec![cluster.replica(other).addr()]);
+    kill(Pid::from_raw(stopped.pid()), Signal::SIGKILL).expect("SIGKILL");
+    drop(stopped);
+
+    let runs = cluster.finished(std::slice::from_ref(&id)).await;
+    eprintln!("the run after its owner's kill: {}", runs[0]["attempts"]);
+    cluster.assert_once(&BTreeMap::from([(marker.to_owned(), id)]), &runs).await;
+}
+
+/// Issue 27: the follower holding the standby is paused past a lease time
+/// while the run placed on it is under way; the leader drops its link and
+/// the run goes elsewhere. Woken, the follower writes nothing it read
+/// from the dead link: the standby's agent never sees the assignment.
+#[tokio::test]
+async fn an_owner_paused_past_its_lease_sends_nothing_stale_when_it_wakes() {
+    let Some(mut cluster) = Cluster::start_agents("owner_paused", 1, false, &[]).await else { return };
+    let (leader, _) = cluster.leader(None).await;
+    let (owner, other) = ((leader + 1) % 3, (leader + 2) % 3);
+    let balancer = Balancer::failover(vec![cluster.replica(owner).addr(), cluster.replica(other).addr()]).await;
+    cluster.agents.pin(&balancer.url());
+    let standby = held_by(&cluster, leader, owner).await;
+
+    let paused = cluster.replicas[owner].take().expect("the owner");
+    kill(Pid::from_raw(paused.pid()), Signal::SIGSTOP).expect("SIGSTOP");
+    balancer.set_targets(vec![cluster.replica(other).addr()]);
+    let marker = "owner-paused";
+    let id = cluster.submit(leader, marker, &cluster.run_body(marker)).await;
+    assert_eq!(placed(&cluster, leader, &id).await, standby, "placed on the held standby");
+    let runs = cluster.finished(std::slice::from_ref(&id)).await;
+    // Past its lease: the leader dropped the owner's link.
+    cluster
+        .replica(leader)
+        .until("the leader to drop the paused owner's link", WAIT, async || {
+            (metric(cluster.replica(leader), "standby_linked_replicas").await? == 2).then_some(())
+        })
+        .await;
+    kill(Pid::from_raw(paused.pid()), Signal::SIGCONT).expect("SIGCONT");
+    cluster.replicas[owner] = Some(paused);
+    cluster
+        .replica(owner)
+        .until("the woken owner to link again", WAIT, async || {
+            (metric(cluster.replica(owner), "standby_relinks_total").await? >= 1).then_some(())
+        })
+        .await;
+
+    eprintln!("the run after its owner's pause: {}", runs[0]["attempts"]);
+    cluster.assert_once(&BTreeMap::from([(marker.to_owned(), id)]), &runs).await;
+    let output = cluster.agents.first_output().expect("the standby's agent");
+    assert!(!output.contains("assignment accepted"), "the woken owner sent a stale assignment: {output}");
+}
+
 /// A TCP proxy to `target` that keeps every byte it passes either way:
 /// what a logging proxy at a rewritten lease URL would see.
 struct Recorder {
