@@ -21,7 +21,7 @@ use crate::api_bounds::{EVENT_BODY_MAX, LOG_BODY_MAX, agent_socket, bound_event}
 use crate::app::{ApiError, AppState, Unread, bearer, from_store, parse_json, read_body};
 use crate::engine::{ConnWriter, EngineHandle, Outbound};
 use crate::listener::ConnectionSlot;
-use crate::model::{RunRequest, SandboxRecord};
+use crate::model::{Holder, RunRequest, SandboxRecord};
 use crate::rules::{Admission, AdmissionRefusal, Call, ConnId, Input, LogError};
 
 fn check_protocol(headers: &HeaderMap) -> Result<(), ApiError> {
@@ -190,7 +190,12 @@ pub(crate) async fn socket(
 async fn connection(state: AppState, mut socket: WebSocket, conn: ConnId, admission: Admission, presented: Secret) {
     let engine = state.engine.clone();
     let (sender, mut outbound) = mpsc::unbounded_channel();
-    engine.connect(conn, ConnWriter::local(sender), admission.credential_id(), presented).await;
+    // In a replicated deployment, the leader holds this socket itself.
+    let holder = state.cluster.as_ref().map(|cluster| {
+        let view = cluster.view.borrow();
+        Holder { replica: view.replica_id.clone(), epoch: view.epoch }
+    });
+    engine.connect(conn, ConnWriter::local(sender), (admission.credential_id(), presented), holder).await;
     tracing::debug!(conn, ?admission, "control connection open");
     // A peer that vanished without closing (a half-open TCP connection)
     // sends nothing more: past the idle timeout the socket is dropped.

@@ -29,7 +29,7 @@ use standby_protocol::{Secret, ServerMessage};
 use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::cluster::Leadership;
-use crate::model::{Clock, ParkMode};
+use crate::model::{Clock, Holder, ParkMode};
 use crate::policy::raised_auto_stop;
 use crate::provider::{AgentLaunch, Details, Found, Launched, SandboxProvider};
 use crate::rules::{
@@ -118,6 +118,7 @@ enum Command {
         writer: ConnWriter,
         credential_id: String,
         presented: Secret,
+        holder: Option<Holder>,
     },
     /// A control connection closed: its writer is dropped.
     Disconnect {
@@ -195,9 +196,16 @@ impl EngineHandle {
     }
 
     /// Control connection `conn` (claimed with [`Input::ClaimSocket`]) is
-    /// open: frames for it go to `sender`.
-    pub async fn connect(&self, conn: ConnId, writer: ConnWriter, credential_id: &str, presented: Secret) {
-        self.send(Command::Connect { conn, writer, credential_id: credential_id.to_owned(), presented }).await;
+    /// open: frames for it go to `writer`; `holder` holds its socket.
+    pub async fn connect(
+        &self,
+        conn: ConnId,
+        writer: ConnWriter,
+        (credential_id, presented): (&str, Secret),
+        holder: Option<Holder>,
+    ) {
+        let credential_id = credential_id.to_owned();
+        self.send(Command::Connect { conn, writer, credential_id, presented, holder }).await;
     }
 
     /// Control connection `conn` closed (or its upgrade never completed):
@@ -352,9 +360,9 @@ impl<P: SandboxProvider> Engine<P> {
                     batch.then(batch::reply(to, reply));
                 }
             }
-            Command::Connect { conn, writer, credential_id, presented } => {
+            Command::Connect { conn, writer, credential_id, presented, holder } => {
                 batch.then(After::Attach(conn, writer));
-                batch.stage(self.machine.handle(now, Input::Connected { conn, credential_id, presented }));
+                batch.stage(self.machine.handle(now, Input::Connected { conn, credential_id, presented, holder }));
             }
             Command::Disconnect { conn } => {
                 batch.then(After::Detach(conn));

@@ -379,6 +379,17 @@ pub struct SandboxRecord {
     /// never).
     #[serde(default)]
     pub auto_stop_minutes: Option<u32>,
+    /// The replica that held its agent's last control connection.
+    #[serde(default)]
+    pub held_by: Option<Holder>,
+}
+
+/// Which replica of a replicated deployment holds an agent's control
+/// socket, recorded by the leader of `epoch` when the socket opened.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct Holder {
+    pub replica: String,
+    pub epoch: u64,
 }
 
 /// The thread-to-sandbox pointer. Every write names the generation it

@@ -632,6 +632,10 @@ async fn a_run_submitted_to_one_replica_lands_on_a_standby_another_holds() {
     // follower keeps its agents when it takes the lease).
     assert_eq!(metric(cluster.replica(leader), "standby_linked_replicas").await, Some(3), "a link per replica");
     assert_eq!(metric(cluster.replica(leader), "standby_held_agents").await, Some(0), "no agent socket on the leader");
+    // The store records who holds it, and at which leader's epoch.
+    let page = cluster.replica(other).get("/v1/sandboxes?state=standby").await;
+    assert_eq!(page["sandboxes"][0]["held_by"]["replica"], format!("r{owner}"), "{page}");
+    assert!(page["sandboxes"][0]["held_by"]["epoch"].as_u64().is_some_and(|epoch| epoch >= 1), "{page}");
 
     let marker = "held-elsewhere";
     let id = cluster.submit(other, marker, &cluster.run_body(marker)).await;

@@ -8,12 +8,19 @@ use standby_protocol::{AgentState, Assignment, Secret, ServerMessage};
 
 use super::{Conn, ConnId, Effect, Heartbeat, Live, Rules, Step};
 use crate::credential::CredentialKind;
-use crate::model::{CredentialState, Millis, RunState, SandboxKind, SandboxState};
+use crate::model::{CredentialState, Holder, Millis, RunState, SandboxKind, SandboxState};
 
 impl Rules {
     /// A connection was admitted with `credential_id` (checked again here:
-    /// it may have been revoked between the upgrade and now).
-    pub(super) fn connected(&mut self, now: Millis, conn: ConnId, credential_id: &str, presented: &Secret) -> Step {
+    /// it may have been revoked between the upgrade and now); `holder` is
+    /// the replica that holds its socket, in a replicated deployment.
+    pub(super) fn connected(
+        &mut self,
+        now: Millis,
+        conn: ConnId,
+        (credential_id, presented): (&str, &Secret),
+        holder: Option<Holder>,
+    ) -> Step {
         let mut step = Step::default();
         let Some(credential) = self.credentials.get(credential_id).cloned() else {
             step.effects.push(Effect::Close { conn });
@@ -32,9 +39,14 @@ impl Rules {
         if let Some(mut live) = self.sandboxes.get_mut(&sandbox_id) {
             live.conns.insert(conn);
         }
-        self.update_sandbox(&mut step, &sandbox_id, |record| match credential.kind {
-            CredentialKind::Standby => record.connections += 1,
-            CredentialKind::Run => record.run_connections += 1,
+        self.update_sandbox(&mut step, &sandbox_id, |record| {
+            match credential.kind {
+                CredentialKind::Standby => record.connections += 1,
+                CredentialKind::Run => record.run_connections += 1,
+            }
+            if holder.is_some() {
+                record.held_by = holder;
+            }
         });
         let Some(run_id) = self.sandboxes.get(&sandbox_id).and_then(|live| live.record.run_id.clone()) else {
             return step;

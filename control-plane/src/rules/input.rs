@@ -15,7 +15,7 @@ use super::{
     Admission, AdmissionRefusal, Call, CancelError, ConnId, IdempotencyKey, KeyReused, LiveSandbox, LogError,
     MetricsSnapshot, ResumeFailure, Rules, SandboxPage, Step, Submitted,
 };
-use crate::model::{Millis, RunRecord, RunRequest, RunState, SandboxRecord, ThreadRecord};
+use crate::model::{Holder, Millis, RunRecord, RunRequest, RunState, SandboxRecord, ThreadRecord};
 use crate::provider::Found;
 
 /// Something that happened, or a question, for the machine.
@@ -40,6 +40,8 @@ pub enum Input {
         conn: ConnId,
         credential_id: String,
         presented: Secret,
+        /// The replica that holds the socket (a replicated deployment).
+        holder: Option<Holder>,
     },
     Disconnected {
         conn: ConnId,
@@ -197,8 +199,8 @@ impl Rules {
                 Ok((admission, step)) => step.with_reply(Reply::Admission(Ok(admission))),
                 Err(refusal) => Step::replying(Reply::Admission(Err(refusal))),
             },
-            Input::Connected { conn, credential_id, presented } => {
-                self.connected(now, conn, &credential_id, &presented)
+            Input::Connected { conn, credential_id, presented, holder } => {
+                self.connected(now, conn, (&credential_id, &presented), holder)
             }
             Input::Disconnected { conn } => {
                 self.disconnected(conn);

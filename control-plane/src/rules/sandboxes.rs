@@ -266,6 +266,7 @@ impl Rules {
             expires_at: None,
             deadline: None,
             auto_stop_minutes: None,
+            held_by: None,
         };
         step.writes.push(Write::Sandbox(Box::new(record.clone())));
         self.sandboxes.insert(sandbox_id.clone(), Live::new(record, now, Agent::Running));

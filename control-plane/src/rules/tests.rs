@@ -148,7 +148,7 @@ impl World {
         self.next_conn += 1;
         let (admission, claimed) = self.machine.claim_socket(self.now, conn, token.expose()).expect("admitted");
         self.keep(claimed);
-        let step = self.machine.connected(self.now, conn, admission.credential_id(), token);
+        let step = self.machine.connected(self.now, conn, (admission.credential_id(), token), None);
         (admission, conn, self.keep(step))
     }
 

@@ -6,7 +6,7 @@ use serde::Serialize;
 use utoipa::ToSchema;
 
 use crate::model::{
-    Attempt, AttemptOutcome, Millis, ParkMode, Resume, RunPath, RunRecord, RunState, SandboxKind, SandboxState,
+    Attempt, AttemptOutcome, Holder, Millis, ParkMode, Resume, RunPath, RunRecord, RunState, SandboxKind, SandboxState,
     StoredEvent, ThreadRecord,
 };
 use crate::provider::Details;
@@ -260,6 +260,9 @@ pub(crate) struct SandboxView {
     #[schema(format = DateTime)]
     deadline: Option<String>,
     auto_stop_minutes: Option<u32>,
+    /// In a replicated deployment: the replica holding its agent's last
+    /// control connection, and the leader's epoch that recorded it.
+    held_by: Option<Holder>,
     #[schema(format = DateTime)]
     last_heartbeat_at: Option<String>,
     /// The agent's state in its last heartbeat (the contract's `AgentState`).
@@ -301,6 +304,7 @@ impl SandboxView {
             expires_at: record.expires_at.map(Millis::rfc3339),
             deadline: record.deadline.map(Millis::rfc3339),
             auto_stop_minutes: record.auto_stop_minutes,
+            held_by: record.held_by.clone(),
             last_heartbeat_at: live.last_heartbeat_at.map(Millis::rfc3339),
             last_state: live.last_state,
             connections: record.connections,

@@ -20,6 +20,7 @@ use crate::app::AppState;
 use crate::cluster::Cluster;
 use crate::cluster::trust::Forwarded;
 use crate::engine::{ConnWriter, EngineHandle, Outbound};
+use crate::model::Holder;
 use crate::problem::Problem;
 use crate::rules::{Admission, AdmissionRefusal, ConnId, Input};
 
@@ -90,7 +91,7 @@ pub(crate) async fn link(
         }
         tracing::info!(replica = by.by, "a replica linked: it speaks for the agents it holds");
         cluster.stats.linked_replicas.fetch_add(1, Ordering::Relaxed);
-        let link = LeaderEnd::new(engine, &cluster);
+        let link = LeaderEnd::new(engine, by.clone(), &cluster);
         link.run(socket, stop).await;
         cluster.stats.linked_replicas.fetch_sub(1, Ordering::Relaxed);
         cluster.links.remove(&by.by, generation);
@@ -115,6 +116,8 @@ type Framed = (AgentId, Outbound);
 
 struct LeaderEnd {
     engine: EngineHandle,
+    /// The replica at the other end, and the epoch it linked at.
+    replica: Forwarded,
     ttl: Duration,
     shutdown: watch::Receiver<bool>,
     agents: HashMap<AgentId, Linked>,
@@ -130,9 +133,10 @@ enum Ended {
 }
 
 impl LeaderEnd {
-    fn new(engine: EngineHandle, cluster: &Cluster) -> Self {
+    fn new(engine: EngineHandle, replica: Forwarded, cluster: &Cluster) -> Self {
         Self {
             engine,
+            replica,
             ttl: cluster.ttl,
             shutdown: cluster.shutdown.clone(),
             agents: HashMap::new(),
@@ -241,7 +245,8 @@ impl LeaderEnd {
                 let Some(linked) = self.agents.get_mut(&agent) else { return };
                 let Some(presented) = linked.presented.take() else { return };
                 let writer = ConnWriter::linked(self.frames.0.clone(), agent);
-                self.engine.connect(linked.conn, writer, &linked.credential_id, presented).await;
+                let holder = Holder { replica: self.replica.by.clone(), epoch: self.replica.epoch };
+                self.engine.connect(linked.conn, writer, (&linked.credential_id, presented), Some(holder)).await;
             }
             Up::Heartbeat { agent, state } => {
                 if let Some(linked) = self.agents.get(&agent) {

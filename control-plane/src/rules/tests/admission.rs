@@ -170,7 +170,7 @@ fn a_silent_socket_is_closed_and_replaced_before_its_sandbox_counts_as_silent() 
     let (_, step) =
         world.machine.claim_socket(world.now, 51, standby.token.expose()).expect("the silent one is replaced");
     assert_eq!(closes(&step), [first]);
-    let step = world.machine.connected(world.now, 51, &standby_credential(&world, &standby), &standby.token);
+    let step = world.machine.connected(world.now, 51, (&standby_credential(&world, &standby), &standby.token), None);
     assert!(closes(&step).is_empty(), "the new socket is set up");
     assert!(world.heartbeat(first, AgentState::Ready).is_empty(), "the replaced socket speaks for no one");
     // Its first heartbeat comes before the sandbox's silence limit.
@@ -204,7 +204,7 @@ fn a_closed_socket_or_a_failed_upgrade_frees_the_credential_at_once() {
     world.machine.disconnected(50);
     world.machine.claim_socket(world.now, 52, standby.token.expose()).expect("admitted");
     // A connection set up on a claim that is not its own is closed.
-    let step = world.machine.connected(world.now, 50, admission.credential_id(), &standby.token);
+    let step = world.machine.connected(world.now, 50, (admission.credential_id(), &standby.token), None);
     assert_eq!(closes(&step), [50]);
 }
 

@@ -94,7 +94,7 @@ fn a_connection_whose_credential_was_revoked_meanwhile_is_closed() {
     world.machine.disconnected(first);
     let (admission, _) = world.machine.claim_socket(world.now, 99, standby.token.expose()).expect("admitted");
     world.machine.cancel(world.now, &run_id).expect("cancelled");
-    let step = world.machine.connected(world.now, 99, admission.credential_id(), &standby.token);
+    let step = world.machine.connected(world.now, 99, (admission.credential_id(), &standby.token), None);
     assert_eq!(closes(&step), [99]);
 }
 
@@ -113,4 +113,28 @@ fn a_routine_heartbeat_of_a_ready_standby_writes_and_tells_nothing() {
             assert!(step.writes.is_empty() && step.effects.is_empty(), "round {round}: {step:?}");
         }
     }
+}
+
+/// A replicated deployment records which replica holds an agent's socket
+/// (with the leader's epoch) in the sandbox's record, written with the
+/// connection count it writes anyway.
+#[test]
+fn the_replica_holding_a_socket_is_recorded_with_its_connection() {
+    let mut world = World::new(1);
+    let standby = launches(&world.tick()).remove(0);
+    let conn = world.next_conn;
+    world.next_conn += 1;
+    let (admission, _) = world.machine.claim_socket(world.now, conn, standby.token.expose()).expect("admitted");
+    let holder = crate::model::Holder { replica: "r2".into(), epoch: 7 };
+    let step =
+        world.machine.connected(world.now, conn, (admission.credential_id(), &standby.token), Some(holder.clone()));
+    let written: Vec<_> = step
+        .writes
+        .iter()
+        .filter_map(|write| match write {
+            Write::Sandbox(record) => Some(record.held_by.clone()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(written, [Some(holder)]);
 }

@@ -33,7 +33,7 @@ fn the_reply_of_each_input_is_its_answer() {
     let _: MetricsSnapshot = answer(&mut world, Input::Metrics);
     let sandbox_id = || "sbx".to_owned();
     let told = [
-        Input::Connected { conn: 98, credential_id: "cred".into(), presented: token() },
+        Input::Connected { conn: 98, credential_id: "cred".into(), presented: token(), holder: None },
         Input::Heartbeat { conn: 98, state: AgentState::Ready },
         Input::Heard { conns: vec![98] },
         Input::Disconnected { conn: 98 },

@@ -107,7 +107,7 @@ fn after_a_restart_the_assignment_is_resent_with_a_new_run_credential() {
         Rules::restore(config(0), Box::new(CountingMint::starting_at(1000)), world.snapshot(), world.now);
     machine.probed(world.now, &cold.sandbox_id, Found::Running);
     let (admission, _) = machine.claim_socket(world.now, 1, cold.token.expose()).expect("admitted");
-    let step = machine.connected(world.now, 1, admission.credential_id(), &cold.token);
+    let step = machine.connected(world.now, 1, (admission.credential_id(), &cold.token), None);
     assert!(assignments(&step).is_empty(), "this server has not seen it fetch its spec");
     // Its first heartbeat on the connection says it is past preparing.
     let step = machine.heartbeat(world.now, 1, AgentState::Ready);
