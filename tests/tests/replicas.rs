@@ -497,6 +497,52 @@ async fn bench_failover_from_a_leader_kill_to_the_next_dispatch() {
     );
 }
 
+/// Issue 27's figure for a follower's death: the follower holding the
+/// ready standby's socket is SIGKILLed (the balancer takes it out of its
+/// pool at once); from the kill until the leader counts a standby ready
+/// on another replica. A fresh cluster each round (`BENCH_ROUNDS`,
+/// default 5); printed as `follower-kill …` (scripts/bench-replicas).
+#[tokio::test]
+#[ignore = "a benchmark: scripts/bench-replicas"]
+async fn bench_follower_kill_to_placeable_elsewhere() {
+    let rounds: usize = std::env::var("BENCH_ROUNDS").ok().and_then(|n| n.parse().ok()).unwrap_or(5);
+    let mut times = Vec::new();
+    for round in 0..rounds {
+        let Some(mut cluster) = Cluster::start_agents(&format!("bench_follower_kill_{round}"), 1, false, &[]).await
+        else {
+            return;
+        };
+        let (leader, _) = cluster.leader(None).await;
+        let (owner, other) = ((leader + 1) % 3, (leader + 2) % 3);
+        let balancer = Balancer::failover(vec![cluster.replica(owner).addr(), cluster.replica(other).addr()]).await;
+        cluster.agents.pin(&balancer.url());
+        held_by(&cluster, leader, owner).await;
+        let killed_at = std::time::Instant::now();
+        balancer.set_targets(vec![cluster.replica(other).addr()]);
+        cluster.replica(owner).crash().await;
+        cluster.replicas[owner] = None;
+        let elsewhere = format!("r{other}");
+        cluster
+            .replica(leader)
+            .until("a standby ready on another replica", WAIT, async || {
+                let page = cluster.replica(leader).get("/v1/sandboxes?state=standby").await;
+                let ready = page["sandboxes"]
+                    .as_array()?
+                    .iter()
+                    .any(|sandbox| sandbox["candidate"] == true && sandbox["held_by"]["replica"] == elsewhere.as_str());
+                ready.then_some(())
+            })
+            .await;
+        times.push(killed_at.elapsed());
+    }
+    times.sort();
+    let (median, max) = (times[times.len() / 2], times[times.len() - 1]);
+    eprintln!(
+        "follower-kill (the holder of a ready standby SIGKILLed → a standby ready on another replica), {rounds} \
+         rounds: p50 {median:?}, max {max:?}; all: {times:?}"
+    );
+}
+
 /// How long a forwarded call may wait for a leader that stopped
 /// answering: three lease times (`forward::answer_bound`).
 const ANSWER_BOUND: Duration = Duration::from_secs(9);

@@ -3,13 +3,15 @@
 //! `standby` agent for each standby credential the leader spools, so the
 //! sandboxes outlive any replica), agents reaching the replicas through a
 //! [`FaultProxy`] in front of a round-robin TCP [`Balancer`], so their
-//! sockets spread over the replicas and those on followers are relayed.
+//! sockets spread over the replicas, each holding its own.
 //!
 //! Runs are submitted over time through random replicas (a `503` of an
 //! election under way, or no answer from a dead replica, is retried with
 //! the same `Idempotency-Key` through another), with random network faults
 //! on the agents' connections, agents SIGKILLed, waiting or running (see [`killer`]), a few
-//! runs cancelled, and the leader SIGKILLed twice and a follower once, each
+//! runs cancelled, the leader SIGKILLed twice and a follower once, and
+//! the follower holding the socket of the standby a run was just placed
+//! on SIGKILLed while the assignment is under way ([`holder_of`]); each
 //! killed replica restarted a few submissions later. At the end, the local
 //! soak's invariants (`soak_shared`): no run lost, none run twice, no
 //! sandbox with two runs, every finished log complete and in order, every
@@ -56,6 +58,9 @@ const RESTART_AFTER: usize = 4;
 const SETTLE: Duration = Duration::from_secs(45);
 /// Bound on one submission's retries, and on an election.
 const WAIT: Duration = Duration::from_secs(60);
+/// From this submission on, the first run placed on a standby a follower
+/// holds has that follower SIGKILLed.
+const HOLDER_KILL_FROM: usize = 5 * RUNS / 8;
 /// Lines each run prints (its log must hold all of them, in order).
 const LINES: usize = 12;
 /// Short enough for a quick failover, long enough for two loaded cores.
@@ -310,7 +315,7 @@ async fn replicated_soak_with_faults_agent_and_replica_kills_loses_nothing_and_r
     // The leader killed at a quarter and three quarters, a follower at half.
     let kills = [(RUNS / 4, "leader"), (RUNS / 2, "follower"), (3 * RUNS / 4, "leader")];
     let mut restarts: Vec<(usize, usize)> = Vec::new();
-    let (mut submit_retries, mut exited) = (0, Vec::new());
+    let (mut submit_retries, mut exited, mut holder_killed) = (0, Vec::new(), false);
     let gap = SUBMIT_OVER / RUNS as u32;
     for label in 0..RUNS {
         exited.extend(replicas.restart_exited().await);
@@ -333,6 +338,24 @@ async fn replicated_soak_with_faults_agent_and_replica_kills_loses_nothing_and_r
         let body = json!({"command": run_command(&marker), "env": {"SOAK_RUN": label.to_string()}});
         let (id, retries) = replicas.submit(&mut rng, &format!("soak-{seed}-{label}"), &body).await;
         submit_retries += retries;
+        if label >= HOLDER_KILL_FROM && !holder_killed {
+            // The follower holding the standby this run was placed on,
+            // killed while the assignment is under way (once one is).
+            let (leader, _) = replicas.leader().await;
+            let holder = match replicas.live[leader].clone() {
+                Some(leader_now) => holder_of(&leader_now, &id).await.filter(|index| *index != leader),
+                None => None,
+            };
+            if let Some(index) = holder.filter(|index| replicas.live[*index].is_some()) {
+                replicas.kill(index).await;
+                holder_killed = true;
+                restarts.push((label + RESTART_AFTER, index));
+                let survivor = replicas.live()[rng.below(2) as usize].1.clone();
+                *lock(&server) = Some(survivor);
+                *lock(&journal).faults.entry("replica-holding-the-assigned-standby").or_default() += 1;
+                lock(&journal).restarts += 1;
+            }
+        }
         lock(&journal).submitted.push((label, id.clone()));
         maybe_cancel(&mut cancels, &server, &journal, &mut rng, (CANCEL_CHANCE, id));
         tokio::time::sleep(rng.duration(gap / 2, gap * 3 / 2)).await;
@@ -416,4 +439,21 @@ async fn replicated_soak_with_faults_agent_and_replica_kills_loses_nothing_and_r
         verdict.problems.len(),
         verdict.problems.join("\n")
     );
+}
+
+/// The index of the replica holding the socket of the standby run `id` was
+/// placed on, read from `leader` (`held_by` of the sandbox page); `None`
+/// while the run is queued or its sandbox holds no socket.
+async fn holder_of(leader: &ServerProcess, id: &str) -> Option<usize> {
+    let (200, run) = leader.try_call(reqwest::Method::GET, &format!("/v1/runs/{id}"), Some(API_KEY), None).await?
+    else {
+        return None;
+    };
+    let sandbox = run["attempts"].as_array()?.last()?["sandbox_id"].as_str()?.to_owned();
+    let (200, page) = leader.try_call(reqwest::Method::GET, "/v1/sandboxes?limit=500", Some(API_KEY), None).await?
+    else {
+        return None;
+    };
+    let held = page["sandboxes"].as_array()?.iter().find(|view| view["id"] == sandbox.as_str())?;
+    held["held_by"]["replica"].as_str()?.strip_prefix('r')?.parse().ok()
 }

@@ -415,7 +415,9 @@ pub async fn run(cluster: Cluster) {
         if now.role == Role::Deposed {
             break;
         }
-        if let Some((id, url)) = now.leader.clone() {
+        // The link holds a descriptor under the cap, as a forwarded call does.
+        let slot = cluster.listener.outgoing();
+        if let (Some((id, url)), Some(_slot)) = (now.leader.clone(), slot) {
             let target = Target { id, url, epoch: now.epoch };
             match dial(&cluster, &target).await {
                 Ok(socket) => {
