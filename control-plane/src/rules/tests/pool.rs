@@ -296,3 +296,11 @@ fn without_a_spare_slot_a_standby_is_retired_before_its_deadline_then_replaced()
         sim.world.machine.sandboxes.values().filter_map(|live| live.record.retire_reason.clone()).collect();
     assert_eq!(reasons, BTreeSet::from(["standby TTL: retired before its deadline".to_owned()]));
 }
+
+#[test]
+fn a_large_pool_fills_a_bounded_batch_per_step() {
+    let mut world = World::new(super::super::pool::TOP_UP_BATCH + 10);
+    assert_eq!(launches(&world.tick()).len(), super::super::pool::TOP_UP_BATCH, "one batch in the first step");
+    assert_eq!(launches(&world.tick()).len(), 10, "the rest in the next");
+    assert!(launches(&world.tick()).is_empty());
+}
