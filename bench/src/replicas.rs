@@ -1,8 +1,9 @@
 //! The servers of the spread capacity test: one `standby-server serve`
 //! on its SQLite file, or one or more replicas on one PostgreSQL schema
 //! made fresh for the test (and dropped after it), all on one spool
-//! directory (the leader spools the credentials; any replica takes the
-//! agents' sockets and relays them to the leader).
+//! directory (the leader spools the credentials; each replica holds the
+//! agents' sockets it takes and speaks for them over its link to the
+//! leader).
 
 use std::ffi::OsString;
 use std::path::Path;
@@ -138,7 +139,7 @@ impl Replicas {
         Ok(roles)
     }
 
-    /// The server the others relay to (the only one on SQLite).
+    /// The server the others link to (the only one on SQLite).
     pub async fn leader(&self) -> Result<usize> {
         let roles = self.roles().await?;
         roles

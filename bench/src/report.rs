@@ -404,7 +404,8 @@ fn spread_tables(out: &mut String, spread: &SpreadResults) {
     let _ = writeln!(
         out,
         "\nPer replica (KiB / connection = (RSS connected − RSS minted) / standbys dialled there; per socket: over \
-         the descriptors added, which on the leader include one per relayed socket):\n\n\
+         the descriptors added: each replica holds only the sockets dialled to it, plus one link per replica on the leader; \
+         the leader's memory also holds every standby's record and connection):\n\n\
          | connections | replica | role | standbys dialled | RSS minted | RSS connected | KiB / connection | open fds | KiB / socket | threads | idle CPU (one core) |\n\
          |---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"
     );

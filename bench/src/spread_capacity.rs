@@ -62,8 +62,9 @@ pub struct ReplicaFigures {
     pub rss_connected_kib: Option<Summary>,
     /// `(median RSS connected - RSS minted) / standbys dialled here`.
     pub kib_per_connection: f64,
-    /// Open descriptors before and after the standbys connected: on the
-    /// leader these include the followers' relayed sockets, one each.
+    /// Open descriptors before and after the standbys connected: the
+    /// sockets dialled to the replica (and, on the leader, one link per
+    /// replica).
     pub fds_minted: usize,
     pub fds_connected: usize,
     /// `(median RSS connected - RSS minted) / descriptors added`.

@@ -15,7 +15,7 @@ use super::{PostgresStore, RunQuery, SqliteStore, Store, StoreError};
 use crate::credential::{CredentialKind, TokenHash};
 use crate::model::{
     Attempt, AttemptOutcome, CredentialRecord, CredentialState, IdempotencyRecord, Millis, RunPath, RunRecord,
-    RunRequest, RunState, StoredAttachment, StoredEvent, ThreadRecord,
+    RunRequest, RunState, SandboxKind, SandboxRecord, SandboxState, StoredAttachment, StoredEvent, ThreadRecord,
 };
 use crate::rules::{LogLedger, Write};
 use crate::seal::{SealKey, Sealer};
@@ -140,6 +140,7 @@ contract!(
     any_text_round_trips_exactly,
     idempotency_keys_are_kept_with_their_run_and_forgotten_by_age,
     a_request_digest_is_keyed_and_survives_reopening,
+    a_sandbox_keeps_the_replica_holding_its_socket,
 );
 
 pub(super) fn run(id: &str) -> RunRecord {
@@ -613,4 +614,35 @@ fn a_request_digest_is_keyed_and_survives_reopening(backend: &dyn Backend) {
     assert_ne!(backend.open_with(&SealKey::random()).digest(body), digest, "keyed by the seal key");
     let plain = crate::credential::hex(&<sha2::Sha256 as sha2::Digest>::digest(body));
     assert_ne!(digest, plain, "not a plain hash a reader of the database could test guesses against");
+}
+
+/// Which replica holds an agent's socket (issue 27) is part of the
+/// sandbox's record: a new leader reads it back with the rest.
+fn a_sandbox_keeps_the_replica_holding_its_socket(backend: &dyn Backend) {
+    let held_by = Some(crate::model::Holder { replica: "r2".into(), epoch: 7 });
+    let record = SandboxRecord {
+        id: "sbx_held".into(),
+        kind: SandboxKind::Warm,
+        state: SandboxState::Standby,
+        created_at: Millis(1),
+        standby_credential_id: "cred_1".into(),
+        workspace: None,
+        fingerprint: fingerprint(&Workspace::default()),
+        run_id: None,
+        connections: 1,
+        run_connections: 0,
+        retired_at: None,
+        retire_reason: None,
+        exit_code: None,
+        thread_id: None,
+        park: None,
+        expires_at: None,
+        deadline: None,
+        auto_stop_minutes: None,
+        held_by: held_by.clone(),
+    };
+    backend.open().apply(&[Write::Sandbox(Box::new(record))], None).expect("the write commits");
+    let loaded = backend.open().load().expect("the store loads");
+    let sandbox = loaded.sandboxes.iter().find(|sandbox| sandbox.id == "sbx_held").expect("the sandbox");
+    assert_eq!(sandbox.held_by, held_by);
 }
