@@ -136,6 +136,12 @@ impl SpooledAgents {
         self.started.lock().unwrap_or_else(PoisonError::into_inner).first().map(|(_, agent)| agent.output())
     }
 
+    /// Every agent's sandbox and output, in the order they were started.
+    pub fn outputs(&self) -> Vec<(String, String)> {
+        let started = self.started.lock().unwrap_or_else(PoisonError::into_inner);
+        started.iter().map(|(sandbox, agent)| (sandbox.clone(), agent.output())).collect()
+    }
+
     /// The pid of the agent holding sandbox `id`'s credential, once started.
     pub fn pid(&self, sandbox: &str) -> Option<i32> {
         let started = self.started.lock().unwrap_or_else(PoisonError::into_inner);

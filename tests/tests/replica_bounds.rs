@@ -94,8 +94,8 @@ impl Metrics {
 /// accepted, while each call it forwards holds one more to the leader (at
 /// an open-files limit of 700 and a cap of 444, 440 held calls took 699
 /// descriptors and others failed with "Too many open files"). Now both
-/// count: with a cap of 10, the test's `/metrics` connection and four
-/// calls held at the leader take nine places, the next connection is
+/// count: with a cap of 11, the follower's link to the leader, the test's
+/// `/metrics` connection and four calls held at the leader take ten places, the next connection is
 /// accepted (the place the accept loop holds for it) and its call, which
 /// finds no place for its connection to the leader, is answered `503` with
 /// `Retry-After`; once the held calls end, calls go through again.
@@ -120,7 +120,7 @@ async fn a_followers_connections_to_its_leader_count_under_its_cap() {
             once(leader.addr(), &get("/healthz")).await.ends_with("ok leader").then_some(())
         })
         .await;
-    let follower = replica(1, "10").start().await;
+    let follower = replica(1, "11").start().await;
     follower
         .until("r1 to follow", WAIT, async || {
             once(follower.addr(), &get("/healthz")).await.ends_with("ok follower").then_some(())
@@ -129,7 +129,8 @@ async fn a_followers_connections_to_its_leader_count_under_its_cap() {
     // The leader is proven once, on a call of its own.
     assert!(once(follower.addr(), &get("/v1/runs")).await.starts_with("HTTP/1.1 200"));
     let mut metrics = Metrics::open(&follower).await;
-    metrics.places(&follower, 1).await;
+    // The metrics connection, and the follower's link to the leader.
+    metrics.places(&follower, 2).await;
 
     let head = format!(
         "POST /v1/runs HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n\
@@ -140,7 +141,7 @@ async fn a_followers_connections_to_its_leader_count_under_its_cap() {
         let mut stream = TcpStream::connect(follower.addr()).await.expect("connect");
         stream.write_all(head.as_bytes()).await.expect("a head whose body never comes");
         held.push(stream);
-        metrics.places(&follower, 2 * n + 1).await;
+        metrics.places(&follower, 2 * n + 2).await;
     }
     let answer = once(follower.addr(), &get("/v1/runs")).await;
     assert!(answer.starts_with("HTTP/1.1 503"), "no place left for a connection to the leader: {answer}");
@@ -148,7 +149,7 @@ async fn a_followers_connections_to_its_leader_count_under_its_cap() {
     assert!(metrics.gauge("standby_http_outgoing_refused_total").await >= 1);
 
     drop(held);
-    metrics.places(&follower, 1).await;
+    metrics.places(&follower, 2).await;
     let answer = once(follower.addr(), &get("/v1/runs")).await;
     assert!(answer.starts_with("HTTP/1.1 200"), "calls go through again: {answer}");
     follower.stop_leaving_nothing(Signal::SIGTERM).await;

@@ -45,6 +45,10 @@ impl Drop for Cluster {
             for log in &self.logs {
                 eprintln!("--- {} ---\n{}", log.display(), tail(log, 80));
             }
+            for (sandbox, output) in self.agents.outputs() {
+                let lines: Vec<&str> = output.lines().collect();
+                eprintln!("--- the agent of {sandbox} ---\n{}", lines[lines.len().saturating_sub(40)..].join("\n"));
+            }
         }
     }
 }

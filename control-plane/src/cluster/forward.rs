@@ -96,6 +96,13 @@ pub async fn route(State(cluster): State<Cluster>, mut request: Request, next: N
         (Role::Leader, _) if forwarded && meant_for.as_ref().map(|by| by.epoch) != Some(view.epoch) => {
             unavailable("the call was forwarded to a former leader: retry")
         }
+        // A leader whose lease's local deadline passed (it was paused, and
+        // has not yet noticed it is deposed) answers nothing from its
+        // memory: another replica may lead by now (seen: a paused leader,
+        // woken, told a new cold sandbox's agent its credential was gone).
+        (Role::Leader, _) if cluster.leadership.lapsed(std::time::Instant::now()) => {
+            unavailable("this replica's lease lapsed: retry")
+        }
         (Role::Leader, _) => {
             if let Some(by) = meant_for {
                 request.extensions_mut().insert(by);
