@@ -19,6 +19,7 @@ use tokio::sync::mpsc;
 
 use crate::api_bounds::{EVENT_BODY_MAX, LOG_BODY_MAX, agent_socket, bound_event};
 use crate::app::{ApiError, AppState, Unread, bearer, from_store, parse_json, read_body};
+use crate::cluster::Role;
 use crate::engine::{ConnWriter, EngineHandle, Outbound};
 use crate::listener::ConnectionSlot;
 use crate::model::{Holder, RunRequest, SandboxRecord};
@@ -56,7 +57,7 @@ fn refused(refusal: AdmissionRefusal) -> ApiError {
 
 /// The credential an agent's call presents, once its protocol header is
 /// one this server speaks.
-pub(crate) fn presented(headers: &HeaderMap) -> Result<&str, ApiError> {
+fn presented(headers: &HeaderMap) -> Result<&str, ApiError> {
     check_protocol(headers)?;
     bearer(headers).ok_or_else(|| {
         ApiError::new(AdmissionRefusal::Unauthorized.status(), "missing `Authorization: Bearer <credential>`")
@@ -93,7 +94,7 @@ async fn admit_run(
 
 /// The answer to an upgrade whose socket claim was refused (here or, for
 /// a follower's agent, by the leader over the link).
-pub(crate) fn socket_refused(refusal: AdmissionRefusal) -> Response {
+fn socket_refused(refusal: AdmissionRefusal) -> Response {
     match refusal {
         AdmissionRefusal::Duplicate { retry_after } => {
             // When the live socket counts as gone if it stays silent: an
@@ -168,6 +169,12 @@ pub(crate) async fn socket(
         Ok(upgrade) => upgrade,
         Err(rejection) => return ApiError::new(StatusCode::BAD_REQUEST, rejection.body_text()).into_response(),
     };
+    // A follower holds the socket and speaks for it over its link.
+    if let (Some(cluster), Some(link)) = (&state.cluster, &state.link)
+        && cluster.view.borrow().role == Role::Follower
+    {
+        return crate::link::follower::socket(Arc::clone(link), token, upgrade).await.unwrap_or_else(socket_refused);
+    }
     let conn = state.engine.next_conn_id();
     let admission = match state.engine.ask(Input::ClaimSocket { conn, token: token.clone() }).await {
         Ok(Ok(admission)) => admission,

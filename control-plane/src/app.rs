@@ -34,6 +34,8 @@ pub(crate) struct AppState {
     pub containment: &'static str,
     /// The replicated deployment, when the store is shared.
     pub cluster: Option<crate::cluster::Cluster>,
+    /// Its agents' links (`crate::link`), when the store is shared.
+    pub link: Option<std::sync::Arc<crate::link::Link>>,
 }
 
 /// An error answer. The agent-facing contract shows it as

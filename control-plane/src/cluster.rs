@@ -2,8 +2,8 @@
 //! database is a replica, one of them (the holder of the lease row) the
 //! leader that runs the engine; the others forward every call to it
 //! ([`forward`]) and hold the sockets of the agents that reached them,
-//! speaking for them over one link to it ([`link`]), once it proved the
-//! cluster secret they share ([`trust`], [`secret`]).
+//! speaking for them over one link to it (`crate::link`), once it proved
+//! the cluster secret they share ([`trust`], [`secret`]).
 //!
 //! This module is the IO half: a loop that claims the lease every third of
 //! its time to live, lets the pure [`lease`] rules decide, and publishes
@@ -16,7 +16,6 @@
 pub mod forward;
 mod leadership;
 pub mod lease;
-pub mod link;
 pub mod secret;
 pub mod trust;
 
@@ -123,10 +122,6 @@ pub struct Cluster {
     pub proven: Arc<trust::Proven>,
     /// The listener's cap, which a connection to the leader counts under.
     pub listener: Arc<ListenerStats>,
-    /// The agents' sockets this replica holds.
-    pub hub: Arc<link::follower::Hub>,
-    /// The replicas' links, while this one leads.
-    pub links: Arc<link::leader::Links>,
 }
 
 impl Cluster {
@@ -159,15 +154,18 @@ impl Cluster {
     }
 }
 
+/// The route of the agents' link on the leader (`crate::link`): only a
+/// replica links, and the link is never forwarded.
+pub const LINK_PATH: &str = "/v1/cluster/link";
+
 /// Starts the claim loop of replica `config` advertised at `url` (its
-/// `advertise_url`, else its own address), and its link to the leader
-/// for the agents `hub` holds; both run until `shutdown` turns true or
-/// this replica is deposed.
+/// `advertise_url`, else its own address); it runs until `shutdown` turns
+/// true or this replica is deposed.
 pub fn start(
     config: ClusterConfig,
     url: String,
     lease: Arc<dyn LeaseStore>,
-    (listener, hub): (Arc<ListenerStats>, link::follower::Hub),
+    listener: Arc<ListenerStats>,
     shutdown: watch::Receiver<bool>,
 ) -> Cluster {
     let (view_tx, view) = watch::channel(ClusterView {
@@ -186,23 +184,7 @@ pub fn start(
     let claims =
         Claims { store: Arc::clone(&lease), view: view_tx, leadership: leadership.clone(), stats: Arc::clone(&stats) };
     tokio::spawn(claim_loop(config, url.clone(), claims, shutdown.clone()));
-    let (hub, links) = (Arc::new(hub), Arc::default());
-    let cluster = Cluster {
-        view,
-        stats,
-        lease,
-        leadership,
-        ttl,
-        shutdown,
-        secret,
-        url,
-        proven: Arc::default(),
-        listener,
-        hub,
-        links,
-    };
-    tokio::spawn(link::follower::run(cluster.clone()));
-    cluster
+    Cluster { view, stats, lease, leadership, ttl, shutdown, secret, url, proven: Arc::default(), listener }
 }
 
 /// What the claim loop works on.

@@ -42,6 +42,7 @@ pub mod config;
 pub mod containment;
 mod credential;
 mod engine;
+mod link;
 pub mod listener;
 mod metrics;
 mod model;

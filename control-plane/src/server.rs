@@ -125,11 +125,14 @@ async fn restore_auto_stops<P: SandboxProvider>(provider: &P, records: &[crate::
 }
 
 fn router(state: AppState) -> Router {
-    Router::new()
+    let link = state.link.clone().map(|link| {
+        let route = crate::link::leader::LinkRoute { engine: state.engine.clone(), link };
+        Router::new().route(crate::link::LINK_PATH, get(crate::link::leader::link)).with_state(route)
+    });
+    let app = Router::new()
         .route("/healthz", get(health))
         .route("/v1/cluster", get(user_api::cluster_status::cluster))
         .route(standby_protocol::SOCKET_PATH, get(agent_api::socket))
-        .route(crate::cluster::link::LINK_PATH, get(crate::cluster::link::leader::link))
         .route(standby_protocol::SPEC_PATH, get(agent_api::spec))
         .route(paths::SECRETS_ROUTE, get(agent_api::secrets))
         .route(paths::ATTACHMENTS_ROUTE, get(agent_api::attachments))
@@ -148,7 +151,11 @@ fn router(state: AppState) -> Router {
         .route("/v1/threads/{id}", get(user_api::thread))
         .route("/metrics", get(user_api::metrics))
         .route("/openapi.json", get(user_api::openapi::openapi_json))
-        .with_state(state)
+        .with_state(state);
+    match link {
+        Some(link) => app.merge(link),
+        None => app,
+    }
 }
 
 /// `GET /healthz`: `ok`, and for a replica its role (what a load
@@ -267,9 +274,7 @@ async fn start_with<P: SandboxProvider>(
         Some(Replica { cluster, lease }) => {
             let advertised = advertise_url(cluster.advertise_url.as_deref(), addr)?;
             let listener = Arc::clone(&listener_stats);
-            let idle_timeout = config.heartbeat_interval * (crate::rules::HEARTBEAT_WINDOW + 1);
-            let hub = crate::cluster::link::follower::Hub::new(idle_timeout, config.heartbeat_interval);
-            Some(crate::cluster::start(cluster, advertised, lease, (listener, hub), stopped.clone()))
+            Some(crate::cluster::start(cluster, advertised, lease, listener, stopped.clone()))
         }
         None => None,
     };
@@ -290,15 +295,23 @@ async fn start_with<P: SandboxProvider>(
             tokio::spawn(lead_when_elected(start, mailbox, cluster.view.clone(), fatal_tx, stopped.clone()))
         }
     };
+    let idle_timeout = config.heartbeat_interval * (crate::rules::HEARTBEAT_WINDOW + 1);
+    let link = cluster.as_ref().map(|cluster| {
+        let hub = crate::link::follower::Hub::new(idle_timeout, config.heartbeat_interval);
+        let link = Arc::new(crate::link::Link { cluster: cluster.clone(), hub, links: Default::default() });
+        tokio::spawn(crate::link::follower::run(Arc::clone(&link)));
+        link
+    });
     let state = AppState {
         engine: handle.clone(),
         store,
         api_key: Arc::new(TokenHash::of(config.api_key.expose())),
         spec: Arc::new(config.spec.clone()),
-        idle_timeout: config.heartbeat_interval * (crate::rules::HEARTBEAT_WINDOW + 1),
+        idle_timeout,
         listener: Arc::clone(&listener_stats),
         containment: provider.containment(),
         cluster: cluster.clone(),
+        link,
     };
     let mut app = router(state);
     if !config.inject_latency.is_zero() {

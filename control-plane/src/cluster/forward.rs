@@ -80,7 +80,7 @@ pub async fn route(State(cluster): State<Cluster>, mut request: Request, next: N
         return Problem::new(StatusCode::FORBIDDEN, "a forwarded call must come from a replica of this deployment")
             .into_response();
     }
-    if request.uri().path() == super::link::LINK_PATH && !forwarded {
+    if request.uri().path() == super::LINK_PATH && !forwarded {
         // Only a replica links: never forwarded for an outside caller.
         return Problem::new(StatusCode::FORBIDDEN, "only a replica of this deployment links to the leader")
             .into_response();
@@ -112,7 +112,9 @@ pub async fn route(State(cluster): State<Cluster>, mut request: Request, next: N
         (Role::Follower, Some((id, url))) if !forwarded => {
             if request.uri().path() == standby_protocol::SOCKET_PATH && request.headers().contains_key(header::UPGRADE)
             {
-                return super::link::follower::socket(cluster.clone(), request).await;
+                // Held here, not forwarded: the socket's handler speaks for
+                // it over this replica's link (`crate::link`).
+                return next.run(request).await;
             }
             let target = Target { id, url, epoch: view.epoch };
             cluster.stats.forwarded_requests.fetch_add(1, Ordering::Relaxed);
@@ -128,7 +130,7 @@ pub async fn route(State(cluster): State<Cluster>, mut request: Request, next: N
 /// `503` with `Retry-After: 1` in the API's problem format: the caller
 /// retries, by then a leader is known (or the load balancer picked another
 /// replica). `detail` names nothing internal.
-pub(super) fn unavailable(detail: &'static str) -> Response {
+pub(crate) fn unavailable(detail: &'static str) -> Response {
     let mut response = Problem::new(StatusCode::SERVICE_UNAVAILABLE, detail).into_response();
     response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
     response
@@ -136,7 +138,7 @@ pub(super) fn unavailable(detail: &'static str) -> Response {
 
 /// Why an attempt at the leader failed; logged, never shown to the caller.
 #[derive(Debug, thiserror::Error)]
-pub(super) enum Failure {
+pub(crate) enum Failure {
     #[error("the leader does not prove the cluster secret: {0}")]
     Untrusted(String),
     #[error("cannot connect to the leader: {0}")]
@@ -294,11 +296,6 @@ pub(super) async fn connect(cluster: &Cluster, url: &str) -> Result<SendRequest<
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_call_waits_for_the_leader_as_long_as_a_link_waits_for_a_new_one() {
-        assert_eq!(answer_bound(Duration::from_secs(3)), super::super::link::wait_bound(Duration::from_secs(3)));
-    }
 
     #[tokio::test]
     async fn only_a_call_safe_to_send_again_keeps_its_body() {

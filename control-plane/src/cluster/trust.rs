@@ -48,7 +48,7 @@ pub struct Proven(tokio::sync::Mutex<Option<Target>>);
 
 /// Challenges `target` unless it proved itself already. One challenge at a
 /// time: the calls arriving meanwhile wait for its outcome.
-pub(super) async fn verify(cluster: &Cluster, target: &Target) -> Result<(), Failure> {
+pub(crate) async fn verify(cluster: &Cluster, target: &Target) -> Result<(), Failure> {
     let mut proven = cluster.proven.0.lock().await;
     if proven.as_ref() == Some(target) {
         return Ok(());
@@ -101,7 +101,7 @@ pub(super) fn answer(cluster: &Cluster, request: &Request) -> Response {
 }
 
 /// Marks a call or socket of replica `me` to `target` as forwarded.
-pub(super) fn sign(cluster: &Cluster, me: &str, target: &Target, headers: &mut HeaderMap) {
+pub(crate) fn sign(cluster: &Cluster, me: &str, target: &Target, headers: &mut HeaderMap) {
     if let Ok(value) = HeaderValue::from_str(me) {
         headers.insert(FORWARDED_BY, value);
     }

@@ -4,6 +4,7 @@
 //! socket's. One task per link reads it and alone writes to it.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
@@ -15,8 +16,7 @@ use axum::response::{IntoResponse, Response};
 use standby_protocol::Secret;
 use tokio::sync::{mpsc, oneshot, watch};
 
-use super::{AgentId, Down, Up, ping_period, silent};
-use crate::app::AppState;
+use super::{AgentId, Down, Link, Up, ping_period, silent};
 use crate::cluster::Cluster;
 use crate::cluster::trust::Forwarded;
 use crate::engine::{ConnWriter, EngineHandle, Outbound};
@@ -65,15 +65,23 @@ impl Links {
     }
 }
 
+/// What the link's route serves with: the engine, and this replica's
+/// links.
+#[derive(Debug, Clone)]
+pub struct LinkRoute {
+    pub engine: EngineHandle,
+    pub link: Arc<Link>,
+}
+
 /// `GET /v1/cluster/link`: a follower's link, upgraded once the middleware
 /// checked its token (the [`Forwarded`] extension) and this replica leads
 /// at the epoch it was meant for.
 pub(crate) async fn link(
-    State(state): State<AppState>,
+    State(LinkRoute { engine, link }): State<LinkRoute>,
     forwarded: Option<Extension<Forwarded>>,
     upgrade: Result<WebSocketUpgrade, axum::extract::ws::rejection::WebSocketUpgradeRejection>,
 ) -> Response {
-    let (Some(Extension(by)), Some(cluster)) = (forwarded, state.cluster.clone()) else {
+    let Some(Extension(by)) = forwarded else {
         return Problem::new(StatusCode::FORBIDDEN, "only a replica of this deployment links to the leader")
             .into_response();
     };
@@ -81,20 +89,19 @@ pub(crate) async fn link(
         Ok(upgrade) => upgrade,
         Err(rejection) => return Problem::new(StatusCode::BAD_REQUEST, rejection.body_text()).into_response(),
     };
-    let engine = state.engine.clone();
     upgrade.on_upgrade(move |socket| async move {
+        let cluster = &link.cluster;
         let generation = cluster.stats.links_accepted.fetch_add(1, Ordering::Relaxed);
-        let (stop, older) = cluster.links.replace(&by.by, generation);
+        let (stop, older) = link.links.replace(&by.by, generation);
         if let Some(older) = older {
             // Its agents' claims are freed before this link claims them again.
             let _ = tokio::time::timeout(REPLACE_BOUND, older).await;
         }
         tracing::info!(replica = by.by, "a replica linked: it speaks for the agents it holds");
         cluster.stats.linked_replicas.fetch_add(1, Ordering::Relaxed);
-        let link = LeaderEnd::new(engine, by.clone(), &cluster);
-        link.run(socket, stop).await;
+        LeaderEnd::new(engine, by.clone(), cluster).run(socket, stop).await;
         cluster.stats.linked_replicas.fetch_sub(1, Ordering::Relaxed);
-        cluster.links.remove(&by.by, generation);
+        link.links.remove(&by.by, generation);
         tracing::info!(replica = by.by, "a replica's link ended: its agents count as disconnected");
     })
 }

@@ -8,10 +8,10 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use axum::extract::FromRequestParts;
+use std::sync::Arc;
+
 use axum::extract::ws::{CloseFrame, Message, WebSocket, WebSocketUpgrade, close_code};
-use axum::http::{StatusCode, header};
-use axum::response::{IntoResponse, Response};
+use axum::response::Response;
 use futures::{SinkExt, StreamExt};
 use standby_protocol::{AgentMessage, AgentState, Secret};
 use tokio::net::TcpStream;
@@ -21,12 +21,11 @@ use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
 use tokio_tungstenite::tungstenite::{self, Message as LinkMessage};
 use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
 
-use super::{AgentId, Down, LINK_PATH, Refusal, Up, gather_period, ping_period, silent, wait_bound};
-use crate::agent_api::{presented, socket_refused};
-use crate::app::ApiError;
+use super::{AgentId, Down, LINK_PATH, Link, Refusal, Up, gather_period, ping_period, silent, wait_bound};
 use crate::cluster::forward::{answer_bound, unavailable};
 use crate::cluster::trust::{self, Target};
 use crate::cluster::{Cluster, Role};
+use crate::rules::AdmissionRefusal;
 
 type LinkSocket = WebSocketStream<MaybeTlsStream<TcpStream>>;
 
@@ -273,56 +272,42 @@ impl Hub {
     }
 }
 
-/// An agent's upgrade on a follower: its credential's socket is claimed
-/// over the link, and once the leader admits it the socket is held here;
-/// a refusal reaches the agent as the leader would give it.
-pub async fn socket(cluster: Cluster, request: axum::extract::Request) -> Response {
-    // Claiming is a round trip to the leader: a flood of upgrades with
-    // made-up credentials may not queue without bound.
-    let Ok(_authenticating) = std::sync::Arc::clone(&cluster.listener.upgrades).try_acquire_owned() else {
-        cluster.listener.upgrades_refused.fetch_add(1, Ordering::Relaxed);
-        let busy = ApiError::new(StatusCode::TOO_MANY_REQUESTS, "too many control-socket upgrades in flight");
-        return (StatusCode::TOO_MANY_REQUESTS, [(header::RETRY_AFTER, "1")], busy).into_response();
-    };
-    let (mut parts, _) = request.into_parts();
-    let token = match presented(&parts.headers) {
-        Ok(token) => Secret::new(token.to_owned()),
-        Err(error) => return error.into_response(),
-    };
-    let upgrade = match WebSocketUpgrade::from_request_parts(&mut parts, &()).await {
-        Ok(upgrade) => upgrade,
-        Err(rejection) => return ApiError::new(StatusCode::BAD_REQUEST, rejection.body_text()).into_response(),
-    };
-    let Some((agent, queue, answered)) = cluster.hub.claim(token) else {
-        return unavailable("no leader is reachable right now: retry");
+/// An agent's upgrade on a follower, presenting `token` (already checked
+/// for its form, under the upgrade bound): its credential's socket is
+/// claimed over the link, and once the leader admits it the socket is held
+/// here. A refusal is the leader's, for the caller to answer as the leader
+/// would.
+pub async fn socket(link: Arc<Link>, token: Secret, upgrade: WebSocketUpgrade) -> Result<Response, AdmissionRefusal> {
+    let Some((agent, queue, answered)) = link.hub.claim(token) else {
+        return Ok(unavailable("no leader is reachable right now: retry"));
     };
     // From here until its task holds it, the agent's place is freed on any
     // way out (a refusal, no answer, an upgrade that never completes).
-    let mut unfinished = Unfinished { hub: Some(std::sync::Arc::clone(&cluster.hub)), agent };
-    match tokio::time::timeout(answer_bound(cluster.ttl), answered).await {
+    let mut unfinished = Unfinished { link: Some(Arc::clone(&link)), agent };
+    match tokio::time::timeout(answer_bound(link.cluster.ttl), answered).await {
         Ok(Ok(Ok(()))) => {}
-        Ok(Ok(Err(refusal))) => return socket_refused(refusal.into()),
-        Ok(Err(_)) | Err(_) => return unavailable("the leader did not answer: retry"),
+        Ok(Ok(Err(refusal))) => return Err(refusal.into()),
+        Ok(Err(_)) | Err(_) => return Ok(unavailable("the leader did not answer: retry")),
     }
-    crate::api_bounds::agent_socket(upgrade).on_upgrade(move |socket| async move {
-        let Some(hub) = unfinished.hub.take() else { return };
-        cluster.stats.held_agents.fetch_add(1, Ordering::Relaxed);
-        hold(&hub, agent, socket, queue).await;
-        hub.gone(agent);
-        cluster.stats.held_agents.fetch_sub(1, Ordering::Relaxed);
-    })
+    Ok(crate::api_bounds::agent_socket(upgrade).on_upgrade(move |socket| async move {
+        let Some(link) = unfinished.link.take() else { return };
+        link.cluster.stats.held_agents.fetch_add(1, Ordering::Relaxed);
+        hold(&link.hub, agent, socket, queue).await;
+        link.hub.gone(agent);
+        link.cluster.stats.held_agents.fetch_sub(1, Ordering::Relaxed);
+    }))
 }
 
 /// Frees the agent's place when the upgrade is dropped unfinished.
 struct Unfinished {
-    hub: Option<std::sync::Arc<Hub>>,
+    link: Option<Arc<Link>>,
     agent: AgentId,
 }
 
 impl Drop for Unfinished {
     fn drop(&mut self) {
-        if let Some(hub) = self.hub.take() {
-            hub.gone(self.agent);
+        if let Some(link) = self.link.take() {
+            link.hub.gone(self.agent);
         }
     }
 }
@@ -402,7 +387,8 @@ async fn dial(cluster: &Cluster, target: &Target) -> Result<LinkSocket, String> 
 /// it runs: a new link once the last one ended, every held agent claimed
 /// again on it; the agents told to reconnect after [`wait_bound`] without
 /// a link, and when the replica stops.
-pub async fn run(cluster: Cluster) {
+pub async fn run(link: Arc<Link>) {
+    let (cluster, hub) = (&link.cluster, &link.hub);
     let mut view = cluster.view.clone();
     let mut shutdown = cluster.shutdown.clone();
     let mut unlinked_since = Instant::now();
@@ -419,28 +405,23 @@ pub async fn run(cluster: Cluster) {
         let slot = cluster.listener.outgoing();
         if let (Some((id, url)), Some(_slot)) = (now.leader.clone(), slot) {
             let target = Target { id, url, epoch: now.epoch };
-            match dial(&cluster, &target).await {
+            match dial(cluster, &target).await {
                 Ok(socket) => {
                     if linked_before {
                         cluster.stats.relinks.fetch_add(1, Ordering::Relaxed);
                     }
                     linked_before = true;
-                    tracing::info!(
-                        leader = target.id,
-                        epoch = target.epoch,
-                        held = cluster.hub.held(),
-                        "linked to the leader"
-                    );
-                    serve(&cluster, socket, &target).await;
+                    tracing::info!(leader = target.id, epoch = target.epoch, held = hub.held(), "linked to the leader");
+                    serve(&link, socket, &target).await;
                     tracing::info!(leader = target.id, epoch = target.epoch, "the link to the leader ended");
                     unlinked_since = Instant::now();
                 }
                 Err(problem) => tracing::debug!(problem, "cannot link to the leader yet"),
             }
         }
-        if unlinked_since.elapsed() > wait_bound(cluster.ttl) && cluster.hub.held() > 0 {
-            tracing::warn!(held = cluster.hub.held(), "no leader to link to: the held agents reconnect");
-            cluster.hub.restart_all("no leader to link to");
+        if unlinked_since.elapsed() > wait_bound(cluster.ttl) && hub.held() > 0 {
+            tracing::warn!(held = hub.held(), "no leader to link to: the held agents reconnect");
+            hub.restart_all("no leader to link to");
             unlinked_since = Instant::now();
         }
         tokio::select! {
@@ -449,17 +430,18 @@ pub async fn run(cluster: Cluster) {
             () = super::stopping(&mut shutdown) => break,
         }
     }
-    cluster.hub.restart_all("the replica is stopping");
+    hub.restart_all("the replica is stopping");
 }
 
 /// One link, until it ends: claims every held agent again, sends what the
 /// hub queues and the heartbeats it gathered, routes the leader's frames.
-async fn serve(cluster: &Cluster, mut socket: LinkSocket, target: &Target) {
+async fn serve(link: &Link, mut socket: LinkSocket, target: &Target) {
+    let (cluster, hub) = (&link.cluster, &link.hub);
     let (up, mut queued) = mpsc::unbounded_channel();
-    let generation = cluster.hub.link_up(up);
+    let generation = hub.link_up(up);
     let mut heard = Instant::now();
     let mut ping = tokio::time::interval(ping_period(cluster.ttl));
-    let mut gather = tokio::time::interval(gather_period(cluster.hub.heartbeat_interval));
+    let mut gather = tokio::time::interval(gather_period(hub.heartbeat_interval));
     let (mut view, mut shutdown) = (cluster.view.clone(), cluster.shutdown.clone());
     loop {
         tokio::select! {
@@ -482,7 +464,7 @@ async fn serve(cluster: &Cluster, mut socket: LinkSocket, target: &Target) {
                 }
             }
             _ = gather.tick() => {
-                let agents = cluster.hub.gathered();
+                let agents = hub.gathered();
                 if !agents.is_empty() && send(&mut socket, &Up::Heard { agents }).await.is_err() {
                     break;
                 }
@@ -503,7 +485,7 @@ async fn serve(cluster: &Cluster, mut socket: LinkSocket, target: &Target) {
                 heard = Instant::now();
                 match incoming {
                     Some(Ok(LinkMessage::Text(text))) => match serde_json::from_str::<Down>(text.as_str()) {
-                        Ok(down) => cluster.hub.down(generation, down),
+                        Ok(down) => hub.down(generation, down),
                         Err(error) => tracing::warn!(%error, "a link message that does not parse, skipped"),
                     },
                     None | Some(Err(_)) | Some(Ok(LinkMessage::Close(_))) => break,
@@ -512,7 +494,7 @@ async fn serve(cluster: &Cluster, mut socket: LinkSocket, target: &Target) {
             }
         }
     }
-    cluster.hub.link_down();
+    hub.link_down();
 }
 
 /// Resolves once the view names another leader than `target` (another

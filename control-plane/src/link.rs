@@ -25,8 +25,11 @@
 //! link, and frees its agents' claims, before it reads the new one.
 //!
 //! The link is authenticated as forwarded calls are (the follower's token
-//! for the leader's id and epoch, [`super::trust`]); it is refused to
+//! for the leader's id and epoch, `cluster::trust`); it is refused to
 //! anyone else, and never forwarded.
+//!
+//! It lives beside `cluster`, not in it: it drives the engine, and the
+//! engine consults the cluster's leadership.
 
 pub mod follower;
 pub mod leader;
@@ -36,10 +39,18 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 use standby_protocol::{AgentState, Secret};
 
+use crate::cluster::Cluster;
+pub use crate::cluster::LINK_PATH;
 use crate::rules::AdmissionRefusal;
 
-/// The link's route on the leader.
-pub const LINK_PATH: &str = "/v1/cluster/link";
+/// What a replica's ends of the links share: its cluster, the agents'
+/// sockets it holds, and (while it leads) the replicas' links to it.
+#[derive(Debug)]
+pub struct Link {
+    pub cluster: Cluster,
+    pub hub: follower::Hub,
+    pub links: leader::Links,
+}
 
 /// A follower's number for one agent's socket, for as long as it holds it.
 pub type AgentId = u64;
@@ -193,6 +204,12 @@ mod tests {
         assert!(silent(heard, heard + ttl + Duration::from_millis(1), ttl));
         assert!(ping_period(ttl) * 3 <= ttl, "three pings within a lease time");
         assert_eq!(wait_bound(ttl), Duration::from_secs(9));
+    }
+
+    #[test]
+    fn a_held_agent_waits_for_a_leader_as_long_as_a_forwarded_call_does() {
+        let ttl = Duration::from_secs(3);
+        assert_eq!(wait_bound(ttl), crate::cluster::forward::answer_bound(ttl));
     }
 
     #[test]
