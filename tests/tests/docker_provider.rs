@@ -193,7 +193,16 @@ async fn a_warm_run_takes_a_prepared_container_which_is_unprivileged_and_holds_n
     assert_eq!(run["path"], "warm", "{run}");
     assert_eq!(sandbox_of(&run), standby);
     let log = server.text_log(&run).await;
-    assert!(log.contains("10001") && log.contains("run") && log.contains("token=none"), "{log}");
+    // The run's view says whether the agent reported its log whole: a
+    // failure here shows it with the agents' own logs.
+    let view = server.get(&format!("/v1/runs/{}", run["id"].as_str().expect("an id"))).await;
+    assert!(
+        log.contains("10001") && log.contains("run") && log.contains("token=none"),
+        "{log}\nlog_complete {} log_lost_bytes {}\n{}",
+        view["log_complete"],
+        view["log_lost_bytes"],
+        server.agent_logs()
+    );
     server.stop().await;
 }
 
