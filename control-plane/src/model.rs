@@ -384,6 +384,39 @@ pub struct SandboxRecord {
     pub held_by: Option<Holder>,
 }
 
+impl SandboxRecord {
+    /// A sandbox just made: in standby, never connected, nothing decided.
+    pub fn standby(
+        id: String,
+        kind: SandboxKind,
+        created_at: Millis,
+        standby_credential_id: String,
+        (workspace, fingerprint): (Option<Workspace>, Fingerprint),
+    ) -> Self {
+        Self {
+            id,
+            kind,
+            state: SandboxState::Standby,
+            created_at,
+            standby_credential_id,
+            workspace,
+            fingerprint,
+            run_id: None,
+            connections: 0,
+            run_connections: 0,
+            retired_at: None,
+            retire_reason: None,
+            exit_code: None,
+            thread_id: None,
+            park: None,
+            expires_at: None,
+            deadline: None,
+            auto_stop_minutes: None,
+            held_by: None,
+        }
+    }
+}
+
 /// Which replica of a replicated deployment holds an agent's control
 /// socket, recorded by the leader of `epoch` when the socket opened.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]

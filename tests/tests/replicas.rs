@@ -512,15 +512,11 @@ async fn bench_follower_kill_to_placeable_elsewhere() {
     let rounds: usize = std::env::var("BENCH_ROUNDS").ok().and_then(|n| n.parse().ok()).unwrap_or(5);
     let mut times = Vec::new();
     for round in 0..rounds {
-        let Some(mut cluster) = Cluster::start_agents(&format!("bench_follower_kill_{round}"), 1, false, &[]).await
+        let Some(Owned { mut cluster, leader, owner, other, balancer, .. }) =
+            Owned::start(&format!("bench_follower_kill_{round}")).await
         else {
             return;
         };
-        let (leader, _) = cluster.leader(None).await;
-        let (owner, other) = ((leader + 1) % 3, (leader + 2) % 3);
-        let balancer = Balancer::failover(vec![cluster.replica(owner).addr(), cluster.replica(other).addr()]).await;
-        cluster.agents.pin(&balancer.url());
-        held_by(&cluster, leader, owner).await;
         let killed_at = std::time::Instant::now();
         balancer.set_targets(vec![cluster.replica(other).addr()]);
         cluster.replica(owner).crash().await;
@@ -695,6 +691,30 @@ async fn a_run_submitted_to_one_replica_lands_on_a_standby_another_holds() {
     assert_eq!((&attempt["sandbox_id"], attempt["path"].as_str()), (&standby, Some("warm")), "{}", runs[0]);
 }
 
+/// A cluster whose one standby a follower (`owner`) holds: its agents
+/// reach the owner first, and `other` once a test takes the owner out of
+/// the balancer.
+struct Owned {
+    cluster: Cluster,
+    leader: usize,
+    owner: usize,
+    other: usize,
+    balancer: Balancer,
+    standby: Value,
+}
+
+impl Owned {
+    async fn start(test: &str) -> Option<Self> {
+        let cluster = Cluster::start_agents(test, 1, false, &[]).await?;
+        let (leader, _) = cluster.leader(None).await;
+        let (owner, other) = ((leader + 1) % 3, (leader + 2) % 3);
+        let balancer = Balancer::failover(vec![cluster.replica(owner).addr(), cluster.replica(other).addr()]).await;
+        cluster.agents.pin(&balancer.url());
+        let standby = held_by(&cluster, leader, owner).await;
+        Some(Self { cluster, leader, owner, other, balancer, standby })
+    }
+}
+
 /// Waits until run `id` is placed (its first attempt names a sandbox).
 async fn placed(cluster: &Cluster, at: usize, id: &str) -> Value {
     let path = format!("/v1/runs/{id}");
@@ -715,12 +735,10 @@ async fn placed(cluster: &Cluster, at: usize, id: &str) -> Value {
 /// runs exactly once.
 #[tokio::test]
 async fn the_owner_killed_between_placement_and_frame_loses_nothing_and_runs_nothing_twice() {
-    let Some(mut cluster) = Cluster::start_agents("owner_killed", 1, false, &[]).await else { return };
-    let (leader, _) = cluster.leader(None).await;
-    let (owner, other) = ((leader + 1) % 3, (leader + 2) % 3);
-    let balancer = Balancer::failover(vec![cluster.replica(owner).addr(), cluster.replica(other).addr()]).await;
-    cluster.agents.pin(&balancer.url());
-    let standby = held_by(&cluster, leader, owner).await;
+    let Some(Owned { mut cluster, leader, owner, other, balancer, standby }) = Owned::start("owner_killed").await
+    else {
+        return;
+    };
 
     let stopped = cluster.replicas[owner].take().expect("the owner");
     kill(Pid::from_raw(stopped.pid()), Signal::SIGSTOP).expect("SIGSTOP");
@@ -742,12 +760,10 @@ async fn the_owner_killed_between_placement_and_frame_loses_nothing_and_runs_not
 /// from the dead link: the standby's agent never sees the assignment.
 #[tokio::test]
 async fn an_owner_paused_past_its_lease_sends_nothing_stale_when_it_wakes() {
-    let Some(mut cluster) = Cluster::start_agents("owner_paused", 1, false, &[]).await else { return };
-    let (leader, _) = cluster.leader(None).await;
-    let (owner, other) = ((leader + 1) % 3, (leader + 2) % 3);
-    let balancer = Balancer::failover(vec![cluster.replica(owner).addr(), cluster.replica(other).addr()]).await;
-    cluster.agents.pin(&balancer.url());
-    let standby = held_by(&cluster, leader, owner).await;
+    let Some(Owned { mut cluster, leader, owner, other, balancer, standby }) = Owned::start("owner_paused").await
+    else {
+        return;
+    };
 
     let paused = cluster.replicas[owner].take().expect("the owner");
     kill(Pid::from_raw(paused.pid()), Signal::SIGSTOP).expect("SIGSTOP");

@@ -74,6 +74,19 @@ impl HubState {
             let _ = link.send(up);
         }
     }
+
+    /// Opens the agent on the current link, with the state it reported
+    /// last (so a new leader sees a ready standby ready at once).
+    fn open(&mut self, agent: AgentId) {
+        let Some(held) = self.agents.get_mut(&agent) else { return };
+        held.open = true;
+        held.reported = held.state;
+        let report = held.state;
+        self.up(Up::Open { agent });
+        if let Some(report) = report {
+            self.up(Up::Heartbeat { agent, state: report });
+        }
+    }
 }
 
 /// The agents' sockets this replica holds, and what the link knows of
@@ -130,15 +143,8 @@ impl Hub {
         let generation = state.generation;
         let linked = state.link.is_some();
         let Some(held) = state.agents.get_mut(&agent) else { return };
-        if !(linked && held.claimed_on == Some(generation) && !held.open) {
-            return;
-        }
-        held.open = true;
-        let report = held.state;
-        held.reported = report;
-        state.up(Up::Open { agent });
-        if let Some(report) = report {
-            state.up(Up::Heartbeat { agent, state: report });
+        if linked && held.claimed_on == Some(generation) && !held.open {
+            state.open(agent);
         }
     }
 
@@ -234,15 +240,8 @@ impl Hub {
                     let _ = answer.send(Ok(()));
                     return;
                 }
-                // Claimed again on a new link: open at once, with the state
-                // the agent reported last.
-                held.open = true;
-                held.reported = held.state;
-                let report = held.state;
-                state.up(Up::Open { agent });
-                if let Some(report) = report {
-                    state.up(Up::Heartbeat { agent, state: report });
-                }
+                // Claimed again on a new link: open at once.
+                state.open(agent);
             }
             Down::Refused { refusal, .. } => match held.answer.take() {
                 Some(answer) => {
@@ -486,7 +485,10 @@ async fn serve(link: &Link, mut socket: LinkSocket, target: &Target) {
                 match incoming {
                     Some(Ok(LinkMessage::Text(text))) => match serde_json::from_str::<Down>(text.as_str()) {
                         Ok(down) => hub.down(generation, down),
-                        Err(error) => tracing::warn!(%error, "a link message that does not parse, skipped"),
+                        Err(error) => {
+                            let problem = standby_protocol::describe_json_error(&error);
+                            tracing::warn!(problem, "a link message that does not parse, skipped");
+                        }
                     },
                     None | Some(Err(_)) | Some(Ok(LinkMessage::Close(_))) => break,
                     Some(Ok(_)) => {}

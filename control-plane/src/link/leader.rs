@@ -199,7 +199,11 @@ impl LeaderEnd {
                     match incoming {
                         Some(Ok(Message::Text(text))) => match serde_json::from_str::<Up>(text.as_str()) {
                             Ok(up) => self.up(up).await,
-                            Err(error) => tracing::warn!(%error, "a link message that does not parse, skipped"),
+                            Err(error) => {
+                                // Never the message itself: a claim carries a credential.
+                                let problem = standby_protocol::describe_json_error(&error);
+                                tracing::warn!(problem, "a link message that does not parse, skipped");
+                            }
                         },
                         None | Some(Err(_)) | Some(Ok(Message::Close(_))) => return Ended::Over,
                         Some(Ok(_)) => {}

@@ -247,27 +247,8 @@ impl Rules {
     ) -> (String, String, Secret) {
         let sandbox_id = self.mint.id("sbx");
         let (credential_id, token) = self.new_credential(step, CredentialKind::Standby, &sandbox_id, None);
-        let record = SandboxRecord {
-            id: sandbox_id.clone(),
-            kind,
-            state: SandboxState::Standby,
-            created_at: now,
-            standby_credential_id: credential_id.clone(),
-            workspace,
-            fingerprint,
-            run_id: None,
-            connections: 0,
-            run_connections: 0,
-            retired_at: None,
-            retire_reason: None,
-            exit_code: None,
-            thread_id: None,
-            park: None,
-            expires_at: None,
-            deadline: None,
-            auto_stop_minutes: None,
-            held_by: None,
-        };
+        let record =
+            SandboxRecord::standby(sandbox_id.clone(), kind, now, credential_id.clone(), (workspace, fingerprint));
         step.writes.push(Write::Sandbox(Box::new(record.clone())));
         self.sandboxes.insert(sandbox_id.clone(), Live::new(record, now, Agent::Running));
         (sandbox_id, credential_id, token)

@@ -15,7 +15,7 @@ use super::{PostgresStore, RunQuery, SqliteStore, Store, StoreError};
 use crate::credential::{CredentialKind, TokenHash};
 use crate::model::{
     Attempt, AttemptOutcome, CredentialRecord, CredentialState, IdempotencyRecord, Millis, RunPath, RunRecord,
-    RunRequest, RunState, SandboxKind, SandboxRecord, SandboxState, StoredAttachment, StoredEvent, ThreadRecord,
+    RunRequest, RunState, SandboxKind, SandboxRecord, StoredAttachment, StoredEvent, ThreadRecord,
 };
 use crate::rules::{LogLedger, Write};
 use crate::seal::{SealKey, Sealer};
@@ -620,26 +620,11 @@ fn a_request_digest_is_keyed_and_survives_reopening(backend: &dyn Backend) {
 /// sandbox's record: a new leader reads it back with the rest.
 fn a_sandbox_keeps_the_replica_holding_its_socket(backend: &dyn Backend) {
     let held_by = Some(crate::model::Holder { replica: "r2".into(), epoch: 7 });
+    let fresh = (None, fingerprint(&Workspace::default()));
     let record = SandboxRecord {
-        id: "sbx_held".into(),
-        kind: SandboxKind::Warm,
-        state: SandboxState::Standby,
-        created_at: Millis(1),
-        standby_credential_id: "cred_1".into(),
-        workspace: None,
-        fingerprint: fingerprint(&Workspace::default()),
-        run_id: None,
         connections: 1,
-        run_connections: 0,
-        retired_at: None,
-        retire_reason: None,
-        exit_code: None,
-        thread_id: None,
-        park: None,
-        expires_at: None,
-        deadline: None,
-        auto_stop_minutes: None,
         held_by: held_by.clone(),
+        ..SandboxRecord::standby("sbx_held".into(), SandboxKind::Warm, Millis(1), "cred_1".into(), fresh)
     };
     backend.open().apply(&[Write::Sandbox(Box::new(record))], None).expect("the write commits");
     let loaded = backend.open().load().expect("the store loads");
