@@ -22,6 +22,17 @@
 //!   stop timeout bounds the wait with SIGKILL.
 //!
 //! It touches no credential, opens no socket and starts no process.
+//!
+//! A platform with no signal call of its own (Kubernetes has exec, not
+//! kill) asks from inside the container, with two more words run as an
+//! exec beside it:
+//! - `standby clear`: sends `SIGUSR1` to PID 1 and waits to be killed by
+//!   the clearing it asked for. Its end by `SIGKILL` is the proof that PID
+//!   1 cleared the container; it exits 1 when that did not come within
+//!   [`CLEAR_WAIT`] (PID 1 is not `standby hold`);
+//! - `standby busy`: exits 0 when a process other than PID 1 and itself
+//!   runs in the container (an agent, or what a turn left), 1 when none
+//!   does: whether a container adopted after a server restart has an agent.
 
 use std::process::ExitCode;
 use std::time::Duration;
@@ -38,6 +49,9 @@ const SIGNALS: [Signal; 4] = [Signal::SIGCHLD, Signal::SIGUSR1, Signal::SIGTERM,
 
 /// How often the stopping `hold` looks whether the others are gone.
 const STOP_POLL: Duration = Duration::from_millis(50);
+
+/// How long `standby clear` waits for the clearing to reach it.
+const CLEAR_WAIT: Duration = Duration::from_secs(10);
 
 /// What `hold` does on a signal.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -79,6 +93,38 @@ fn others_alive() -> bool {
             .filter_map(|entry| entry.ok()?.file_name().to_str()?.parse::<u32>().ok())
             .any(|pid| pid != me && !zombie(pid))
     })
+}
+
+/// The pids of the PID namespace other than PID 1 and this process.
+fn others_than_pid_one() -> Vec<u32> {
+    let me = std::process::id();
+    std::fs::read_dir("/proc").map_or_else(
+        |_| Vec::new(),
+        |entries| {
+            entries
+                .filter_map(|entry| entry.ok()?.file_name().to_str()?.parse::<u32>().ok())
+                .filter(|&pid| pid != me && pid != 1 && !zombie(pid))
+                .collect()
+        },
+    )
+}
+
+/// `standby clear`: PID 1 is asked to kill every other process, this one
+/// included; returning at all means it did not.
+pub fn clear() -> ExitCode {
+    if let Err(error) = kill(Pid::from_raw(1), Signal::SIGUSR1) {
+        eprintln!("standby clear: cannot signal PID 1: {error}");
+        return ExitCode::from(1);
+    }
+    std::thread::sleep(CLEAR_WAIT);
+    eprintln!("standby clear: PID 1 did not clear the container within {CLEAR_WAIT:?} (is it `standby hold`?)");
+    ExitCode::from(1)
+}
+
+/// `standby busy`: 0 when another process than PID 1 runs, else 1.
+pub fn busy() -> ExitCode {
+    let others = others_than_pid_one();
+    if others.is_empty() { ExitCode::from(1) } else { ExitCode::SUCCESS }
 }
 
 fn zombie(pid: u32) -> bool {

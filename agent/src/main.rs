@@ -12,8 +12,15 @@ fn main() -> ExitCode {
     // `standby hold`: a container's PID 1 between agents (the Docker
     // provider). A word of its own rather than a flag: it takes none of
     // the agent's configuration, and needs none of it to be valid.
-    if std::env::args_os().nth(1).is_some_and(|word| word == "hold") && std::env::args_os().len() == 2 {
-        return standby_agent::hold::run();
+    // `standby clear` and `standby busy` ask it from an exec beside it
+    // (the Kubernetes provider: no signal call there).
+    if std::env::args_os().len() == 2 {
+        match std::env::args_os().nth(1).as_deref().and_then(|word| word.to_str()) {
+            Some("hold") => return standby_agent::hold::run(),
+            Some("clear") => return standby_agent::hold::clear(),
+            Some("busy") => return standby_agent::hold::busy(),
+            _ => {}
+        }
     }
     // First, before any credential is read: nothing of the same user may
     // read this process's environment or memory.

@@ -29,11 +29,14 @@ use crate::listener::ListenerLimits;
 use crate::policy::AutoStop;
 use crate::policy::PoolPolicy;
 use crate::provider::docker::{DockerOptions, Limits};
+use crate::provider::kubernetes::KubernetesOptions;
+use crate::provider::kubernetes::pod::{default_template, load_template};
 use crate::provider::local::LocalOptions;
 use crate::rules::RunBounds;
 use crate::server::ServerConfig;
 use crate::store::StoreLocation;
 use flags::{ProviderKind, Serve, StoreArg};
+use k8s_openapi::api::core::v1::PodTemplateSpec;
 
 /// Why a configuration is refused.
 #[derive(Debug, thiserror::Error)]
@@ -94,6 +97,8 @@ pub enum ProviderConfig {
     Local(LocalConfig),
     /// A container per sandbox.
     Docker(DockerConfig),
+    /// A Pod and a workspace claim per sandbox.
+    Kubernetes(Box<KubernetesConfig>),
     /// No sandbox at all: standby credentials written to `dir`.
     Spool { dir: PathBuf },
 }
@@ -114,6 +119,18 @@ pub struct DockerConfig {
     pub image: String,
     pub network: String,
     pub limits: Limits,
+}
+
+/// The `kubernetes` provider.
+#[derive(Debug, Clone, PartialEq)]
+pub struct KubernetesConfig {
+    pub namespace: Option<String>,
+    /// The checked pod template.
+    pub template: PodTemplateSpec,
+    pub workspace_size: String,
+    pub storage_class: Option<String>,
+    /// The instance label; the data directory's instance id when `None`.
+    pub instance: Option<String>,
 }
 
 /// When a stopped sandbox is archived and deleted (`0`: never).
@@ -207,6 +224,24 @@ impl Config {
             auto_archive: self.sweep.auto_archive,
             auto_delete: self.sweep.auto_delete,
             stop_grace: self.stop_grace,
+        }
+    }
+
+    /// The Kubernetes provider's options, as [`Config::docker_options`];
+    /// `instance` is the data directory's, used when none is configured.
+    pub fn kubernetes_options(&self, kubernetes: &KubernetesConfig, instance: String) -> KubernetesOptions {
+        KubernetesOptions {
+            namespace: kubernetes.namespace.clone(),
+            template: kubernetes.template.clone(),
+            workspace_size: kubernetes.workspace_size.clone(),
+            storage_class: kubernetes.storage_class.clone(),
+            instance: kubernetes.instance.clone().unwrap_or(instance),
+            log_dir: self.data_dir.join("sandbox-logs"),
+            minute: self.minute(),
+            auto_archive: self.sweep.auto_archive,
+            auto_delete: self.sweep.auto_delete,
+            stop_grace: self.stop_grace,
+            start_timeout: self.server.launch_timeout,
         }
     }
 
@@ -321,11 +356,48 @@ fn provider(args: &Serve) -> Result<ProviderConfig, ConfigError> {
                 },
             })
         }
+        ProviderKind::Kubernetes => {
+            if args.public_url.is_none() {
+                return invalid(
+                    "--provider kubernetes: the agents reach the server at --public-url (the Service's URL, \
+                     such as http://standby.standby.svc:8080); set it",
+                );
+            }
+            let kubernetes = &args.kubernetes;
+            let template = match &kubernetes.kubernetes_pod_template {
+                Some(path) => load_template(path, None).map_err(|error| ConfigError::Invalid(error.to_string()))?,
+                None => default_template(&args.docker.image),
+            };
+            if let Some(instance) = &kubernetes.kubernetes_instance
+                && !label_value(instance)
+            {
+                return invalid(format!(
+                    "--kubernetes-instance `{instance}` is not a label value (63 letters, digits, `-`, `_` or `.` at most)"
+                ));
+            }
+            ProviderConfig::Kubernetes(Box::new(KubernetesConfig {
+                namespace: kubernetes.kubernetes_namespace.clone(),
+                template,
+                workspace_size: kubernetes.kubernetes_workspace_size.clone(),
+                storage_class: kubernetes.kubernetes_storage_class.clone(),
+                instance: kubernetes.kubernetes_instance.clone(),
+            }))
+        }
         ProviderKind::Spool => {
             let dir = args.spool.spool_dir.clone().unwrap_or_else(|| args.data_dir.join("spool"));
             ProviderConfig::Spool { dir: absolute(&dir, &dir)? }
         }
     })
+}
+
+/// Whether `text` is a Kubernetes label value.
+fn label_value(text: &str) -> bool {
+    let edge = |c: Option<char>| c.is_some_and(|c| c.is_ascii_alphanumeric());
+    !text.is_empty()
+        && text.len() <= 63
+        && text.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+        && edge(text.chars().next())
+        && edge(text.chars().last())
 }
 
 /// A replica's settings: every `serve` on a PostgreSQL store is one.

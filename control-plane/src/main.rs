@@ -22,6 +22,7 @@ use standby_control_plane::config::{self, Config, LOG_ENV, ProviderConfig, Setti
 use standby_control_plane::listener;
 use standby_control_plane::provider::SandboxProvider;
 use standby_control_plane::provider::docker::DockerProvider;
+use standby_control_plane::provider::kubernetes::KubernetesProvider;
 use standby_control_plane::provider::local::LocalProvider;
 use standby_control_plane::provider::spool::SpoolProvider;
 use standby_control_plane::seal::SealKey;
@@ -218,6 +219,11 @@ async fn serve(settings: Settings) -> anyhow::Result<Ending> {
         ProviderConfig::Docker(docker) => {
             let options = config.docker_options(docker, instance_id(&config.data_dir)?);
             let provider = DockerProvider::connect(options).await.context("--provider docker")?;
+            run_server(config.server, store, config.cluster, Arc::new(provider)).await
+        }
+        ProviderConfig::Kubernetes(kubernetes) => {
+            let options = config.kubernetes_options(kubernetes, instance_id(&config.data_dir)?);
+            let provider = KubernetesProvider::connect(options).await.context("--provider kubernetes")?;
             run_server(config.server, store, config.cluster, Arc::new(provider)).await
         }
         ProviderConfig::Local(local) => {

@@ -2,6 +2,8 @@
 //! and every provider, one module each:
 //! - [`local`]: a directory plus a `standby` process group on this machine;
 //! - [`docker`]: a container of the Docker Engine (`--provider docker`);
+//! - [`kubernetes`]: a Pod and a workspace claim in a cluster
+//!   (`--provider kubernetes`);
 //! - [`spool`]: only a standby credential in a file, nothing launched (load
 //!   generation, an image smoke test, an external launcher);
 //! - `timers`: the idle auto-stop and the retention (archive, delete)
@@ -18,6 +20,7 @@
 //! rules its facts, as `local` and `docker` do.
 
 pub mod docker;
+pub mod kubernetes;
 pub mod local;
 pub mod spool;
 mod timers;
@@ -61,6 +64,15 @@ pub enum ProviderError {
         #[source]
         source: bollard::errors::Error,
     },
+    #[error("sandbox {sandbox}: the Kubernetes API could not {action}: {source}")]
+    Kubernetes {
+        sandbox: String,
+        action: &'static str,
+        #[source]
+        source: Box<kube::Error>,
+    },
+    #[error("sandbox {sandbox}: its Pod {pod} does not run: {reason}")]
+    Pod { sandbox: String, pod: String, reason: String },
     #[error("sandbox {sandbox}: not started: the server is stopping")]
     Stopping { sandbox: String },
 }

@@ -45,6 +45,8 @@ pub struct FileConfig {
     #[serde(default)]
     pub docker: DockerTable,
     #[serde(default)]
+    pub kubernetes: KubernetesTable,
+    #[serde(default)]
     pub spool: SpoolTable,
     #[serde(default)]
     pub bounds: BoundsTable,
@@ -100,6 +102,17 @@ pub struct DockerTable {
     pub sandbox_cpus: Value<f64>,
     pub sandbox_memory: Value<ByteCount>,
     pub sandbox_pids: Value<u64>,
+}
+
+/// `[kubernetes]`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KubernetesTable {
+    pub kubernetes_namespace: Value<String>,
+    pub kubernetes_pod_template: Value<PathBuf>,
+    pub kubernetes_workspace_size: Value<String>,
+    pub kubernetes_storage_class: Value<String>,
+    pub kubernetes_instance: Value<String>,
 }
 
 /// `[spool]`.

@@ -67,7 +67,9 @@ pub struct Serve {
     /// Where sandboxes come from: `local` launches an agent per sandbox;
     /// `docker` makes a container per sandbox from --image on the Docker
     /// Engine of this machine (listen where containers reach: see
-    /// --docker-network); `spool` launches nothing and writes each standby
+    /// --docker-network); `kubernetes` makes a Pod and a workspace claim per
+    /// sandbox in a cluster (in-cluster, or KUBECONFIG; needs --public-url);
+    /// `spool` launches nothing and writes each standby
     /// credential to `<spool dir>/<sandbox id>.token` for a load generator.
     #[arg(long, env = "STANDBY_SERVER_PROVIDER", default_value = "local", value_name = "PROVIDER")]
     pub provider: ProviderKind,
@@ -83,6 +85,8 @@ pub struct Serve {
     pub local: LocalArgs,
     #[command(flatten)]
     pub docker: DockerArgs,
+    #[command(flatten)]
+    pub kubernetes: KubernetesArgs,
     #[command(flatten)]
     pub spool: SpoolArgs,
     #[command(flatten)]
@@ -206,6 +210,36 @@ pub struct DockerArgs {
     pub sandbox_pids: Option<u64>,
 }
 
+/// The `kubernetes` provider (docs/deploy.md, "Kubernetes";
+/// `[kubernetes]`).
+#[derive(Debug, Clone, clap::Args)]
+#[command(next_help_heading = "Kubernetes provider ([kubernetes])")]
+pub struct KubernetesArgs {
+    /// The namespace of the sandbox Pods and claims; the client's own when
+    /// unset (in a cluster, the server Pod's namespace).
+    #[arg(long, env = "STANDBY_SERVER_KUBERNETES_NAMESPACE", value_name = "NAMESPACE")]
+    pub kubernetes_namespace: Option<String>,
+    /// The sandbox pod template: a PodTemplateSpec (YAML or JSON) with one
+    /// container, such as a ConfigMap key mounted as a file. The server adds
+    /// the `hold` argument, the workspace claim at /workspace and the strict
+    /// settings, and refuses a template that holds a secret or weakens the
+    /// sandbox. Unset: a Pod of --image and nothing else.
+    #[arg(long, env = "STANDBY_SERVER_KUBERNETES_POD_TEMPLATE", value_name = "FILE")]
+    pub kubernetes_pod_template: Option<PathBuf>,
+    /// The size of each sandbox's workspace claim (a Kubernetes quantity).
+    #[arg(long, env = "STANDBY_SERVER_KUBERNETES_WORKSPACE_SIZE", default_value = "10Gi", value_name = "QUANTITY")]
+    pub kubernetes_workspace_size: String,
+    /// The storage class of the workspace claims; the cluster's default when unset.
+    #[arg(long, env = "STANDBY_SERVER_KUBERNETES_STORAGE_CLASS", value_name = "CLASS")]
+    pub kubernetes_storage_class: Option<String>,
+    /// The value of the `standby.dev/instance` label on everything this
+    /// control plane makes, by which a restarted server adopts its Pods and
+    /// never touches another's. Every replica of one control plane needs
+    /// the same; `<data dir>/instance-id` when unset.
+    #[arg(long, env = "STANDBY_SERVER_KUBERNETES_INSTANCE", value_name = "ID")]
+    pub kubernetes_instance: Option<String>,
+}
+
 /// The `spool` provider (`[spool]`).
 #[derive(Debug, Clone, clap::Args)]
 #[command(next_help_heading = "Spool provider ([spool])")]
@@ -315,6 +349,7 @@ impl fmt::Debug for StoreArg {
 pub enum ProviderKind {
     Local,
     Docker,
+    Kubernetes,
     Spool,
 }
 

@@ -131,6 +131,27 @@ impl Settings {
         merge.option("docker", "sandbox_cpus", &mut t.sandbox_cpus, f.sandbox_cpus);
         merge.option("docker", "sandbox_memory", &mut t.sandbox_memory, f.sandbox_memory);
         merge.option("docker", "sandbox_pids", &mut t.sandbox_pids, f.sandbox_pids);
+        let (t, f) = (&mut s.kubernetes, v.kubernetes);
+        merge.option("kubernetes", "kubernetes_namespace", &mut t.kubernetes_namespace, f.kubernetes_namespace);
+        merge.option(
+            "kubernetes",
+            "kubernetes_pod_template",
+            &mut t.kubernetes_pod_template,
+            f.kubernetes_pod_template,
+        );
+        merge.value(
+            "kubernetes",
+            "kubernetes_workspace_size",
+            &mut t.kubernetes_workspace_size,
+            f.kubernetes_workspace_size,
+        );
+        merge.option(
+            "kubernetes",
+            "kubernetes_storage_class",
+            &mut t.kubernetes_storage_class,
+            f.kubernetes_storage_class,
+        );
+        merge.option("kubernetes", "kubernetes_instance", &mut t.kubernetes_instance, f.kubernetes_instance);
         merge.option("spool", "spool_dir", &mut s.spool.spool_dir, v.spool.spool_dir);
         let (t, f) = (&mut s.bounds, v.bounds);
         merge.value("bounds", "log_cap", &mut t.log_cap, f.log_cap);

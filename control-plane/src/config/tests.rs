@@ -73,8 +73,8 @@ fn a_wrong_type_is_refused_naming_the_key_and_its_line() {
     let message = refusal(with_file("[sandbox]\nstop_grace = \"soon\"\n", &[]));
     assert!(message.contains("standby.toml:2: `stop_grace` in [sandbox]"), "{message}");
     assert!(message.contains("is not a duration"), "{message}");
-    let message = refusal(with_file("provider = \"kubernetes\"\n", &[]));
-    assert!(message.contains("standby.toml:1: `provider`: `kubernetes` is not one of `local`"), "{message}");
+    let message = refusal(with_file("provider = \"nomad\"\n", &[]));
+    assert!(message.contains("standby.toml:1: `provider`: `nomad` is not one of `local`"), "{message}");
     let message = refusal(with_file("[bounds]\nlog_cap = \"lots\"\n", &[]));
     assert!(message.contains("standby.toml:2: `log_cap` in [bounds]"), "{message}");
     let message = refusal(with_file("api_key = 123456789\n", &[]));
@@ -165,6 +165,12 @@ docker_network = "y"
 sandbox_cpus = 1.5
 sandbox_memory = "1GiB"
 sandbox_pids = 9
+[kubernetes]
+kubernetes_namespace = "sandboxes"
+kubernetes_pod_template = "/srv/pod.yaml"
+kubernetes_workspace_size = "5Gi"
+kubernetes_storage_class = "fast"
+kubernetes_instance = "prod"
 [spool]
 spool_dir = "/srv/spool"
 [bounds]
