@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use clap::{Args as _, FromArgMatches as _};
 
-use super::flags::Serve;
+use super::flags::{ProviderKind, Serve};
 use super::{Config, ConfigError, ProviderConfig, Settings, Source};
 
 /// `serve` with `args` (without the word `serve`), merged.
@@ -434,4 +434,13 @@ fn the_flags_table_of_the_operations_guide_lists_every_flag_of_serve() {
     for (flag, env) in &flags {
         assert_eq!(&documented[flag], env, "the variable docs/operations.md gives {flag}");
     }
+}
+
+#[test]
+fn the_kubernetes_deployments_configuration_file_holds_only_keys_the_server_knows() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/kubernetes/base/config.toml");
+    let text = std::fs::read_to_string(&path).expect("read deploy/kubernetes/base/config.toml");
+    let merged = with_file(&text, &[]).expect("deploy/kubernetes/base/config.toml parses");
+    assert_eq!(merged.serve.provider, ProviderKind::Kubernetes);
+    assert_eq!(merged.serve.kubernetes.kubernetes_instance.as_deref(), Some("standby"));
 }
