@@ -223,17 +223,14 @@ impl KubernetesProvider {
         Ok(())
     }
 
-    /// Whether the sandbox's workspace claim exists (the watch's store,
-    /// else the API: a claim made a moment ago may not be heard yet).
-    async fn claim_exists(&self, sandbox_id: &str) -> Result<bool, ProviderError> {
-        let name = pod::claim_name(sandbox_id);
-        if self.inner.cache.claim(&name).is_some() {
-            return Ok(true);
-        }
-        match self.inner.claims.get_opt(&name).await {
-            Ok(found) => Ok(found.is_some_and(|claim| claim.metadata.deletion_timestamp.is_none())),
-            Err(error) => Err(Self::failed(sandbox_id, "read its workspace claim")(error)),
-        }
+    /// Whether the sandbox's workspace claim exists and is not being
+    /// deleted, from the watch's store: the provider reads no object by
+    /// itself (its Role grants no `get`).
+    fn claim_exists(&self, sandbox_id: &str) -> bool {
+        self.inner
+            .cache
+            .claim(&pod::claim_name(sandbox_id))
+            .is_some_and(|claim| claim.metadata.deletion_timestamp.is_none())
     }
 
     /// Stamps the claim with the time its sandbox stopped (the retention's
@@ -313,7 +310,7 @@ impl SandboxProvider for KubernetesProvider {
             PodState::Deleting | PodState::Ended(_) => self.delete_pod(sandbox_id, Duration::ZERO).await?,
             PodState::Absent => {}
         }
-        if !self.claim_exists(sandbox_id).await? {
+        if !self.claim_exists(sandbox_id) {
             return Err(ProviderError::Missing {
                 sandbox: sandbox_id.to_owned(),
                 path: PathBuf::from(format!("claim {}", pod::claim_name(sandbox_id))),
@@ -396,7 +393,7 @@ impl SandboxProvider for KubernetesProvider {
             PodState::Running => {}
             PodState::Pending => return Ok(Found::NoAgent),
             PodState::Absent | PodState::Deleting | PodState::Ended(_) => {
-                return Ok(if self.claim_exists(sandbox_id).await? { Found::NoAgent } else { Found::Missing });
+                return Ok(if self.claim_exists(sandbox_id) { Found::NoAgent } else { Found::Missing });
             }
         }
         if let Some(done) = self.agent_done(sandbox_id) {
