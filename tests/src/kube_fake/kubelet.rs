@@ -259,12 +259,15 @@ impl Kubelet {
         if pid1.is_some() {
             self.set_status(&key, &uid, status::running(&plan.container, &plan.image, &started_at), true);
         }
-        let kill_now = || {
-            if let Some(pid) = pid1 {
-                process::signal(pid, Signal::SIGKILL);
-            }
-            if let Some(pgid) = unshare {
-                process::signal_group(pgid, Signal::SIGKILL);
+        // SIGKILL to PID 1 takes the whole PID namespace down, and `unshare`
+        // reaps it before exiting: once `unshare` is reaped, nothing of the
+        // pod runs. (Killing `unshare` first would orphan a dying PID 1.)
+        let kill_now = || match pid1 {
+            Some(pid) => process::signal(pid, Signal::SIGKILL),
+            None => {
+                if let Some(pgid) = unshare {
+                    process::signal_group(pgid, Signal::SIGKILL);
+                }
             }
         };
         let mut shutdown = self.shutdown.clone();
@@ -311,6 +314,9 @@ impl Kubelet {
         // Whatever PID 1 left behind in its process group goes with it.
         if let Some(pgid) = unshare {
             process::signal_group(pgid, Signal::SIGKILL);
+        }
+        if let Some(pid) = pid1 {
+            process::wait_gone(pid, Duration::from_secs(5)).await;
         }
         lock(&self.runtimes).remove(&(key.namespace.clone(), key.name.clone()));
         if !quiet {
@@ -413,10 +419,11 @@ impl Kubelet {
     /// The fake's drop: SIGKILL every pod's PID 1 (which takes its whole PID
     /// namespace down) and process group, and every exec, then reap them.
     pub fn kill_all_now(&self) {
-        let mut reap = Vec::new();
+        let (mut reap, mut pids1) = (Vec::new(), Vec::new());
         for rt in lock(&self.runtimes).values() {
             if let Some(pid) = rt.pid1 {
                 process::signal(pid, Signal::SIGKILL);
+                pids1.push(pid);
             }
             if let Some(pgid) = rt.unshare {
                 process::signal_group(pgid, Signal::SIGKILL);
@@ -429,6 +436,9 @@ impl Kubelet {
         }
         for pid in reap {
             process::reap(pid, Duration::from_secs(2));
+        }
+        for pid in pids1 {
+            process::wait_gone_now(pid, Duration::from_secs(2));
         }
     }
 }

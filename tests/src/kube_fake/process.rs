@@ -226,7 +226,7 @@ pub async fn child_of(parent: u32) -> Option<u32> {
                 }
             }
         }
-        if tokio::time::Instant::now() > deadline || !Path::new(&format!("/proc/{parent}")).exists() {
+        if tokio::time::Instant::now() > deadline || !running(parent) {
             return None;
         }
         tokio::time::sleep(Duration::from_millis(2)).await;
@@ -265,6 +265,29 @@ pub fn reap(pid: u32, limit: Duration) {
             }
             _ => return,
         }
+    }
+}
+
+/// Whether `pid` runs (a zombie does not: it only waits to be reaped).
+pub fn running(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .is_ok_and(|stat| stat.rsplit_once(") ").is_some_and(|(_, rest)| !rest.starts_with('Z')))
+}
+
+/// Waits (up to `limit`) until `pid` no longer runs: a SIGKILLed PID 1 may
+/// still be tearing its namespace down when its parent is gone.
+pub async fn wait_gone(pid: u32, limit: Duration) {
+    let deadline = tokio::time::Instant::now() + limit;
+    while running(pid) && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
+/// [`wait_gone`] for `Drop`, which cannot await.
+pub fn wait_gone_now(pid: u32, limit: Duration) {
+    let deadline = std::time::Instant::now() + limit;
+    while running(pid) && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(2));
     }
 }
 

@@ -137,6 +137,11 @@ async fn run(
     };
 
     loop {
+        if store.current().1 != epoch {
+            // expire_watches: the stream ends; the client's next watch from
+            // its last version gets 410.
+            return;
+        }
         let since = match store.since(last) {
             Ok(since) => since,
             Err(expired) => {
@@ -145,8 +150,6 @@ async fn run(
             }
         };
         if since.epoch != epoch {
-            // expire_watches: the stream ends; the client's next watch from
-            // its last version gets 410.
             return;
         }
         for change in since.changes {
