@@ -10,7 +10,7 @@ use std::time::Duration;
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::{ConfigMap, PersistentVolumeClaim, Pod};
 use kube::api::{Api, AttachParams, DeleteParams, ListParams, Patch, PatchParams, PostParams, WatchEvent, WatchParams};
-use kube::runtime::wait::{await_condition, conditions};
+use kube::runtime::wait::{Condition, await_condition, conditions};
 use kube::runtime::{WatchStreamExt, reflector, watcher};
 use serde_json::json;
 use standby_e2e::kube_fake::{Call, FakeCluster, FakeOptions};
@@ -95,17 +95,18 @@ async fn eventually(what: &str, mut check: impl FnMut() -> bool) {
     .await;
 }
 
+/// Waits (on a watch of the pod, as the provider would) for `cond`.
+async fn until(pods: &Api<Pod>, name: &str, what: &str, cond: impl Condition<Pod>) -> Option<Pod> {
+    // Boxed: kube's watch future is large.
+    in_time(what, Box::pin(await_condition(pods.clone(), name, cond))).await.expect("a watch of the pod")
+}
+
 async fn running(pods: &Api<Pod>, name: &str) -> Pod {
-    let pod = in_time("the pod runs", await_condition(pods.clone(), name, conditions::is_pod_running()))
-        .await
-        .expect("a watch of the pod");
-    pod.expect("the pod exists")
+    until(pods, name, "the pod runs", conditions::is_pod_running()).await.expect("the pod exists")
 }
 
 async fn gone(pods: &Api<Pod>, name: &str, uid: &str) {
-    in_time("the pod is gone", await_condition(pods.clone(), name, conditions::is_deleted(uid)))
-        .await
-        .expect("a watch of the pod");
+    until(pods, name, "the pod is gone", conditions::is_deleted(uid)).await;
 }
 
 async fn logs_contain(pods: &Api<Pod>, name: &str, text: &str) {
@@ -467,15 +468,11 @@ async fn a_pvc_dir_outlives_its_pod_and_goes_with_the_pvc() {
         .create(&PostParams::default(), &pod("p", "echo kept > $DIR/file; sleep 1000", Some("c")))
         .await
         .expect("create");
-    in_time(
-        "unschedulable",
-        await_condition(pods.clone(), "p", |p: Option<&Pod>| {
-            p.and_then(|p| p.status.as_ref()?.conditions.as_ref()?.first().cloned())
-                .is_some_and(|c| c.reason.as_deref() == Some("Unschedulable"))
-        }),
-    )
-    .await
-    .expect("a watch");
+    until(&pods, "p", "unschedulable", |p: Option<&Pod>| {
+        p.and_then(|p| p.status.as_ref()?.conditions.as_ref()?.first().cloned())
+            .is_some_and(|c| c.reason.as_deref() == Some("Unschedulable"))
+    })
+    .await;
     let bound = claims.create(&PostParams::default(), &claim("c")).await.expect("create the claim");
     assert_eq!(bound.status.and_then(|s| s.phase).as_deref(), Some("Bound"));
     running(&pods, "p").await;
@@ -493,14 +490,10 @@ async fn a_pvc_dir_outlives_its_pod_and_goes_with_the_pvc() {
     // Unused: the directory outlives a pod and goes with the claim.
     claims.create(&PostParams::default(), &claim("d")).await.expect("create");
     let done = pods.create(&PostParams::default(), &pod("q", "echo x > $DIR/f", Some("d"))).await.expect("create");
-    in_time(
-        "the pod succeeds",
-        await_condition(pods.clone(), "q", |p: Option<&Pod>| {
-            p.and_then(|p| p.status.as_ref()?.phase.clone()).as_deref() == Some("Succeeded")
-        }),
-    )
-    .await
-    .expect("a watch");
+    until(&pods, "q", "the pod succeeds", |p: Option<&Pod>| {
+        p.and_then(|p| p.status.as_ref()?.phase.clone()).as_deref() == Some("Succeeded")
+    })
+    .await;
     pods.delete("q", &DeleteParams::default()).await.expect("delete");
     gone(&pods, "q", &done.metadata.uid.expect("a uid")).await;
     assert!(cluster.pvc_dir("d").join("f").exists());

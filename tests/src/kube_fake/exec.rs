@@ -46,8 +46,8 @@ struct Request {
 
 /// Checks the pod as the API server and kubelet do before upgrading (404
 /// for a missing pod, 400 for one not running), then upgrades.
-pub fn serve(shared: Arc<Shared>, key: ObjKey, q: Params, ws: WebSocketUpgrade) -> Result<Response, ApiError> {
-    let pod = shared.store.get(&key).ok_or_else(|| key.rt.not_found(&key.name))?;
+pub fn serve(shared: Arc<Shared>, key: &ObjKey, q: &Params, ws: WebSocketUpgrade) -> Result<Response, ApiError> {
+    let pod = shared.store.get(key).ok_or_else(|| key.rt.not_found(&key.name))?;
     let phase = pod.pointer("/status/phase").and_then(Value::as_str).unwrap_or("Pending");
     if matches!(phase, "Succeeded" | "Failed") {
         return Err(ApiError::BadRequest(format!(
@@ -55,7 +55,7 @@ pub fn serve(shared: Arc<Shared>, key: ObjKey, q: Params, ws: WebSocketUpgrade) 
         )));
     }
     let cname = pod.pointer("/spec/containers/0/name").and_then(Value::as_str).unwrap_or("");
-    if let Some(asked) = param(&q, "container")
+    if let Some(asked) = param(q, "container")
         && asked != cname
     {
         return Err(ApiError::BadRequest(format!("container {asked} is not valid for pod {}", key.name)));
@@ -68,7 +68,7 @@ pub fn serve(shared: Arc<Shared>, key: ObjKey, q: Params, ws: WebSocketUpgrade) 
     let (plan, pid1) = shared.kubelet.exec_target(&key.namespace, &key.name, uid).ok_or_else(|| {
         ApiError::BadRequest(format!("unable to upgrade connection: container not found (\"{cname}\")"))
     })?;
-    let request = Request { command, stdin: flag(&q, "stdin"), stdout: flag(&q, "stdout"), stderr: flag(&q, "stderr") };
+    let request = Request { command, stdin: flag(q, "stdin"), stdout: flag(q, "stdout"), stderr: flag(q, "stderr") };
     let ws = ws.protocols([V5, V4]);
     let v5 = ws.selected_protocol().is_some_and(|p| p == V5);
     Ok(ws.on_upgrade(move |socket| run(shared, socket, plan, pid1, request, v5)))

@@ -161,7 +161,7 @@ async fn serve(shared: Arc<Shared>, request: Request) -> Result<Response, ApiErr
             let ws = axum::extract::ws::WebSocketUpgrade::from_request_parts(&mut parts, &shared)
                 .await
                 .map_err(|e| ApiError::BadRequest(format!("unable to upgrade connection: {e}")))?;
-            exec::serve(shared, key, q, ws)
+            exec::serve(shared, &key, &q, ws)
         }
         (Some("log"), Method::GET) if is_pod => {
             shared.store.get(&key).ok_or_else(|| rt.not_found(&name))?;

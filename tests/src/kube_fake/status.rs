@@ -34,7 +34,7 @@ pub fn unschedulable(message: &str) -> Value {
     })
 }
 
-fn container(name: &str, image: &str, ready: bool, state: Value) -> Value {
+fn container(name: &str, image: &str, ready: bool, state: &Value) -> Value {
     json!({
         "name": name,
         "image": image,
@@ -63,7 +63,7 @@ pub fn waiting(cname: &str, image: &str, reason: &str, message: Option<&str>) ->
             condition("ContainersReady", false, Some("ContainersNotReady"), None),
             condition("Ready", false, Some("ContainersNotReady"), None),
         ],
-        "containerStatuses": [container(cname, image, false, json!({ "waiting": waiting }))],
+        "containerStatuses": [container(cname, image, false, &json!({ "waiting": waiting }))],
     })
 }
 
@@ -82,7 +82,7 @@ pub fn running(cname: &str, image: &str, started_at: &str) -> Value {
             condition("ContainersReady", true, None, None),
             condition("Ready", true, None, None),
         ],
-        "containerStatuses": [container(cname, image, true, json!({ "running": { "startedAt": started_at } }))],
+        "containerStatuses": [container(cname, image, true, &json!({ "running": { "startedAt": started_at } }))],
     })
 }
 
@@ -103,7 +103,7 @@ pub fn terminated(cname: &str, image: &str, started_at: &str, code: i32) -> Valu
             condition("ContainersReady", false, Some(pod_reason), None),
             condition("Ready", false, Some(pod_reason), None),
         ],
-        "containerStatuses": [container(cname, image, false, json!({ "terminated": {
+        "containerStatuses": [container(cname, image, false, &json!({ "terminated": {
             "exitCode": code,
             "reason": reason,
             "startedAt": started_at,
