@@ -2,149 +2,23 @@
 //! real `kube::Client`: each semantic the Kubernetes provider relies on,
 //! proven against what kube itself sends and expects.
 
-use std::collections::{BTreeMap, HashMap};
-use std::future::Future;
-use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::collections::BTreeMap;
+use std::path::Path;
 
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::{ConfigMap, PersistentVolumeClaim, Pod};
 use kube::api::{Api, AttachParams, DeleteParams, ListParams, Patch, PatchParams, PostParams, WatchEvent, WatchParams};
-use kube::runtime::wait::{Condition, await_condition, conditions};
 use kube::runtime::{WatchStreamExt, reflector, watcher};
 use serde_json::json;
 use standby_e2e::kube_fake::{Call, FakeCluster, FakeOptions};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-const IMAGE: &str = "busybox:test";
-const WAIT: Duration = Duration::from_secs(20);
+mod kube_fake_support;
 
-/// `sh`, `cat` and `sleep` of the host, under /bin and /usr/bin.
-fn options() -> FakeOptions {
-    let mut binaries = HashMap::new();
-    for tool in ["sh", "cat", "sleep"] {
-        let host = ["/bin", "/usr/bin"]
-            .iter()
-            .map(|dir| PathBuf::from(dir).join(tool))
-            .find(|p| p.exists())
-            .unwrap_or_else(|| panic!("{tool} on the host"));
-        binaries.insert(format!("/bin/{tool}"), host.clone());
-        binaries.insert(format!("/usr/bin/{tool}"), host);
-    }
-    let images = HashMap::from([(IMAGE.to_owned(), vec!["/bin/sh".to_owned()])]);
-    FakeOptions { binaries, images, ..FakeOptions::default() }
-}
-
-async fn cluster() -> (FakeCluster, kube::Client) {
-    let cluster = FakeCluster::start(options()).await;
-    let client = cluster.client().await;
-    (cluster, client)
-}
-
-fn config_map(name: &str, labels: &[(&str, &str)]) -> ConfigMap {
-    let labels: BTreeMap<String, String> = labels.iter().map(|(k, v)| ((*k).into(), (*v).into())).collect();
-    serde_json::from_value(json!({
-        "metadata": { "name": name, "labels": labels },
-        "data": { "k": "v" },
-    }))
-    .expect("a config map")
-}
-
-/// A pod running `sh -c script`, FOO=bar in its env; `pvc` mounted at /data
-/// (DIR=/data) if given.
-fn pod(name: &str, script: &str, pvc: Option<&str>) -> Pod {
-    let mut spec = json!({
-        "restartPolicy": "Never",
-        "terminationGracePeriodSeconds": 1,
-        "enableServiceLinks": false,
-        "containers": [{
-            "name": "main",
-            "image": IMAGE,
-            "command": ["/bin/sh", "-c", script],
-            "env": [{ "name": "FOO", "value": "bar" }, { "name": "DIR", "value": "/data" }],
-        }],
-    });
-    if let Some(claim) = pvc {
-        spec["volumes"] = json!([{ "name": "data", "persistentVolumeClaim": { "claimName": claim } }]);
-        spec["containers"][0]["volumeMounts"] = json!([{ "name": "data", "mountPath": "/data" }]);
-    }
-    serde_json::from_value(json!({ "metadata": { "name": name, "labels": { "app": "t" } }, "spec": spec }))
-        .expect("a pod")
-}
-
-fn claim(name: &str) -> PersistentVolumeClaim {
-    serde_json::from_value(json!({
-        "metadata": { "name": name },
-        "spec": { "accessModes": ["ReadWriteOnce"], "resources": { "requests": { "storage": "1Gi" } } },
-    }))
-    .expect("a claim")
-}
-
-async fn in_time<T>(what: &str, f: impl Future<Output = T>) -> T {
-    tokio::time::timeout(WAIT, f).await.unwrap_or_else(|_| panic!("{what}: not within {WAIT:?}"))
-}
-
-/// Polls `check` until it holds (for what no event announces: processes,
-/// files), failing after [`WAIT`].
-async fn eventually(what: &str, mut check: impl FnMut() -> bool) {
-    in_time(what, async {
-        while !check() {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    })
-    .await;
-}
-
-/// Waits (on a watch of the pod, as the provider would) for `cond`.
-async fn until(pods: &Api<Pod>, name: &str, what: &str, cond: impl Condition<Pod>) -> Option<Pod> {
-    // Boxed: kube's watch future is large.
-    in_time(what, Box::pin(await_condition(pods.clone(), name, cond))).await.expect("a watch of the pod")
-}
-
-async fn running(pods: &Api<Pod>, name: &str) -> Pod {
-    until(pods, name, "the pod runs", conditions::is_pod_running()).await.expect("the pod exists")
-}
-
-async fn gone(pods: &Api<Pod>, name: &str, uid: &str) {
-    until(pods, name, "the pod is gone", conditions::is_deleted(uid)).await;
-}
-
-async fn logs_contain(pods: &Api<Pod>, name: &str, text: &str) {
-    in_time("the log", async {
-        loop {
-            let log = pods.logs(name, &Default::default()).await.expect("the pod's log");
-            if log.contains(text) {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    })
-    .await;
-}
-
-fn alive(pid: u32) -> bool {
-    // A zombie is dead: what is left of it is the parent's to reap.
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .is_ok_and(|stat| stat.rsplit_once(") ").is_some_and(|(_, rest)| !rest.starts_with('Z')))
-}
-
-/// Host pids of every process in the PID namespace of host pid `pid1`.
-fn namespace_members(pid1: u32) -> Vec<u32> {
-    let ns = std::fs::read_link(format!("/proc/{pid1}/ns/pid")).expect("the pod's PID namespace");
-    std::fs::read_dir("/proc")
-        .expect("/proc")
-        .flatten()
-        .filter_map(|e| e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()))
-        .filter(|pid| std::fs::read_link(format!("/proc/{pid}/ns/pid")).is_ok_and(|l| l == ns))
-        .collect()
-}
-
-fn api_code(err: kube::Error) -> (u16, String) {
-    match err {
-        kube::Error::Api(status) => (status.code, status.reason),
-        other => panic!("not an API error: {other}"),
-    }
-}
+use kube_fake_support::{
+    alive, api_code, claim, cluster, config_map, eventually, gone, in_time, logs_contain, namespace_members, options,
+    pod, running, until,
+};
 
 #[tokio::test]
 async fn create_get_and_list_with_a_label_selector() {
@@ -587,4 +461,153 @@ async fn the_kubeconfig_reaches_the_server() {
     let client = kube::Client::try_from(config).expect("a client");
     let version = client.apiserver_version().await.expect("the version");
     assert_eq!((version.major.as_str(), version.minor.as_str()), ("1", "33"));
+}
+
+#[tokio::test]
+async fn an_exec_ends_when_its_pod_is_evicted() {
+    let (cluster, client) = cluster().await;
+    let pods: Api<Pod> = Api::default_namespaced(client);
+    pods.create(&PostParams::default(), &pod("p", "sleep 1000", None)).await.expect("create");
+    running(&pods, "p").await;
+    let mut attached =
+        pods.exec("p", ["sh", "-c", "echo up; sleep 1000"], &AttachParams::default()).await.expect("exec");
+    let mut stdout = attached.stdout().expect("stdout");
+    let mut up = [0u8; 3];
+    in_time("the exec runs", stdout.read_exact(&mut up)).await.expect("read");
+    let status = attached.take_status().expect("a status");
+    cluster.evict("p").await;
+    let status = in_time("the exec ends with its pod", status).await.expect("a status");
+    assert_eq!(status.reason.as_deref(), Some("NonZeroExitCode"), "{status:?}");
+    let causes = status.details.and_then(|d| d.causes).expect("causes");
+    assert_eq!(causes[0].message.as_deref(), Some("137"), "SIGKILLed");
+}
+
+#[tokio::test]
+async fn a_container_that_cannot_start_says_why() {
+    let (_cluster, client) = cluster().await;
+    let pods: Api<Pod> = Api::default_namespaced(client);
+    let waiting = |pod: Option<&Pod>| {
+        pod.and_then(|p| p.status.as_ref()?.container_statuses.as_ref()?.first()?.state.as_ref()?.waiting.clone())
+            .and_then(|w| w.reason)
+    };
+
+    let mut unknown_image = pod("image", "true", None);
+    let container = &mut unknown_image.spec.as_mut().expect("a spec").containers[0];
+    (container.image, container.command) = (Some("nope:1".into()), None);
+    let mut unknown_binary = pod("binary", "true", None);
+    unknown_binary.spec.as_mut().expect("a spec").containers[0].command = Some(vec!["/nope".into()]);
+    let mut value_from = pod("secret", "true", None);
+    value_from.spec.as_mut().expect("a spec").containers[0].env = Some(vec![
+        serde_json::from_value(json!({ "name": "S", "valueFrom": { "secretKeyRef": { "name": "s", "key": "k" } } }))
+            .expect("an env var"),
+    ]);
+    for (pod, reason) in [
+        (unknown_image, "ErrImagePull"),
+        (unknown_binary, "CreateContainerError"),
+        (value_from, "CreateContainerConfigError"),
+    ] {
+        let name = pod.metadata.name.clone().expect("a name");
+        pods.create(&PostParams::default(), &pod).await.expect("create");
+        let pod = until(&pods, &name, reason, |p: Option<&Pod>| waiting(p).as_deref() == Some(reason)).await;
+        let status = pod.and_then(|p| p.status).expect("a status");
+        assert_eq!(status.phase.as_deref(), Some("Pending"), "{name}");
+    }
+
+    let mut two = pod("two", "true", None);
+    let spec = two.spec.as_mut().expect("a spec");
+    let mut second = spec.containers[0].clone();
+    second.name = "second".into();
+    spec.containers.push(second);
+    pods.create(&PostParams::default(), &two).await.expect("create");
+    let failed = until(&pods, "two", "failed", |p: Option<&Pod>| {
+        p.and_then(|p| p.status.as_ref()?.phase.clone()).as_deref() == Some("Failed")
+    })
+    .await;
+    let message = failed.and_then(|p| p.status?.message).expect("a message");
+    assert!(message.contains("exactly one container"), "{message}");
+}
+
+#[tokio::test]
+async fn status_is_a_subresource_and_a_selector_watch_sees_objects_leave() {
+    let (_cluster, client) = cluster().await;
+    let pods: Api<Pod> = Api::default_namespaced(client.clone());
+    pods.create(&PostParams::default(), &pod("p", "sleep 1000", None)).await.expect("create");
+    let mut pod = running(&pods, "p").await;
+    pod.status.as_mut().expect("a status").phase = Some("Failed".into());
+    let replaced = pods.replace("p", &PostParams::default(), &pod).await.expect("update");
+    assert_eq!(replaced.status.and_then(|s| s.phase).as_deref(), Some("Running"), "PUT keeps the status");
+    let patched = pods
+        .patch_status("p", &PatchParams::default(), &Patch::Merge(json!({ "status": { "message": "hi" } })))
+        .await
+        .expect("patch status");
+    assert_eq!(patched.status.and_then(|s| s.message).as_deref(), Some("hi"));
+
+    let cms: Api<ConfigMap> = Api::default_namespaced(client);
+    cms.create(&PostParams::default(), &config_map("a", &[("app", "x")])).await.expect("create");
+    let list = cms.list(&ListParams::default()).await.expect("list");
+    let rv = list.metadata.resource_version.expect("a version");
+    let wp = WatchParams::default().labels("app=x");
+    let mut events = cms.watch(&wp, &rv).await.expect("watch").boxed();
+    cms.patch("a", &PatchParams::default(), &Patch::Merge(json!({ "metadata": { "labels": { "app": "y" } } })))
+        .await
+        .expect("relabel");
+    match in_time("an event", events.try_next()).await.expect("an event") {
+        Some(WatchEvent::Deleted(cm)) => assert_eq!(cm.metadata.name.as_deref(), Some("a")),
+        other => panic!("unexpected {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn a_streaming_list_watcher_gets_its_initial_events() {
+    let (_cluster, client) = cluster().await;
+    let cms: Api<ConfigMap> = Api::default_namespaced(client);
+    cms.create(&PostParams::default(), &config_map("a", &[])).await.expect("create");
+    let config = watcher::Config::default().streaming_lists();
+    let mut events = watcher(cms.clone(), config).boxed();
+    in_time("the initial events", async {
+        let mut seen = Vec::new();
+        loop {
+            match events.try_next().await.expect("an event").expect("the stream goes on") {
+                watcher::Event::InitApply(cm) => seen.extend(cm.metadata.name),
+                watcher::Event::InitDone => break,
+                _ => {}
+            }
+        }
+        assert_eq!(seen, ["a"]);
+    })
+    .await;
+    cms.create(&PostParams::default(), &config_map("b", &[])).await.expect("create");
+    match in_time("a live event", events.try_next()).await.expect("an event") {
+        Some(watcher::Event::Apply(cm)) => assert_eq!(cm.metadata.name.as_deref(), Some("b")),
+        other => panic!("unexpected {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn exec_speaks_v4_to_a_client_without_v5() {
+    use tokio_tungstenite::tungstenite::{Message, client::IntoClientRequest, http::HeaderValue};
+    let (cluster, client) = cluster().await;
+    let pods: Api<Pod> = Api::default_namespaced(client);
+    pods.create(&PostParams::default(), &pod("p", "sleep 1000", None)).await.expect("create");
+    running(&pods, "p").await;
+    let url = format!(
+        "{}/api/v1/namespaces/standby/pods/p/exec?command=sh&command=-c&command=echo+hi%3B+exit+2&stdout=true",
+        cluster.url().replacen("http", "ws", 1)
+    );
+    let mut request = url.into_client_request().expect("a request");
+    request.headers_mut().insert("Sec-WebSocket-Protocol", HeaderValue::from_static("v4.channel.k8s.io"));
+    let (mut socket, response) = tokio_tungstenite::connect_async(request).await.expect("upgrade");
+    assert_eq!(response.headers()["Sec-WebSocket-Protocol"], "v4.channel.k8s.io");
+    let mut frames = Vec::new();
+    in_time("the frames", async {
+        while let Some(Ok(message)) = socket.next().await {
+            if let Message::Binary(b) = message {
+                frames.push(b.to_vec());
+            }
+        }
+    })
+    .await;
+    assert_eq!(frames[0], b"\x01hi\n");
+    let status: serde_json::Value = serde_json::from_slice(&frames[1][1..]).expect("a status");
+    assert_eq!((frames[1][0], status["details"]["causes"][0]["message"].as_str()), (3, Some("2")));
 }

@@ -419,26 +419,32 @@ impl Kubelet {
     /// The fake's drop: SIGKILL every pod's PID 1 (which takes its whole PID
     /// namespace down) and process group, and every exec, then reap them.
     pub fn kill_all_now(&self) {
-        let (mut reap, mut pids1) = (Vec::new(), Vec::new());
+        let (mut groups, mut pids1) = (Vec::new(), Vec::new());
         for rt in lock(&self.runtimes).values() {
-            if let Some(pid) = rt.pid1 {
-                process::signal(pid, Signal::SIGKILL);
-                pids1.push(pid);
+            // PID 1 first, alone: `unshare` then reaps it and exits, so no
+            // dying PID 1 is orphaned. A pod without a known PID 1 has its
+            // whole group killed.
+            match rt.pid1 {
+                Some(pid) => {
+                    process::signal(pid, Signal::SIGKILL);
+                    pids1.push(pid);
+                }
+                None => rt.unshare.into_iter().for_each(|g| process::signal_group(g, Signal::SIGKILL)),
             }
-            if let Some(pgid) = rt.unshare {
-                process::signal_group(pgid, Signal::SIGKILL);
-                reap.push(pgid);
-            }
+            groups.extend(rt.unshare);
         }
         for pid in lock(&self.execs).iter() {
             process::signal_group(*pid, Signal::SIGKILL);
-            reap.push(*pid);
-        }
-        for pid in reap {
-            process::reap(pid, Duration::from_secs(2));
+            groups.push(*pid);
         }
         for pid in pids1 {
             process::wait_gone_now(pid, Duration::from_secs(2));
+        }
+        for pgid in groups {
+            // Anything left in the group (nothing, normally), then reap its
+            // leader: our child.
+            process::signal_group(pgid, Signal::SIGKILL);
+            process::reap(pgid, Duration::from_secs(2));
         }
     }
 }
