@@ -611,3 +611,33 @@ async fn exec_speaks_v4_to_a_client_without_v5() {
     let status: serde_json::Value = serde_json::from_slice(&frames[1][1..]).expect("a status");
     assert_eq!((frames[1][0], status["details"]["causes"][0]["message"].as_str()), (3, Some("2")));
 }
+
+#[tokio::test]
+async fn an_empty_dir_maps_env_and_working_dir_and_the_eviction_api_deletes() {
+    let (_cluster, client) = cluster().await;
+    let pods: Api<Pod> = Api::default_namespaced(client);
+    let mut spec = pod("p", "pwd; echo \"dir=$DIR\"; touch here; sleep 1000", None);
+    let pod_spec = spec.spec.as_mut().expect("a spec");
+    pod_spec.volumes =
+        Some(vec![serde_json::from_value(json!({ "name": "scratch", "emptyDir": {} })).expect("a volume")]);
+    let container = &mut pod_spec.containers[0];
+    container.volume_mounts =
+        Some(vec![serde_json::from_value(json!({ "name": "scratch", "mountPath": "/scratch" })).expect("a mount")]);
+    container.working_dir = Some("/scratch".into());
+    container.env = Some(vec![serde_json::from_value(json!({ "name": "DIR", "value": "/scratch/sub" })).expect("env")]);
+    let created = pods.create(&PostParams::default(), &spec).await.expect("create");
+    running(&pods, "p").await;
+    logs_contain(&pods, "p", "dir=").await;
+    let log = pods.logs("p", &Default::default()).await.expect("the log");
+    let lines: Vec<&str> = log.lines().collect();
+    let host_dir = lines[0];
+    assert!(host_dir.ends_with("/scratch") && host_dir != "/scratch", "the working dir is mapped: {log}");
+    assert_eq!(lines[1], format!("dir={host_dir}/sub"), "env values below a mount path are mapped");
+    eventually("the file is in the emptyDir", || Path::new(host_dir).join("here").exists()).await;
+
+    pods.evict("p", &Default::default()).await.expect("the eviction API");
+    let marked = pods.get("p").await.expect("terminating, still there");
+    assert!(marked.metadata.deletion_timestamp.is_some());
+    gone(&pods, "p", &created.metadata.uid.expect("a uid")).await;
+    eventually("the emptyDir goes with its pod", || !Path::new(host_dir).exists()).await;
+}

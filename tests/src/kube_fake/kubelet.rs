@@ -168,9 +168,17 @@ impl Kubelet {
             }
             self.start(&pod, key, uid);
         }
+        let mut live_uids: HashSet<String> = present.iter().map(|(_, _, uid)| uid.clone()).collect();
         for ((ns, name), rt) in lock(&self.runtimes).iter() {
             if !present.contains(&(ns.clone(), name.clone(), rt.uid.clone())) {
                 let _ = rt.control.send(Control::Kill { ack: None });
+            }
+            live_uids.insert(rt.uid.clone());
+        }
+        // An emptyDir lives as long as its pod.
+        for entry in std::fs::read_dir(self.root.join("emptydirs")).into_iter().flatten().flatten() {
+            if entry.file_name().to_str().is_some_and(|uid| !live_uids.contains(uid)) {
+                let _ = std::fs::remove_dir_all(entry.path());
             }
         }
         finalize_claims(&self.store, &self.root);

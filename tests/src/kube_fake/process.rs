@@ -172,14 +172,29 @@ pub fn plan(
     Ok(Plan { container: cname, image, argv, env, cwd, mounts })
 }
 
-/// The container's command line: its own PID namespace (PID 1 is the
-/// container's first process, `/proc` its own), killed with `unshare`, in a
-/// process group of its own.
+/// A util-linux tool of the host, by absolute path: the child's PATH is the
+/// container's, which may not lead to it.
+fn host_tool(name: &str) -> PathBuf {
+    let path = std::env::var_os("PATH").unwrap_or_else(|| DEFAULT_PATH.into());
+    std::env::split_paths(&path)
+        .chain(std::env::split_paths(DEFAULT_PATH))
+        .map(|dir| dir.join(name))
+        .find(|p| p.is_file())
+        .unwrap_or_else(|| PathBuf::from(name))
+}
+
+/// The container's command line: a session of its own (`setsid`: no
+/// controlling terminal, one process group to signal as a whole), its own
+/// PID namespace (PID 1 is the container's first process, `/proc` its own;
+/// `unshare --kill-child` kills it if `unshare` dies).
 pub fn container_command(plan: &Plan, log: &Path) -> std::io::Result<tokio::process::Command> {
     let out = std::fs::OpenOptions::new().create(true).append(true).open(log)?;
     let err = out.try_clone()?;
-    let mut cmd = tokio::process::Command::new("unshare");
-    cmd.args(["--pid", "--fork", "--mount-proc", "--kill-child", "--"])
+    // `setsid` execs in place (it forks only when already a group leader,
+    // which a fresh child is not), so the child's pid is the session's.
+    let mut cmd = tokio::process::Command::new(host_tool("setsid"));
+    cmd.arg(host_tool("unshare"))
+        .args(["--pid", "--fork", "--mount-proc", "--kill-child", "--"])
         .args(&plan.argv)
         .env_clear()
         .envs(plan.env.iter().map(|(k, v)| (k, v)))
@@ -187,7 +202,6 @@ pub fn container_command(plan: &Plan, log: &Path) -> std::io::Result<tokio::proc
         .stdin(std::process::Stdio::null())
         .stdout(out)
         .stderr(err)
-        .process_group(0)
         .kill_on_drop(true);
     Ok(cmd)
 }
@@ -195,7 +209,7 @@ pub fn container_command(plan: &Plan, log: &Path) -> std::io::Result<tokio::proc
 /// An exec's command line: `nsenter` into the PID and mount namespaces of
 /// the pod's PID 1, with the container's environment and working directory.
 pub fn exec_command(plan: &Plan, pid1: u32, argv: &[String]) -> tokio::process::Command {
-    let mut cmd = tokio::process::Command::new("nsenter");
+    let mut cmd = tokio::process::Command::new(host_tool("nsenter"));
     cmd.arg(format!("--target={pid1}"))
         .args(["--pid", "--mount"])
         .arg(format!("--wd={}", plan.cwd.display()))

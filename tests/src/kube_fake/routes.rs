@@ -184,6 +184,15 @@ async fn serve(shared: Arc<Shared>, request: Request) -> Result<Response, ApiErr
             let part = if sub.is_some() { Part::Status } else { Part::Main };
             patch(&shared, &key, part, request, &q).await
         }
+        (Some("eviction"), Method::POST) if is_pod => {
+            // The eviction API: a graceful delete (no disruption budgets here).
+            let body = read_json(request).await?;
+            let grace = body.pointer("/deleteOptions/gracePeriodSeconds").and_then(Value::as_i64);
+            objects::delete(&shared, &key, grace)?;
+            let status =
+                json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201});
+            Ok((StatusCode::CREATED, axum::Json(status)).into_response())
+        }
         (None, Method::DELETE) => {
             let grace = grace_period(request, &q).await?;
             Ok(json_ok(objects::delete(&shared, &key, grace)?))
