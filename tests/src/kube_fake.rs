@@ -30,8 +30,10 @@
 //! - One node (`fake-node`), one container per pod (more: the pod fails), no
 //!   init containers, no probes, no resources, no image pulls. Security
 //!   contexts are ignored except that `privileged: true` is refused at create.
-//! - `restartPolicy: Always` is treated as `Never`: an exited container is
-//!   not restarted.
+//! - `restartPolicy` is honoured (Always and OnFailure restart the
+//!   container, `restartCount` and `lastState` move, `CrashLoopBackOff`
+//!   between runs) but the back-off is 1 s doubling to 8 s, not 10 s to
+//!   5 minutes, and it never resets.
 //! - Strategic merge patch is applied as a JSON merge patch (lists replace
 //!   whole), server-side apply as create-or-merge-patch (no field ownership,
 //!   no conflicts between managers), JSON patch is refused (415).

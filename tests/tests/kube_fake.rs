@@ -641,3 +641,27 @@ async fn an_empty_dir_maps_env_and_working_dir_and_the_eviction_api_deletes() {
     gone(&pods, "p", &created.metadata.uid.expect("a uid")).await;
     eventually("the emptyDir goes with its pod", || !Path::new(host_dir).exists()).await;
 }
+
+#[tokio::test]
+async fn restart_policy_always_restarts_after_a_back_off() {
+    let (_cluster, client) = cluster().await;
+    let pods: Api<Pod> = Api::default_namespaced(client);
+    let mut spec = pod("p", "echo run; exit 1", None);
+    spec.spec.as_mut().expect("a spec").restart_policy = Some("Always".into());
+    let created = pods.create(&PostParams::default(), &spec).await.expect("create");
+    let restarted = until(&pods, "p", "a restart", |p: Option<&Pod>| {
+        p.and_then(|p| p.status.as_ref()?.container_statuses.as_ref()?.first().map(|c| c.restart_count))
+            .is_some_and(|n| n >= 1)
+    })
+    .await
+    .expect("the pod");
+    let status = restarted.status.expect("a status");
+    assert_eq!(status.phase.as_deref(), Some("Running"), "a restarting pod stays Running");
+    let container = &status.container_statuses.expect("container statuses")[0];
+    let last = container.last_state.as_ref().and_then(|s| s.terminated.as_ref()).expect("the last run's end");
+    assert_eq!(last.exit_code, 1);
+    logs_contain(&pods, "p", "run\nrun\n").await;
+
+    pods.delete("p", &DeleteParams::default()).await.expect("delete");
+    gone(&pods, "p", &created.metadata.uid.expect("a uid")).await;
+}

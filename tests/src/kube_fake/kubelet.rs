@@ -18,7 +18,9 @@ use super::FakeOptions;
 use super::objects::finalize_claims;
 use super::process::{self, Plan, PlanError};
 use super::status;
-use super::store::{ObjKey, Part, ResourceType, Store, now};
+use super::store::{ObjKey, Part, ResourceType, Store};
+
+mod supervisor;
 
 /// (namespace, name)
 type PodName = (String, String);
@@ -233,110 +235,6 @@ impl Kubelet {
             && rt.uid == uid
         {
             f(rt);
-        }
-    }
-
-    /// Owns one pod's container from start to reaping.
-    async fn supervise(
-        self: Arc<Self>,
-        key: ObjKey,
-        uid: String,
-        plan: Arc<Plan>,
-        mut control: mpsc::UnboundedReceiver<Control>,
-    ) {
-        let log = self.log_path(&key, &uid);
-        let spawned = std::fs::create_dir_all(self.root.join("logs"))
-            .and_then(|()| process::container_command(&plan, &log))
-            .and_then(|mut cmd| cmd.spawn());
-        let mut child = match spawned {
-            Ok(child) => child,
-            Err(e) => {
-                lock(&self.runtimes).remove(&(key.namespace.clone(), key.name.clone()));
-                self.set_status(&key, &uid, status::failed("RunContainerError", &format!("start: {e}")), true);
-                return;
-            }
-        };
-        let unshare = child.id();
-        self.update_runtime(&key, &uid, |rt| rt.unshare = unshare);
-        let pid1 = match unshare {
-            Some(pid) => process::child_of(pid).await,
-            None => None,
-        };
-        self.update_runtime(&key, &uid, |rt| rt.pid1 = pid1);
-        let started_at = now();
-        if pid1.is_some() {
-            self.set_status(&key, &uid, status::running(&plan.container, &plan.image, &started_at), true);
-        }
-        // SIGKILL to PID 1 takes the whole PID namespace down, and `unshare`
-        // reaps it before exiting: once `unshare` is reaped, nothing of the
-        // pod runs. (Killing `unshare` first would orphan a dying PID 1.)
-        let kill_now = || match pid1 {
-            Some(pid) => process::signal(pid, Signal::SIGKILL),
-            None => {
-                if let Some(pgid) = unshare {
-                    process::signal_group(pgid, Signal::SIGKILL);
-                }
-            }
-        };
-        let mut shutdown = self.shutdown.clone();
-        let mut grace_deadline: Option<tokio::time::Instant> = None;
-        let mut acks = Vec::new();
-        let mut quiet = false;
-        let exit = loop {
-            let grace_over = async {
-                match grace_deadline {
-                    Some(at) => tokio::time::sleep_until(at).await,
-                    None => std::future::pending().await,
-                }
-            };
-            tokio::select! {
-                exit = child.wait() => break exit,
-                Some(c) = control.recv() => match c {
-                    Control::Terminate { grace } => {
-                        if grace_deadline.is_none() {
-                            match pid1 {
-                                Some(pid) => process::signal(pid, Signal::SIGTERM),
-                                None => kill_now(),
-                            }
-                            grace_deadline = Some(tokio::time::Instant::now() + Duration::from_secs(grace));
-                        }
-                    }
-                    Control::Kill { ack } => {
-                        kill_now();
-                        quiet = true;
-                        acks.extend(ack);
-                    }
-                },
-                () = grace_over => {
-                    kill_now();
-                    grace_deadline = None;
-                }
-                () = super::stopped(&mut shutdown) => {
-                    kill_now();
-                    let _ = child.wait().await;
-                    lock(&self.runtimes).remove(&(key.namespace.clone(), key.name.clone()));
-                    return;
-                }
-            }
-        };
-        // Whatever PID 1 left behind in its process group goes with it.
-        if let Some(pgid) = unshare {
-            process::signal_group(pgid, Signal::SIGKILL);
-        }
-        if let Some(pid) = pid1 {
-            process::wait_gone(pid, Duration::from_secs(5)).await;
-        }
-        lock(&self.runtimes).remove(&(key.namespace.clone(), key.name.clone()));
-        if !quiet {
-            let code = exit.map(process::exit_code).unwrap_or(137);
-            self.set_status(&key, &uid, status::terminated(&plan.container, &plan.image, &started_at, code), false);
-            if self.store.get(&key).is_some_and(|p| p.pointer("/metadata/deletionTimestamp").is_some()) {
-                self.store.remove_if_uid(&key, &uid);
-                finalize_claims(&self.store, &self.root);
-            }
-        }
-        for ack in acks {
-            let _ = ack.send(());
         }
     }
 

@@ -46,6 +46,53 @@ fn container(name: &str, image: &str, ready: bool, state: &Value) -> Value {
     })
 }
 
+/// The container's state after it exited with `code`.
+fn terminated_state(code: i32, started_at: &str) -> Value {
+    json!({ "terminated": {
+        "exitCode": code,
+        "reason": if code == 0 { "Completed" } else { "Error" },
+        "startedAt": started_at,
+        "finishedAt": now(),
+    } })
+}
+
+/// Sets the restart count (and the last run's end) of the container status.
+pub fn with_restarts(mut status: Value, restarts: u32, last: Option<&Value>) -> Value {
+    if let Some(c) = status.pointer_mut("/containerStatuses/0") {
+        c["restartCount"] = json!(restarts);
+        if let Some(last) = last {
+            c["lastState"] = last.clone();
+        }
+    }
+    status
+}
+
+/// Exited, to be restarted after `backoff` (restartPolicy Always, or
+/// OnFailure after a failure): the pod stays Running, not ready.
+pub fn crash_loop(cname: &str, image: &str, code: i32, started_at: &str, backoff: u64) -> Value {
+    let waiting = json!({ "waiting": {
+        "reason": "CrashLoopBackOff",
+        "message": format!("back-off {backoff}s restarting failed container={cname}"),
+    } });
+    let mut c = container(cname, image, false, &waiting);
+    c["lastState"] = terminated_state(code, started_at);
+    json!({
+        "phase": "Running",
+        "qosClass": "BestEffort",
+        "hostIP": POD_IP,
+        "podIP": POD_IP,
+        "podIPs": [{ "ip": POD_IP }],
+        "startTime": started_at,
+        "conditions": [
+            condition("PodScheduled", true, None, None),
+            condition("Initialized", true, None, None),
+            condition("ContainersReady", false, Some("ContainersNotReady"), None),
+            condition("Ready", false, Some("ContainersNotReady"), None),
+        ],
+        "containerStatuses": [c],
+    })
+}
+
 /// Scheduled, the container not running (yet, or it cannot start).
 pub fn waiting(cname: &str, image: &str, reason: &str, message: Option<&str>) -> Value {
     let mut waiting = json!({ "reason": reason });
@@ -88,8 +135,7 @@ pub fn running(cname: &str, image: &str, started_at: &str) -> Value {
 
 /// The container exited with `code`: Succeeded for 0, else Failed.
 pub fn terminated(cname: &str, image: &str, started_at: &str, code: i32) -> Value {
-    let (phase, reason, pod_reason) =
-        if code == 0 { ("Succeeded", "Completed", "PodCompleted") } else { ("Failed", "Error", "PodFailed") };
+    let (phase, pod_reason) = if code == 0 { ("Succeeded", "PodCompleted") } else { ("Failed", "PodFailed") };
     json!({
         "phase": phase,
         "qosClass": "BestEffort",
@@ -103,12 +149,7 @@ pub fn terminated(cname: &str, image: &str, started_at: &str, code: i32) -> Valu
             condition("ContainersReady", false, Some(pod_reason), None),
             condition("Ready", false, Some(pod_reason), None),
         ],
-        "containerStatuses": [container(cname, image, false, &json!({ "terminated": {
-            "exitCode": code,
-            "reason": reason,
-            "startedAt": started_at,
-            "finishedAt": now(),
-        } }))],
+        "containerStatuses": [container(cname, image, false, &terminated_state(code, started_at))],
     })
 }
 
