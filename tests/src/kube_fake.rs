@@ -45,6 +45,35 @@
 //!   As on a real node, an exec whose background child keeps stdout open
 //!   does not end until that child does.
 
+//! - Pod logs are the whole log at once: `follow`, `tailLines`, `sinceTime`,
+//!   `previous` are ignored. Delete preconditions and `propagationPolicy`
+//!   are ignored. The eviction API (`pods/{name}/eviction`) is a graceful
+//!   delete (no disruption budgets). `/version`, `/api`, `/apis` are
+//!   answered but not recorded in [`FakeCluster::calls`].
+//!
+//! # What kube does, as the fake found it
+//!
+//! - Exec: kube offers `v5.channel.k8s.io, v4.channel.k8s.io`; on v5 it
+//!   signals stdin's end with the frame `[255, 0]` when the stdin writer is
+//!   *shut down* (`AsyncWriteExt::shutdown`), not when it is dropped; on v4
+//!   it can only close the whole WebSocket, losing the output still to come.
+//!   It stops reading at the first status frame (channel 3), so the server
+//!   sends stdout and stderr to their end first.
+//! - A watch resumed from a compacted version is a 200 response whose one
+//!   event is `ERROR` with a 410 Status; kube's `watcher` yields it as an
+//!   `Err` item (the stream goes on) and re-lists. A watch that simply ends
+//!   is resumed from the last version seen (bookmarks move it).
+//!
+//! # Extending: custom resources and controllers
+//!
+//! A custom resource is one `ResourceType::new(group, version, plural,
+//! kind, namespaced)` line in [`store::registry`]. A controller (the
+//! agent-sandbox controllers of the next round) follows the kubelet's
+//! pattern: a task started in [`FakeCluster::start`] that wakes on
+//! `Store::subscribe`, re-reads the state it reconciles (level-triggered,
+//! so it writes only what differs, or it wakes itself forever) and stops on
+//! the shutdown signal.
+
 mod error;
 mod exec;
 mod kubelet;
