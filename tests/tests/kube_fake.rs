@@ -665,3 +665,22 @@ async fn restart_policy_always_restarts_after_a_back_off() {
     pods.delete("p", &DeleteParams::default()).await.expect("delete");
     gone(&pods, "p", &created.metadata.uid.expect("a uid")).await;
 }
+
+#[tokio::test]
+async fn a_pod_spec_is_immutable_and_secret_string_data_is_folded() {
+    let (_cluster, client) = cluster().await;
+    let pods: Api<Pod> = Api::default_namespaced(client.clone());
+    pods.create(&PostParams::default(), &pod("p", "sleep 1000", None)).await.expect("create");
+    let change = Patch::Merge(json!({ "spec": { "containers": [{ "name": "main", "command": ["/bin/true"] }] } }));
+    let refused = pods.patch("p", &PatchParams::default(), &change).await.expect_err("spec change");
+    assert_eq!(api_code(refused), (422, "Invalid".into()));
+    let labels = Patch::Merge(json!({ "metadata": { "labels": { "more": "yes" } } }));
+    pods.patch("p", &PatchParams::default(), &labels).await.expect("labels may change");
+
+    let secrets: Api<k8s_openapi::api::core::v1::Secret> = Api::default_namespaced(client);
+    let secret =
+        serde_json::from_value(json!({ "metadata": { "name": "s" }, "stringData": { "k": "v" } })).expect("a secret");
+    let created = secrets.create(&PostParams::default(), &secret).await.expect("create");
+    assert!(created.string_data.is_none());
+    assert_eq!(created.data.expect("data")["k"].0, b"v");
+}

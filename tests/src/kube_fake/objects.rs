@@ -8,6 +8,8 @@ use serde_json::{Value, json};
 
 use super::Shared;
 use super::error::ApiError;
+use base64::Engine;
+
 use super::store::{ObjKey, Part, Store, now};
 
 /// The host directory of a bound PVC.
@@ -47,6 +49,7 @@ pub fn admit_create(plural: &str, group: &str, namespace: &str, obj: &mut Value)
             }
             obj["status"] = json!({ "phase": "Pending", "qosClass": "BestEffort" });
         }
+        "secrets" => fold_string_data(obj),
         "persistentvolumeclaims" => {
             // Bound at once, as with a volume binding mode of Immediate and a
             // provisioner that never fails: a directory stands for the volume
@@ -66,6 +69,59 @@ pub fn admit_create(plural: &str, group: &str, namespace: &str, obj: &mut Value)
         _ => {}
     }
     Ok(())
+}
+
+/// A Secret's `stringData` goes into `data`, base64-encoded, as the real
+/// server does on every write: it is never stored or returned.
+fn fold_string_data(obj: &mut Value) {
+    let Some(strings) = obj.as_object_mut().and_then(|m| m.remove("stringData")) else { return };
+    let Some(strings) = strings.as_object() else { return };
+    if !obj["data"].is_object() {
+        obj["data"] = json!({});
+    }
+    for (k, v) in strings {
+        let text = v.as_str().unwrap_or("");
+        obj["data"][k] = json!(base64::engine::general_purpose::STANDARD.encode(text));
+    }
+}
+
+/// A pod's spec without the fields an update may change.
+fn fixed_pod_spec(pod: &Value) -> Value {
+    let mut spec = pod.get("spec").cloned().unwrap_or(Value::Null);
+    if let Some(map) = spec.as_object_mut() {
+        for field in ["activeDeadlineSeconds", "tolerations", "schedulingGates", "terminationGracePeriodSeconds"] {
+            map.remove(field);
+        }
+        for list in ["containers", "initContainers"] {
+            for c in map.get_mut(list).and_then(Value::as_array_mut).into_iter().flatten() {
+                c.as_object_mut().map(|c| c.remove("image"));
+            }
+        }
+    }
+    spec
+}
+
+/// Validation of an update (PUT or PATCH) of `old` into `new`: a pod's spec
+/// is immutable but for images, deadlines and tolerations (the real
+/// server's rule); a Secret's `stringData` is folded into `data`.
+pub fn admit_update(key: &ObjKey, part: Part, old: &Value, new: &mut Value) -> Result<(), ApiError> {
+    if !key.rt.group.is_empty() {
+        return Ok(());
+    }
+    match key.rt.plural.as_str() {
+        "pods" if part == Part::Main && fixed_pod_spec(old) != fixed_pod_spec(new) => Err(ApiError::Invalid(format!(
+            "Pod \"{}\" is invalid: spec: Forbidden: pod updates may not change fields other than \
+             `spec.containers[*].image`,`spec.initContainers[*].image`,`spec.activeDeadlineSeconds`,\
+             `spec.tolerations` (only additions to existing tolerations),`spec.terminationGracePeriodSeconds` \
+             (allow it to be set to 1 if it was previously negative)",
+            key.name
+        ))),
+        "secrets" => {
+            fold_string_data(new);
+            Ok(())
+        }
+        _ => Ok(()),
+    }
 }
 
 /// What follows a stored create: a PVC's directory.

@@ -178,7 +178,12 @@ async fn serve(shared: Arc<Shared>, request: Request) -> Result<Response, ApiErr
                 )));
             }
             let part = if sub.is_some() { Part::Status } else { Part::Main };
-            Ok(json_ok(shared.store.replace(&key, body, part)?))
+            let updated = shared.store.modify(&key, part, |obj| {
+                check_version(&key, &body, obj)?;
+                let old = std::mem::replace(obj, body.clone());
+                objects::admit_update(&key, part, &old, obj)
+            })?;
+            Ok(json_ok(updated))
         }
         (sub @ (None | Some("status")), Method::PATCH) => {
             let part = if sub.is_some() { Part::Status } else { Part::Main };
@@ -290,23 +295,34 @@ async fn patch(shared: &Shared, key: &ObjKey, part: Part, request: Request, q: &
         }
     }
     let updated = shared.store.modify(key, part, |obj| {
-        if let Some(sent) = body.pointer("/metadata/resourceVersion").and_then(Value::as_str)
-            && Some(sent) != obj.pointer("/metadata/resourceVersion").and_then(Value::as_str)
-        {
-            return Err(ApiError::Conflict {
-                resource: key.rt.plural.clone(),
-                group: key.rt.group.clone(),
-                name: key.name.clone(),
-            });
-        }
+        check_version(key, &body, obj)?;
         let mut patch = body.clone();
         if let Some(meta) = patch.get_mut("metadata").and_then(Value::as_object_mut) {
             meta.remove("resourceVersion");
         }
+        let old = obj.clone();
         merge_patch(obj, &patch);
-        Ok(())
+        objects::admit_update(key, part, &old, obj)
     })?;
     Ok(json_ok(updated))
+}
+
+/// The optimistic-concurrency precondition of an update or patch: a
+/// `metadata.resourceVersion` sent must be the current one (409 if not).
+fn check_version(key: &ObjKey, sent: &Value, current: &Value) -> Result<(), ApiError> {
+    match sent.pointer("/metadata/resourceVersion").and_then(Value::as_str) {
+        Some(sent)
+            if !sent.is_empty()
+                && Some(sent) != current.pointer("/metadata/resourceVersion").and_then(Value::as_str) =>
+        {
+            Err(ApiError::Conflict {
+                resource: key.rt.plural.clone(),
+                group: key.rt.group.clone(),
+                name: key.name.clone(),
+            })
+        }
+        _ => Ok(()),
+    }
 }
 
 /// The grace period of a DELETE: `?gracePeriodSeconds=` or the
