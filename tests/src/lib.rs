@@ -6,6 +6,7 @@
 pub mod cluster;
 pub mod docker;
 pub mod harness;
+pub mod kube_fake;
 pub mod kustomize;
 pub mod postgres;
 pub mod proxy;
