@@ -17,10 +17,10 @@
 //!   through [`FakeOptions::binaries`] (container path → host path); nothing
 //!   else is. Volumes are *path mappings*: a `volumeMounts[].mountPath` of a
 //!   PVC volume stands for [`FakeCluster::pvc_dir`], of an `emptyDir` for a
-//!   per-pod temp directory, and the fake rewrites any env value and the
-//!   working directory equal to a mount path or below it (`mountPath + "/"`)
-//!   to the host path. Arguments, files the process reads, and paths it
-//!   builds itself are NOT rewritten. `configMap`, `secret`, `projected`
+//!   per-pod temp directory, and the fake rewrites any env value, argument
+//!   (of the container and of an exec) and the working directory equal to
+//!   a mount path or below it (`mountPath + "/"`) to the host path. Files
+//!   the process reads and paths it builds itself are NOT rewritten. `configMap`, `secret`, `projected`
 //!   volumes are not mapped at all.
 //! - **Isolation is a PID namespace and a mount namespace only** (`unshare
 //!   --pid --fork --mount-proc`): the container's first process is PID 1 and

@@ -192,7 +192,18 @@ impl KubernetesProvider {
         let name = pod::pod_name(sandbox_id);
         let cache = &self.inner.cache;
         let timeout = self.inner.options.start_timeout;
-        cache.wait_until(timeout, |cache| !matches!(cache.pod_state(&name), PodState::Pending)).await;
+        // A Pod made a moment ago may not be heard yet: absent counts as
+        // gone only once it was seen.
+        let mut seen = false;
+        let settled = |cache: &Cache| match cache.pod_state(&name) {
+            PodState::Pending => {
+                seen = true;
+                false
+            }
+            PodState::Absent => seen,
+            PodState::Running | PodState::Deleting | PodState::Ended(_) => true,
+        };
+        cache.wait_until(timeout, settled).await;
         let reason = match cache.pod_state(&name) {
             PodState::Running => return Ok(()),
             PodState::Pending => {

@@ -122,6 +122,9 @@ async fn run(shared: Arc<Shared>, socket: WebSocket, plan: Arc<Plan>, pid1: u32,
     };
     let mut argv = request.command.clone();
     argv[0] = host.display().to_string();
+    for arg in argv.iter_mut().skip(1) {
+        *arg = process::map_path(arg, &plan.mounts);
+    }
     let mut cmd = process::exec_command(&plan, pid1, &argv);
     let piped = |on: bool| if on { std::process::Stdio::piped() } else { std::process::Stdio::null() };
     cmd.stdin(piped(request.stdin)).stdout(piped(request.stdout)).stderr(piped(request.stderr));

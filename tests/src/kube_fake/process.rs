@@ -154,6 +154,9 @@ pub fn plan(
         }
     }
     argv.extend(strings(container.get("args")));
+    for arg in argv.iter_mut().skip(1) {
+        *arg = map_path(arg, &mounts);
+    }
     let path = env.iter().find(|(k, _)| k == "PATH").map(|(_, v)| v.clone()).unwrap_or_default();
     let argv0 = argv.first().cloned().unwrap_or_default();
     let Some(host) = map_binary(&argv0, &path, &options.binaries) else {

@@ -1,0 +1,441 @@
+//! The Kubernetes provider end to end: the real `standby-server --provider
+//! kubernetes` through the real `kube` client against the tests' fake API
+//! server (`standby_e2e::kube_fake`), whose fake kubelet runs each Pod's
+//! container as processes of their own PID namespace with the real
+//! `standby`. Warm and cold runs, Tier 2 and Tier 1 follow-ups, a resume
+//! whose claim is gone, a server restart that adopts its Pods and deletes
+//! its orphans, a Pod deleted or evicted under a run, watches that expire,
+//! and the API calls of each path, compared with the deployment's Role.
+//!
+//! What the fake does not model is listed in docs/deploy.md ("What CI
+//! proves"); `kubernetes_cluster.rs` runs the same paths against a real
+//! cluster when `STANDBY_TEST_KUBECONFIG` names one.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::ops::Deref;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
+use kube::Api;
+use kube::api::{DeleteParams, PostParams};
+use nix::sys::signal::Signal;
+use serde_json::{Value, json};
+use standby_e2e::harness::{standby_bin, write_json};
+use standby_e2e::kube_fake::{Call, FakeCluster, FakeOptions};
+use standby_e2e::kustomize;
+use standby_e2e::server_process::{ServerBuilder, ServerProcess, free_fixed_port};
+
+const WAIT: Duration = Duration::from_secs(60);
+const NAMESPACE: &str = "standby";
+const IMAGE: &str = "standby-sandbox:fake";
+const AGENT_PATH: &str = "/usr/local/bin/standby";
+
+/// As on Docker: one setup step that counts its runs.
+fn spec() -> Value {
+    json!({
+        "workspace": {
+            "repos": [],
+            "setup": [{"name": "build", "command": ["sh", "-c", "echo run >> .setup-runs"], "timeout_s": 60}]
+        },
+        "shell": ["/bin/sh"]
+    })
+}
+
+/// The operator's template: the image, a label of theirs, their own
+/// non-secret variable.
+const TEMPLATE: &str = "metadata:\n  labels: {team: e2e}\nspec:\n  containers:\n    - name: sandbox\n      image: standby-sandbox:fake\n      env: [{name: TEAM_NOTE, value: from-the-template}]\n";
+
+fn fake_options() -> FakeOptions {
+    FakeOptions {
+        namespace: NAMESPACE.to_owned(),
+        images: HashMap::from([(IMAGE.to_owned(), vec![AGENT_PATH.to_owned()])]),
+        binaries: HashMap::from([(AGENT_PATH.to_owned(), standby_bin())]),
+        history: 1000,
+    }
+}
+
+/// A server on the Kubernetes provider, with its fake cluster.
+struct Server {
+    process: Option<ServerProcess>,
+    builder: ServerBuilder,
+    cluster: FakeCluster,
+    instance: String,
+    dir: tempfile::TempDir,
+}
+
+impl Deref for Server {
+    type Target = ServerProcess;
+
+    fn deref(&self) -> &ServerProcess {
+        self.process.as_ref().expect("the server runs")
+    }
+}
+
+impl Server {
+    async fn start(args: &[&str]) -> Self {
+        let cluster = FakeCluster::start(fake_options()).await;
+        let dir = tempfile::Builder::new().prefix("standby-kube-e2e-").tempdir().expect("a temp dir");
+        let spec_path = dir.path().join("spec.json");
+        write_json(&spec_path, &spec());
+        let template = dir.path().join("sandbox-pod.yaml");
+        std::fs::write(&template, TEMPLATE).expect("write the pod template");
+        let kubeconfig = dir.path().join("kubeconfig");
+        cluster.write_kubeconfig(&kubeconfig);
+        let instance = format!("e2e-{}", dir.path().file_name().and_then(|n| n.to_str()).unwrap_or("x").to_lowercase());
+        let instance: String = instance.chars().filter(|c| c.is_ascii_alphanumeric() || *c == '-').take(40).collect();
+        let port = free_fixed_port();
+        let listen = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+        let data = dir.path().join("data");
+        let mut builder = ServerBuilder::new(&data, &dir.path().join("server.log"), &instance)
+            .listen(listen)
+            .env("KUBECONFIG", &kubeconfig.display().to_string())
+            .args(&[
+                "--provider",
+                "kubernetes",
+                "--public-url",
+                &format!("http://127.0.0.1:{port}"),
+                "--kubernetes-pod-template",
+                &template.display().to_string(),
+                "--kubernetes-instance",
+                &instance,
+                "--log",
+                "debug,kube=info,hyper=info,tower=info",
+                "--agent-log",
+                "debug",
+                "--spec",
+                &spec_path.display().to_string(),
+            ]);
+        for (flag, value) in [("--linger", "5s"), ("--stop-grace", "3s"), ("--heartbeat-interval", "300ms")] {
+            if !args.contains(&flag) {
+                builder = builder.args(&[flag, value]);
+            }
+        }
+        let builder = builder.args(args);
+        let process = builder.start().await;
+        Self { process: Some(process), builder, cluster, instance, dir }
+    }
+
+    fn pods_api(&self) -> impl std::future::Future<Output = Api<Pod>> + '_ {
+        async { Api::namespaced(self.cluster.client().await, NAMESPACE) }
+    }
+
+    async fn claims_api(&self) -> Api<PersistentVolumeClaim> {
+        Api::namespaced(self.cluster.client().await, NAMESPACE)
+    }
+
+    /// The server's log and the agents' output, for failures.
+    fn agent_logs(&self) -> String {
+        let mut text = self.logs();
+        for entry in std::fs::read_dir(self.dir.path().join("data/sandbox-logs")).into_iter().flatten().flatten() {
+            let log = std::fs::read_to_string(entry.path()).unwrap_or_default();
+            let tail: Vec<&str> = log.lines().rev().take(20).collect();
+            text.push_str(&format!("\n--- {} ---\n", entry.path().display()));
+            text.push_str(&tail.into_iter().rev().collect::<Vec<_>>().join("\n"));
+        }
+        text
+    }
+
+    async fn until<T>(&self, what: &str, check: impl AsyncFnMut() -> Option<T>) -> T {
+        self.process.as_ref().expect("the server runs").until(what, WAIT, check).await
+    }
+
+    async fn run_to_end(&self, body: Value) -> Value {
+        let id = self.submit(&body).await;
+        let run = self.finished(&id, WAIT).await;
+        assert_eq!(
+            (run["state"].as_str(), run["exit_code"].as_i64()),
+            (Some("exited"), Some(0)),
+            "{run}\n{}",
+            self.agent_logs()
+        );
+        run
+    }
+
+    async fn turn(&self, thread: &str, script: &str) -> Value {
+        self.run_to_end(json!({"command": ["sh", "-c", script], "thread_id": thread})).await
+    }
+
+    async fn text_log(&self, run: &Value) -> String {
+        String::from_utf8_lossy(&self.log(run["id"].as_str().expect("an id")).await).into_owned()
+    }
+
+    async fn parked(&self, id: &str, mode: &str) -> Value {
+        self.until(&format!("{id} parked {mode}"), async || {
+            let sandbox = self.sandbox(id).await;
+            let settled = match mode {
+                "running" => sandbox["last_state"] == "ready" && sandbox["candidate"] == false,
+                _ => sandbox["running"] == false,
+            };
+            (sandbox["state"] == "parked" && sandbox["park"]["mode"] == mode && settled).then_some(sandbox)
+        })
+        .await
+    }
+
+    async fn ready_standby(&self) -> String {
+        self.until("a ready standby", async || {
+            self.sandboxes()
+                .await
+                .into_iter()
+                .find(|s| s["candidate"] == true)
+                .and_then(|s| s["id"].as_str().map(str::to_owned))
+        })
+        .await
+    }
+
+    /// The sandbox's Pod as the API has it; `None` when there is none.
+    async fn pod(&self, sandbox_id: &str) -> Option<Pod> {
+        self.pods_api().await.get_opt(&pod_name(sandbox_id)).await.expect("the fake answers")
+    }
+
+    async fn claim(&self, sandbox_id: &str) -> Option<PersistentVolumeClaim> {
+        self.claims_api().await.get_opt(&format!("{}-workspace", pod_name(sandbox_id))).await.expect("the fake answers")
+    }
+
+    async fn stop(mut self) {
+        if let Some(process) = self.process.take() {
+            let status = process.stop(Signal::SIGTERM).await;
+            assert!(status.success(), "standby-server exited {status}");
+        }
+    }
+}
+
+fn pod_name(sandbox_id: &str) -> String {
+    format!("standby-{}", sandbox_id.replace('_', "-"))
+}
+
+fn sandbox_of(run: &Value) -> String {
+    let attempts = run["attempts"].as_array().expect("attempts");
+    attempts.last().and_then(|a| a["sandbox_id"].as_str()).expect("a sandbox").to_owned()
+}
+
+fn uid(pod: &Pod) -> String {
+    pod.metadata.uid.clone().expect("a uid")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_warm_run_takes_a_prepared_pod_which_is_strict_and_holds_no_credential() {
+    let server = Server::start(&["--pool-size", "1"]).await;
+    let standby = server.ready_standby().await;
+    let pod = server.pod(&standby).await.expect("the standby's Pod");
+    let text = serde_json::to_string(&pod).expect("json");
+    assert!(!text.contains("sby_"), "no credential anywhere in the Pod: {text}");
+    let labels = pod.metadata.labels.clone().unwrap_or_default();
+    assert_eq!(labels.get("standby.dev/sandbox"), Some(&standby));
+    assert_eq!(labels.get("standby.dev/instance"), Some(&server.instance));
+    assert_eq!(labels.get("team").map(String::as_str), Some("e2e"), "the template's own label");
+    let spec = pod.spec.as_ref().expect("a spec");
+    assert_eq!(spec.automount_service_account_token, Some(false));
+    assert_eq!(spec.enable_service_links, Some(false));
+    let container = &spec.containers[0];
+    assert_eq!(container.args, Some(vec!["hold".to_owned()]));
+    let env: Vec<&str> = container.env.iter().flatten().map(|var| var.name.as_str()).collect();
+    assert_eq!(env, ["TEAM_NOTE"], "only the template's own variable");
+    let security = container.security_context.as_ref().expect("a security context");
+    assert_eq!(security.allow_privilege_escalation, Some(false));
+    assert!(server.claim(&standby).await.is_some(), "its workspace claim");
+
+    let run = server
+        .run_to_end(json!({"command": ["sh", "-c", "cat .setup-runs; echo token=${STANDBY_TOKEN:-none} note=$TEAM_NOTE"]}))
+        .await;
+    assert_eq!(run["path"], "warm", "{run}");
+    assert_eq!(sandbox_of(&run), standby);
+    let log = server.text_log(&run).await;
+    assert!(log.contains("run") && log.contains("token=none") && log.contains("note=from-the-template"), "{log}\n{}", server.agent_logs());
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cold_run_gets_a_fresh_pod() {
+    let server = Server::start(&["--pool-size", "0", "--warm-idle", "0s", "--park-stopped", "false"]).await;
+    let run = server.run_to_end(json!({"command": ["sh", "-c", "echo cold-ran; cat .setup-runs"]})).await;
+    assert_eq!(run["path"], "cold", "{run}");
+    assert!(server.text_log(&run).await.contains("cold-ran"));
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tier_2_a_follow_up_is_a_new_exec_in_the_running_pod_which_was_cleared() {
+    let server = Server::start(&["--pool-size", "0", "--warm-idle", "60s"]).await;
+    let first = server
+        .turn("chat-2", "echo note-from-turn-1 > note.txt; setsid sh -c 'exec sleep 1000' </dev/null >/dev/null 2>&1 &")
+        .await;
+    let sandbox_id = sandbox_of(&first);
+    server.parked(&sandbox_id, "running").await;
+    let before = server.pod(&sandbox_id).await.expect("the Pod");
+
+    let count =
+        "for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline 2>/dev/null; echo; done | grep -c '^sleep 1000' || true";
+    let second =
+        server.turn("chat-2", &format!("cat note.txt; echo sleepers=$({count}); cat .setup-runs | wc -l")).await;
+    assert_eq!(second["path"], "parked_running", "{second}");
+    assert_eq!(sandbox_of(&second), sandbox_id);
+    let log = server.text_log(&second).await;
+    assert!(log.contains("note-from-turn-1"), "the last turn's file: {log}");
+    assert!(log.contains("sleepers=0"), "what the last turn left running was cleared: {log}\n{}", server.agent_logs());
+    let after = server.pod(&sandbox_id).await.expect("the Pod");
+    assert_eq!(uid(&after), uid(&before), "the same Pod, not made again");
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tier_1_deletes_the_pod_keeps_the_claim_and_a_resume_makes_a_new_pod_on_it() {
+    let server = Server::start(&["--pool-size", "0", "--warm-idle", "0s"]).await;
+    let first = server.turn("chat-1", "echo note-from-turn-1 > note.txt").await;
+    let sandbox_id = sandbox_of(&first);
+    let before = server.pod(&sandbox_id).await.map(|pod| uid(&pod));
+    server.parked(&sandbox_id, "stopped").await;
+    server.until("the Pod deleted", async || server.pod(&sandbox_id).await.is_none().then_some(())).await;
+    let claim = server.claim(&sandbox_id).await.expect("the claim is kept");
+    let annotations = claim.metadata.annotations.unwrap_or_default();
+    assert!(annotations.contains_key("standby.dev/stopped-at"), "the stop time, for the retention: {annotations:?}");
+
+    let second = server.turn("chat-1", "cat note.txt; echo setup-runs=$(wc -l < .setup-runs)").await;
+    assert_eq!(second["path"], "parked_stopped", "{second}\n{}", server.agent_logs());
+    assert_eq!(sandbox_of(&second), sandbox_id);
+    assert!(second["resume"]["fallback"].is_null(), "{second}");
+    let log = server.text_log(&second).await;
+    assert!(log.contains("note-from-turn-1") && log.contains("setup-runs=1"), "{log}");
+    let again = server.pod(&sandbox_id).await.map(|pod| uid(&pod));
+    assert!(again.is_some() && again != before, "a new Pod on the same claim");
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resume_whose_claim_is_gone_falls_back_to_cold_with_the_reason() {
+    let server = Server::start(&["--pool-size", "0", "--warm-idle", "0s"]).await;
+    let first = server.turn("chat-3", "echo note > note.txt").await;
+    let sandbox_id = sandbox_of(&first);
+    server.parked(&sandbox_id, "stopped").await;
+    server.until("the Pod deleted", async || server.pod(&sandbox_id).await.is_none().then_some(())).await;
+    let claim = format!("{}-workspace", pod_name(&sandbox_id));
+    server.claims_api().await.delete(&claim, &DeleteParams::default()).await.expect("delete the claim");
+
+    let second = server.turn("chat-3", "test ! -e note.txt && echo fresh").await;
+    assert_eq!(second["path"], "cold", "{second}");
+    assert_ne!(sandbox_of(&second), sandbox_id);
+    let fallback = second["resume"]["fallback"].as_str().unwrap_or_default();
+    assert!(fallback.contains("no longer exists"), "the reason is recorded: {second}");
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_server_adopts_its_live_pods_and_deletes_its_orphans() {
+    let mut server = Server::start(&["--pool-size", "1"]).await;
+    let standby = server.ready_standby().await;
+    let pods = server.pods_api().await;
+    let orphan_id = "sbx_orphan0000001";
+    let labels = BTreeMap::from([
+        ("standby.dev/sandbox".to_owned(), orphan_id.to_owned()),
+        ("standby.dev/instance".to_owned(), server.instance.clone()),
+    ]);
+    let orphan: Pod = serde_json::from_value(json!({
+        "metadata": {"name": pod_name(orphan_id), "labels": labels},
+        "spec": {"restartPolicy": "Never", "containers": [{"name": "sandbox", "image": IMAGE, "args": ["hold"]}]}
+    }))
+    .expect("a pod");
+    pods.create(&PostParams::default(), &orphan).await.expect("an orphan Pod");
+    let foreign: Pod = serde_json::from_value(json!({
+        "metadata": {"name": "someone-elses", "labels": {"standby.dev/instance": "someone-else", "standby.dev/sandbox": "sbx_x"}},
+        "spec": {"restartPolicy": "Never", "containers": [{"name": "sandbox", "image": IMAGE, "args": ["hold"]}]}
+    }))
+    .expect("a pod");
+    pods.create(&PostParams::default(), &foreign).await.expect("a foreign Pod");
+
+    server.process.as_ref().expect("the server runs").crash().await;
+    server.process = Some(server.builder.start().await);
+    server.until("the orphan deleted", async || server.pod(orphan_id).await.is_none().then_some(())).await;
+    assert!(pods.get_opt("someone-elses").await.expect("the fake").is_some(), "another control plane's Pod is left alone");
+    let again = server.ready_standby().await;
+    assert_eq!(again, standby, "the same standby, adopted\n{}", server.agent_logs());
+    let run = server.run_to_end(json!({"command": ["sh", "-c", "echo adopted"]})).await;
+    assert_eq!((run["path"].as_str(), sandbox_of(&run)), (Some("warm"), standby), "{run}");
+    server.stop().await;
+}
+
+/// A Pod deleted (or evicted) under a started run: the watch tells the
+/// provider, the agent's end is reported at once, and the run fails by the
+/// contract's rule (it had started), long before the silence bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_deleted_or_evicted_under_a_run_fails_it_without_waiting_out_the_silence_bound() {
+    let server = Server::start(&["--pool-size", "2", "--run-lost-after", "5m"]).await;
+    for how in ["deleted", "evicted"] {
+        let id = server.submit(&json!({"command": ["sleep", "300"]})).await;
+        let run = server
+            .until("the run started", async || {
+                let run = server.run(&id).await;
+                (run["state"] == "running").then_some(run)
+            })
+            .await;
+        let sandbox_id = sandbox_of(&run);
+        match how {
+            "deleted" => {
+                let params = DeleteParams { grace_period_seconds: Some(0), ..Default::default() };
+                server.pods_api().await.delete(&pod_name(&sandbox_id), &params).await.expect("delete the Pod");
+            }
+            _ => server.cluster.evict(&pod_name(&sandbox_id)).await,
+        }
+        let run = server.finished(&id, WAIT).await;
+        assert_eq!(run["state"], "failed", "{how}: {run}\n{}", server.agent_logs());
+    }
+    server.stop().await;
+}
+
+/// Watches that expire (the API server's 410 Gone for a version too old)
+/// are listed again: a Pod deleted meanwhile is still seen gone, and a
+/// Tier 1 resume still finds its claim.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn watches_that_expire_are_listed_again_and_nothing_is_missed() {
+    let server = Server::start(&["--pool-size", "0", "--warm-idle", "0s"]).await;
+    let first = server.turn("chat-7", "echo kept > note.txt").await;
+    let sandbox_id = sandbox_of(&first);
+    server.cluster.expire_watches().await;
+    server.parked(&sandbox_id, "stopped").await;
+    server.cluster.expire_watches().await;
+    let second = server.turn("chat-7", "cat note.txt").await;
+    assert_eq!(second["path"], "parked_stopped", "{second}\n{}", server.agent_logs());
+    assert!(server.text_log(&second).await.contains("kept"));
+    let watches = server.cluster.calls().into_iter().filter(|call| call.verb == "watch").count();
+    assert!(watches >= 4, "the watches started again after each expiry: {watches}");
+    server.stop().await;
+}
+
+/// What the provider asks of the API on each path, counted, and compared
+/// with the deployment's Role: a call the Role does not grant fails in a
+/// real cluster, a grant no call uses is one too many.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_providers_calls_on_each_path_are_exactly_what_the_role_grants() {
+    let server = Server::start(&["--pool-size", "1", "--warm-idle", "60s"]).await;
+    let mark = |server: &Server| server.cluster.calls().len();
+    let mut paths: Vec<(&str, Vec<Call>)> = Vec::new();
+    let standby = server.ready_standby().await;
+    paths.push(("start and a warm standby", server.cluster.calls()));
+    let mut at = mark(&server);
+    let warm = server.turn("chat-8", "echo one > note.txt").await;
+    assert_eq!(warm["path"], "warm");
+    assert_eq!(sandbox_of(&warm), standby);
+    server.parked(&standby, "running").await;
+    paths.push(("warm run, then parked running (Tier 2 clear)", server.cluster.calls()[at..].to_vec()));
+    at = mark(&server);
+    let tier2 = server.turn("chat-8", "cat note.txt").await;
+    assert_eq!(tier2["path"], "parked_running");
+    paths.push(("Tier 2 follow-up", server.cluster.calls()[at..].to_vec()));
+    at = mark(&server);
+    let id = server.submit(&json!({"command": ["true"], "thread_id": "chat-8"})).await;
+    server.finished(&id, WAIT).await;
+    paths.push(("a third turn", server.cluster.calls()[at..].to_vec()));
+
+    let role = kustomize::role_grants(&kustomize::render(&kustomize::deploy_dir()).expect("the deployment renders"));
+    let mut used = BTreeSet::new();
+    for (path, calls) in &paths {
+        let mut counts: BTreeMap<String, usize> = BTreeMap::new();
+        for call in calls {
+            *counts.entry(format!("{} {}", call.verb, call.resource)).or_default() += 1;
+            used.insert((call.group.clone(), call.resource.clone(), call.verb.clone()));
+        }
+        eprintln!("calls on the path `{path}`: {counts:?}");
+    }
+    for grant in &used {
+        assert!(role.contains(grant), "the provider called {grant:?}, which the Role does not grant: {role:?}");
+    }
+    server.stop().await;
+}
