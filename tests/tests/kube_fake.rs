@@ -684,3 +684,32 @@ async fn a_pod_spec_is_immutable_and_secret_string_data_is_folded() {
     assert!(created.string_data.is_none());
     assert_eq!(created.data.expect("data")["k"].0, b"v");
 }
+
+#[tokio::test]
+async fn exec_into_a_pod_not_running_is_refused_before_the_upgrade() {
+    let (_cluster, client) = cluster().await;
+    let pods: Api<Pod> = Api::default_namespaced(client);
+    let mut pending = pod("pending", "true", None);
+    pending.spec.as_mut().expect("a spec").containers[0].command = Some(vec!["/nope".into()]);
+    pods.create(&PostParams::default(), &pending).await.expect("create");
+    let refused = pods.exec("pending", ["true"], &AttachParams::default()).await.err().expect("not running");
+    assert_eq!(api_code(refused), (400, "BadRequest".into()));
+
+    pods.create(&PostParams::default(), &pod("done", "exit 0", None)).await.expect("create");
+    until(&pods, "done", "done", |p: Option<&Pod>| {
+        p.and_then(|p| p.status.as_ref()?.phase.clone()).as_deref() == Some("Succeeded")
+    })
+    .await;
+    let refused = pods.exec("done", ["true"], &AttachParams::default()).await.err().expect("completed");
+    match refused {
+        kube::Error::Api(status) => assert!(status.message.contains("completed pod"), "{}", status.message),
+        other => panic!("not an API error: {other}"),
+    }
+
+    pods.create(&PostParams::default(), &pod("p", "sleep 1000", None)).await.expect("create");
+    running(&pods, "p").await;
+    let mut attached = pods.exec("p", ["/no/such/tool"], &AttachParams::default()).await.expect("upgraded");
+    let status = in_time("the status", attached.take_status().expect("a status")).await.expect("a status");
+    assert_eq!(status.status.as_deref(), Some("Failure"));
+    assert!(status.message.as_deref().is_some_and(|m| m.contains("executable file not found")), "{status:?}");
+}
