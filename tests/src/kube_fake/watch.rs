@@ -35,12 +35,20 @@ fn line(kind: &str, object: &Value) -> Bytes {
     Bytes::from(text)
 }
 
-/// The watch's reader: what it filters on and where it is.
+/// One watch request: what it filters on and how it streams.
 #[derive(Debug)]
 struct Watch {
     rt: Arc<ResourceType>,
     namespace: Option<String>,
     selector: Selector,
+    /// The version to resume from; None: from now.
+    requested: Option<u64>,
+    /// Synthetic ADDED events for the current objects first.
+    synthetic_added: bool,
+    /// A bookmark marking the end of those (`sendInitialEvents`).
+    initial_end_bookmark: bool,
+    bookmarks: bool,
+    timeout: Duration,
 }
 
 impl Watch {
@@ -77,59 +85,49 @@ pub fn serve(
         None | Some("") | Some("0") => None,
         Some(v) => Some(v.parse::<u64>().map_err(|_| ApiError::BadRequest(format!("resourceVersion: {v}")))?),
     };
-    let watch = Watch { rt, namespace, selector };
-    let (tx, rx) = mpsc::channel::<Bytes>(256);
-    tokio::spawn(run(
-        shared,
-        watch,
+    let watch = Watch {
+        rt,
+        namespace,
+        selector,
         requested,
-        initial_events || requested.is_none(),
-        initial_events,
+        synthetic_added: initial_events || requested.is_none(),
+        initial_end_bookmark: initial_events,
         bookmarks,
         timeout,
-        tx,
-    ));
+    };
+    let (tx, rx) = mpsc::channel::<Bytes>(256);
+    tokio::spawn(run(shared, watch, tx));
     let body = Body::from_stream(futures::stream::unfold(rx, |mut rx| async move {
         rx.recv().await.map(|b| (Ok::<_, std::convert::Infallible>(b), rx))
     }));
     Ok((StatusCode::OK, [(header::CONTENT_TYPE, "application/json")], body).into_response())
 }
 
-#[allow(clippy::too_many_arguments)]
-async fn run(
-    shared: Arc<Shared>,
-    watch: Watch,
-    requested: Option<u64>,
-    synthetic_added: bool,
-    initial_end_bookmark: bool,
-    bookmarks: bool,
-    timeout: Duration,
-    tx: mpsc::Sender<Bytes>,
-) {
+async fn run(shared: Arc<Shared>, watch: Watch, tx: mpsc::Sender<Bytes>) {
     let store = shared.store.clone();
     let mut shutdown = shared.shutdown.clone();
     let mut changed = store.subscribe();
-    let deadline = tokio::time::sleep(timeout);
+    let deadline = tokio::time::sleep(watch.timeout);
     tokio::pin!(deadline);
     let mut ticker = tokio::time::interval(BOOKMARK_EVERY);
     ticker.reset();
 
     // Where the stream starts, and the epoch it belongs to.
-    let (mut last, epoch) = match requested {
+    let (mut last, epoch) = match watch.requested {
         Some(rv) => {
             let (_, epoch) = store.current();
             (rv, epoch)
         }
         None => {
             let (items, rv, epoch) = store.snapshot(&watch.rt, watch.namespace.as_deref());
-            if synthetic_added {
+            if watch.synthetic_added {
                 for obj in items.iter().filter(|o| watch.selector.matches(o)) {
                     if tx.send(line("ADDED", obj)).await.is_err() {
                         return;
                     }
                 }
             }
-            if initial_end_bookmark && tx.send(line("BOOKMARK", &watch.bookmark(rv, true))).await.is_err() {
+            if watch.initial_end_bookmark && tx.send(line("BOOKMARK", &watch.bookmark(rv, true))).await.is_err() {
                 return;
             }
             (rv, epoch)
@@ -175,7 +173,7 @@ async fn run(
 
         tokio::select! {
             _ = changed.changed() => {}
-            _ = ticker.tick(), if bookmarks => {
+            _ = ticker.tick(), if watch.bookmarks => {
                 // Every change up to `last` has been sent, so `last` is a
                 // version the client may resume from.
                 if tx.send(line("BOOKMARK", &watch.bookmark(last, false))).await.is_err() {

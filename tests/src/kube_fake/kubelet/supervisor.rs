@@ -53,6 +53,15 @@ impl Orders {
     }
 }
 
+/// One run of the container: when it started, and what its status carries
+/// over from earlier runs.
+#[derive(Debug)]
+struct RunInfo<'a> {
+    started_at: &'a str,
+    restart_count: u32,
+    last: Option<&'a Value>,
+}
+
 /// Whether the policy restarts a container that exited with `code`.
 fn restarts(policy: &str, code: i32) -> bool {
     match policy {
@@ -98,9 +107,8 @@ impl Kubelet {
         let mut ended = None;
         while !orders.stopping() {
             let started_at = now();
-            let Some(code) =
-                self.run_once(&key, &uid, &plan, &log, &started_at, restart_count, last.as_ref(), &mut orders).await
-            else {
+            let info = RunInfo { started_at: &started_at, restart_count, last: last.as_ref() };
+            let Some(code) = self.run_once(&key, &uid, &plan, &log, &info, &mut orders).await else {
                 break;
             };
             ended = Some((code, started_at.clone()));
@@ -140,16 +148,13 @@ impl Kubelet {
 
     /// Runs the container once, to its reaping: its exit code, or None if
     /// it did not start or the fake shut down.
-    #[allow(clippy::too_many_arguments)]
     async fn run_once(
         &self,
         key: &ObjKey,
         uid: &str,
         plan: &Plan,
         log: &Path,
-        started_at: &str,
-        restart_count: u32,
-        last: Option<&Value>,
+        info: &RunInfo<'_>,
         orders: &mut Orders,
     ) -> Option<i32> {
         let spawned = std::fs::create_dir_all(self.root.join("logs"))
@@ -171,8 +176,8 @@ impl Kubelet {
         };
         self.update_runtime(key, uid, |rt| rt.pid1 = pid1);
         if pid1.is_some() {
-            let running = status::running(&plan.container, &plan.image, started_at);
-            self.set_status(key, uid, status::with_restarts(running, restart_count, last), true);
+            let running = status::running(&plan.container, &plan.image, info.started_at);
+            self.set_status(key, uid, status::with_restarts(running, info.restart_count, info.last), true);
         }
         // SIGKILL to PID 1 takes the whole PID namespace down, and `unshare`
         // reaps it before exiting: once `unshare` is reaped, nothing of the
