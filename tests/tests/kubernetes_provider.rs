@@ -115,8 +115,8 @@ impl Server {
         Self { process: Some(process), builder, cluster, instance, dir }
     }
 
-    fn pods_api(&self) -> impl std::future::Future<Output = Api<Pod>> + '_ {
-        async { Api::namespaced(self.cluster.client().await, NAMESPACE) }
+    async fn pods_api(&self) -> Api<Pod> {
+        Api::namespaced(self.cluster.client().await, NAMESPACE)
     }
 
     async fn claims_api(&self) -> Api<PersistentVolumeClaim> {
@@ -235,12 +235,18 @@ async fn a_warm_run_takes_a_prepared_pod_which_is_strict_and_holds_no_credential
     assert!(server.claim(&standby).await.is_some(), "its workspace claim");
 
     let run = server
-        .run_to_end(json!({"command": ["sh", "-c", "cat .setup-runs; echo token=${STANDBY_TOKEN:-none} note=$TEAM_NOTE"]}))
+        .run_to_end(
+            json!({"command": ["sh", "-c", "cat .setup-runs; echo token=${STANDBY_TOKEN:-none} note=$TEAM_NOTE"]}),
+        )
         .await;
     assert_eq!(run["path"], "warm", "{run}");
     assert_eq!(sandbox_of(&run), standby);
     let log = server.text_log(&run).await;
-    assert!(log.contains("run") && log.contains("token=none") && log.contains("note=from-the-template"), "{log}\n{}", server.agent_logs());
+    assert!(
+        log.contains("run") && log.contains("token=none") && log.contains("note=from-the-template"),
+        "{log}\n{}",
+        server.agent_logs()
+    );
     server.stop().await;
 }
 
@@ -282,7 +288,6 @@ async fn tier_1_deletes_the_pod_keeps_the_claim_and_a_resume_makes_a_new_pod_on_
     let server = Server::start(&["--pool-size", "0", "--warm-idle", "0s"]).await;
     let first = server.turn("chat-1", "echo note-from-turn-1 > note.txt").await;
     let sandbox_id = sandbox_of(&first);
-    let before = server.pod(&sandbox_id).await.map(|pod| uid(&pod));
     server.parked(&sandbox_id, "stopped").await;
     server.until("the Pod deleted", async || server.pod(&sandbox_id).await.is_none().then_some(())).await;
     let claim = server.claim(&sandbox_id).await.expect("the claim is kept");
@@ -295,8 +300,8 @@ async fn tier_1_deletes_the_pod_keeps_the_claim_and_a_resume_makes_a_new_pod_on_
     assert!(second["resume"]["fallback"].is_null(), "{second}");
     let log = server.text_log(&second).await;
     assert!(log.contains("note-from-turn-1") && log.contains("setup-runs=1"), "{log}");
-    let again = server.pod(&sandbox_id).await.map(|pod| uid(&pod));
-    assert!(again.is_some() && again != before, "a new Pod on the same claim");
+    let made = |calls: Vec<Call>| calls.iter().filter(|c| c.verb == "create" && c.resource == "pods").count();
+    assert_eq!(made(server.cluster.calls()), 2, "the cold start's Pod, then a new one on the same claim");
     server.stop().await;
 }
 
@@ -344,7 +349,10 @@ async fn a_restarted_server_adopts_its_live_pods_and_deletes_its_orphans() {
     server.process.as_ref().expect("the server runs").crash().await;
     server.process = Some(server.builder.start().await);
     server.until("the orphan deleted", async || server.pod(orphan_id).await.is_none().then_some(())).await;
-    assert!(pods.get_opt("someone-elses").await.expect("the fake").is_some(), "another control plane's Pod is left alone");
+    assert!(
+        pods.get_opt("someone-elses").await.expect("the fake").is_some(),
+        "another control plane's Pod is left alone"
+    );
     let again = server.ready_standby().await;
     assert_eq!(again, standby, "the same standby, adopted\n{}", server.agent_logs());
     let run = server.run_to_end(json!({"command": ["sh", "-c", "echo adopted"]})).await;
@@ -399,43 +407,73 @@ async fn watches_that_expire_are_listed_again_and_nothing_is_missed() {
     server.stop().await;
 }
 
-/// What the provider asks of the API on each path, counted, and compared
-/// with the deployment's Role: a call the Role does not grant fails in a
-/// real cluster, a grant no call uses is one too many.
+/// The calls of each path, counted by verb and resource, for the log.
+fn counted(calls: &[Call]) -> BTreeMap<String, usize> {
+    let mut counts = BTreeMap::new();
+    for call in calls {
+        *counts.entry(format!("{} {}", call.verb, call.resource)).or_default() += 1;
+    }
+    counts
+}
+
+/// What the provider asks of the API on each path (warm, Tier 2, cold,
+/// Tier 1, retire), counted, and compared with the deployment's Role both
+/// ways: a call the Role does not grant fails in a real cluster, a grant
+/// no call uses is one too many.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_providers_calls_on_each_path_are_exactly_what_the_role_grants() {
-    let server = Server::start(&["--pool-size", "1", "--warm-idle", "60s"]).await;
-    let mark = |server: &Server| server.cluster.calls().len();
     let mut paths: Vec<(&str, Vec<Call>)> = Vec::new();
-    let standby = server.ready_standby().await;
-    paths.push(("start and a warm standby", server.cluster.calls()));
-    let mut at = mark(&server);
-    let warm = server.turn("chat-8", "echo one > note.txt").await;
-    assert_eq!(warm["path"], "warm");
-    assert_eq!(sandbox_of(&warm), standby);
-    server.parked(&standby, "running").await;
-    paths.push(("warm run, then parked running (Tier 2 clear)", server.cluster.calls()[at..].to_vec()));
-    at = mark(&server);
-    let tier2 = server.turn("chat-8", "cat note.txt").await;
-    assert_eq!(tier2["path"], "parked_running");
-    paths.push(("Tier 2 follow-up", server.cluster.calls()[at..].to_vec()));
-    at = mark(&server);
-    let id = server.submit(&json!({"command": ["true"], "thread_id": "chat-8"})).await;
-    server.finished(&id, WAIT).await;
-    paths.push(("a third turn", server.cluster.calls()[at..].to_vec()));
+    let since = |server: &Server, at: usize| server.cluster.calls()[at..].to_vec();
 
-    let role = kustomize::role_grants(&kustomize::render(&kustomize::deploy_dir()).expect("the deployment renders"));
+    let warm = Server::start(&["--pool-size", "1", "--warm-idle", "60s"]).await;
+    let standby = warm.ready_standby().await;
+    paths.push(("start, one standby made and its agent started", warm.cluster.calls()));
+    let at = warm.cluster.calls().len();
+    let run = warm.turn("chat-8", "echo one > note.txt").await;
+    assert_eq!((run["path"].as_str(), sandbox_of(&run)), (Some("warm"), standby.clone()));
+    warm.parked(&standby, "running").await;
+    paths.push(("warm run, then parked running (cleared) and the pool refilled", since(&warm, at)));
+    let at = warm.cluster.calls().len();
+    let run = warm.turn("chat-8", "cat note.txt").await;
+    assert_eq!(run["path"], "parked_running");
+    warm.parked(&standby, "running").await;
+    paths.push(("Tier 2 follow-up", since(&warm, at)));
+
+    let args = ["--pool-size", "0", "--warm-idle", "0s", "--auto-delete", "8", "--provider-minute", "1s"];
+    let cold = Server::start(&args).await;
+    let at = cold.cluster.calls().len();
+    let run = cold.turn("chat-9", "echo one > note.txt").await;
+    assert_eq!(run["path"], "cold");
+    let sandbox_id = sandbox_of(&run);
+    cold.parked(&sandbox_id, "stopped").await;
+    paths.push(("cold run, then parked stopped (Tier 1)", since(&cold, at)));
+    let at = cold.cluster.calls().len();
+    let run = cold.turn("chat-9", "cat note.txt").await;
+    assert_eq!(run["path"], "parked_stopped", "{run}\n{}", cold.agent_logs());
+    cold.parked(&sandbox_id, "stopped").await;
+    paths.push(("Tier 1 resume, then parked stopped", since(&cold, at)));
+    let at = cold.cluster.calls().len();
+    // Watched on the fake's disk: a call of the test's own would count.
+    let claim_dir = cold.cluster.pvc_dir(&format!("{}-workspace", pod_name(&sandbox_id)));
+    assert!(claim_dir.exists(), "{}", claim_dir.display());
+    cold.until("the stopped sandbox deleted by age", async || (!claim_dir.exists()).then_some(())).await;
+    paths.push(("retired by age (--auto-delete)", since(&cold, at)));
+
     let mut used = BTreeSet::new();
     for (path, calls) in &paths {
-        let mut counts: BTreeMap<String, usize> = BTreeMap::new();
+        eprintln!("calls on the path `{path}`: {:?}", counted(calls));
         for call in calls {
-            *counts.entry(format!("{} {}", call.verb, call.resource)).or_default() += 1;
+            assert_eq!(call.namespace.as_deref(), Some(NAMESPACE), "{call:?}: only its own namespace");
             used.insert((call.group.clone(), call.resource.clone(), call.verb.clone()));
         }
-        eprintln!("calls on the path `{path}`: {counts:?}");
     }
-    for grant in &used {
-        assert!(role.contains(grant), "the provider called {grant:?}, which the Role does not grant: {role:?}");
-    }
-    server.stop().await;
+    // An exec is a WebSocket upgrade: a GET the API server authorizes as
+    // `get` (and, from Kubernetes 1.35, as `create` too); the fake records
+    // it as `create`, and the Role grants both.
+    let mut role =
+        kustomize::role_grants(&kustomize::render(&kustomize::deploy_dir()).expect("the deployment renders"));
+    assert!(role.remove(&(String::new(), "pods/exec".to_owned(), "get".to_owned())), "exec's GET granted: {role:?}");
+    assert_eq!(used, role, "the provider's calls (left) and the Role's grants (right) differ");
+    warm.stop().await;
+    cold.stop().await;
 }
