@@ -29,8 +29,8 @@ use crate::listener::ListenerLimits;
 use crate::policy::AutoStop;
 use crate::policy::PoolPolicy;
 use crate::provider::docker::{DockerOptions, Limits};
-use crate::provider::kubernetes::KubernetesOptions;
 use crate::provider::kubernetes::pod::{default_template, load_template};
+use crate::provider::kubernetes::{KubernetesApi, KubernetesOptions};
 use crate::provider::local::LocalOptions;
 use crate::rules::RunBounds;
 use crate::server::ServerConfig;
@@ -131,6 +131,10 @@ pub struct KubernetesConfig {
     pub storage_class: Option<String>,
     /// The instance label; the data directory's instance id when `None`.
     pub instance: Option<String>,
+    pub api: KubernetesApi,
+    pub warm_pool: u32,
+    /// The port of `--public-url`: agents' egress to the server.
+    pub server_port: u16,
 }
 
 /// When a stopped sandbox is archived and deleted (`0`: never).
@@ -242,6 +246,9 @@ impl Config {
             auto_delete: self.sweep.auto_delete,
             stop_grace: self.stop_grace,
             start_timeout: self.server.launch_timeout,
+            api: kubernetes.api,
+            warm_pool: kubernetes.warm_pool,
+            server_port: kubernetes.server_port,
         }
     }
 
@@ -357,12 +364,16 @@ fn provider(args: &Serve) -> Result<ProviderConfig, ConfigError> {
             })
         }
         ProviderKind::Kubernetes => {
-            if args.public_url.is_none() {
+            let Some(public_url) = &args.public_url else {
                 return invalid(
                     "--provider kubernetes: the agents reach the server at --public-url (the Service's URL, \
                      such as http://standby.standby.svc:8080); set it",
                 );
-            }
+            };
+            let server_port = reqwest::Url::parse(public_url)
+                .ok()
+                .and_then(|url| url.port_or_known_default())
+                .ok_or_else(|| ConfigError::Invalid(format!("--public-url `{public_url}` is not an http(s) URL")))?;
             let kubernetes = &args.kubernetes;
             let template = match &kubernetes.kubernetes_pod_template {
                 Some(path) => load_template(path, None).map_err(|error| ConfigError::Invalid(error.to_string()))?,
@@ -381,6 +392,9 @@ fn provider(args: &Serve) -> Result<ProviderConfig, ConfigError> {
                 workspace_size: kubernetes.kubernetes_workspace_size.clone(),
                 storage_class: kubernetes.kubernetes_storage_class.clone(),
                 instance: kubernetes.kubernetes_instance.clone(),
+                api: kubernetes.kubernetes_api,
+                warm_pool: kubernetes.kubernetes_warm_pool,
+                server_port,
             }))
         }
         ProviderKind::Spool => {

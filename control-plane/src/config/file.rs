@@ -14,6 +14,7 @@ use toml::Spanned;
 use super::ConfigError;
 use super::flags::{Bytes, ProviderKind, StoreArg, parse_bytes, parse_duration};
 use crate::containment::ContainmentChoice;
+use crate::provider::kubernetes::KubernetesApi;
 
 /// Keys whose value is a secret (or holds one): an error never quotes it.
 const SECRET_KEYS: &[&str] = &["api_key", "store"];
@@ -113,6 +114,8 @@ pub struct KubernetesTable {
     pub kubernetes_workspace_size: Value<String>,
     pub kubernetes_storage_class: Value<String>,
     pub kubernetes_instance: Value<String>,
+    pub kubernetes_api: Value<Choice<KubernetesApi>>,
+    pub kubernetes_warm_pool: Value<u32>,
 }
 
 /// `[spool]`.

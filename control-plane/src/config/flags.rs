@@ -13,6 +13,7 @@ use clap::builder::TypedValueParser as _;
 use standby_protocol::Secret;
 
 use crate::containment::ContainmentChoice;
+use crate::provider::kubernetes::KubernetesApi;
 use crate::store::StoreLocation;
 
 /// `standby-server serve`: the whole configuration as flags.
@@ -238,6 +239,16 @@ pub struct KubernetesArgs {
     /// the same; `<data dir>/instance-id` when unset.
     #[arg(long, env = "STANDBY_SERVER_KUBERNETES_INSTANCE", value_name = "ID")]
     pub kubernetes_instance: Option<String>,
+    /// What a sandbox is: `pods`, a Pod and a workspace claim of the
+    /// server's own; `agent-sandbox`, a SandboxClaim of a warm pool of
+    /// kubernetes-sigs/agent-sandbox (installed in the cluster), whose
+    /// SandboxTemplate and SandboxWarmPool the server applies.
+    #[arg(long, env = "STANDBY_SERVER_KUBERNETES_API", default_value = "pods", value_name = "API")]
+    pub kubernetes_api: KubernetesApi,
+    /// `agent-sandbox` only: the Sandboxes its SandboxWarmPool keeps
+    /// started ahead of the claims.
+    #[arg(long, env = "STANDBY_SERVER_KUBERNETES_WARM_POOL", default_value_t = 2, value_name = "N")]
+    pub kubernetes_warm_pool: u32,
 }
 
 /// The `spool` provider (`[spool]`).

@@ -14,6 +14,7 @@ use super::ConfigError;
 use super::file::{FileConfig, FileValue, Loaded, Value};
 use super::flags::{Bytes, ProviderKind, Serve, StoreArg};
 use crate::containment::ContainmentChoice;
+use crate::provider::kubernetes::KubernetesApi;
 
 /// The environment variable of `--log`, a flag of every command.
 pub const LOG_ENV: &str = "STANDBY_SERVER_LOG";
@@ -152,6 +153,8 @@ impl Settings {
             f.kubernetes_storage_class,
         );
         merge.option("kubernetes", "kubernetes_instance", &mut t.kubernetes_instance, f.kubernetes_instance);
+        merge.value("kubernetes", "kubernetes_api", &mut t.kubernetes_api, f.kubernetes_api);
+        merge.value("kubernetes", "kubernetes_warm_pool", &mut t.kubernetes_warm_pool, f.kubernetes_warm_pool);
         merge.option("spool", "spool_dir", &mut s.spool.spool_dir, v.spool.spool_dir);
         let (t, f) = (&mut s.bounds, v.bounds);
         merge.value("bounds", "log_cap", &mut t.log_cap, f.log_cap);
@@ -383,6 +386,12 @@ impl Render for ProviderKind {
 }
 
 impl Render for ContainmentChoice {
+    fn render(&self) -> String {
+        choice_name(self)
+    }
+}
+
+impl Render for KubernetesApi {
     fn render(&self) -> String {
         choice_name(self)
     }

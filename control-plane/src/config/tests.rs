@@ -171,6 +171,8 @@ kubernetes_pod_template = "/srv/pod.yaml"
 kubernetes_workspace_size = "5Gi"
 kubernetes_storage_class = "fast"
 kubernetes_instance = "prod"
+kubernetes_api = "agent-sandbox"
+kubernetes_warm_pool = 3
 [spool]
 spool_dir = "/srv/spool"
 [bounds]

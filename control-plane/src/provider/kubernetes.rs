@@ -24,8 +24,11 @@
 //!   contract's rule without waiting out the silence bound;
 //! - **a server's stop** leaves the Pods running: the next server (or the
 //!   next leader of the replicas) adopts them by the instance label and
-//!   deletes the ones its store does not know.
+//!   deletes the ones its store does not know;
+//! - **agent-sandbox mode** (`agent_sandbox.rs`) makes each sandbox a
+//!   SandboxClaim of a warm pool instead; everything else is the same.
 
+mod agent_sandbox;
 mod cache;
 mod exec;
 pub mod pod;
@@ -41,6 +44,7 @@ use kube::Api;
 use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use tokio::sync::{oneshot, watch};
 
+use self::agent_sandbox::AgentSandbox;
 use self::cache::{Cache, PodState};
 use super::timers::Timers;
 use super::{AgentLaunch, Details, Found, Launched, ProviderError, SandboxProvider, ensure_sweeper, lock, wait_done};
@@ -74,6 +78,21 @@ pub struct KubernetesOptions {
     pub stop_grace: Duration,
     /// How long a new Pod may take to run (scheduling, image pull).
     pub start_timeout: Duration,
+    /// Plain Pods, or agent-sandbox's claims of a warm pool.
+    pub api: KubernetesApi,
+    /// Agent-sandbox mode: the Sandboxes the warm pool keeps started.
+    pub warm_pool: u32,
+    /// The port agents reach the server at (its NetworkPolicy's egress).
+    pub server_port: u16,
+}
+
+/// What a sandbox is made of (`--kubernetes-api`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum KubernetesApi {
+    /// A Pod and a workspace claim of the server's own.
+    Pods,
+    /// A SandboxClaim of kubernetes-sigs/agent-sandbox's warm pool.
+    AgentSandbox,
 }
 
 /// Why the provider cannot start.
@@ -89,6 +108,14 @@ pub enum KubernetesError {
     },
     #[error("the watches of Pods and claims in namespace `{namespace}` did not list within {timeout:?}")]
     Watch { namespace: String, timeout: Duration },
+    #[error(
+        "cannot apply the SandboxTemplate and SandboxWarmPool `{name}` (is agent-sandbox installed, and its Role granted?): {source}"
+    )]
+    AgentSandbox {
+        name: String,
+        #[source]
+        source: kube::Error,
+    },
 }
 
 /// How long the watches may take to list at the start.
@@ -121,6 +148,8 @@ struct KubernetesInner {
     /// Auto-stop minutes of each sandbox (memory, as on Docker).
     auto_stop: Mutex<HashMap<String, u32>>,
     timers: Arc<Timers>,
+    /// Agent-sandbox mode's objects; `None` for plain Pods.
+    agent_sandbox: Option<AgentSandbox>,
     /// `true` once [`SandboxProvider::stop_all`] began: no Pod is made after.
     closed: tokio::sync::RwLock<bool>,
     /// Dropped with the provider: the watches end.
@@ -138,8 +167,22 @@ impl KubernetesProvider {
         pods.list(&ListParams::default().labels(&selector).limit(1))
             .await
             .map_err(|source| KubernetesError::Access { namespace: namespace.clone(), source })?;
+        let agent_sandbox = match options.api {
+            KubernetesApi::Pods => None,
+            KubernetesApi::AgentSandbox => {
+                let grace = i64::try_from(options.stop_grace.as_secs()).unwrap_or(i64::MAX);
+                let completed = pod::sandbox_template(&options.template, &options.instance, grace);
+                let name = agent_sandbox::pool_name(&options.instance);
+                let claim = (options.workspace_size.as_str(), options.storage_class.as_deref());
+                let template =
+                    agent_sandbox::template_object(&name, &completed, &options.instance, claim, options.server_port);
+                let applied = AgentSandbox::apply(&client, &namespace, &options.instance, template, options.warm_pool);
+                Some(applied.await.map_err(|source| KubernetesError::AgentSandbox { name, source })?)
+            }
+        };
         let (stop, stopped) = watch::channel(false);
-        let cache = Cache::start(&client, &namespace, &selector, stopped);
+        let sandbox_claims = agent_sandbox.as_ref().map(|_| agent_sandbox::claims_resource());
+        let cache = Cache::start(&client, &namespace, &selector, sandbox_claims.as_ref(), stopped);
         if !tokio::time::timeout(FIRST_LIST, cache.ready()).await.unwrap_or(false) {
             return Err(KubernetesError::Watch { namespace, timeout: FIRST_LIST });
         }
@@ -154,6 +197,7 @@ impl KubernetesProvider {
             agents: Mutex::new(HashMap::new()),
             auto_stop: Mutex::new(HashMap::new()),
             timers,
+            agent_sandbox,
             closed: tokio::sync::RwLock::new(false),
             _stop: stop,
         });
@@ -189,21 +233,28 @@ impl KubernetesProvider {
 
     /// Waits until the sandbox's Pod runs, or says why it will not.
     async fn wait_running(&self, sandbox_id: &str) -> Result<(), ProviderError> {
-        let name = pod::pod_name(sandbox_id);
         let cache = &self.inner.cache;
         let timeout = self.inner.options.start_timeout;
         // A Pod made a moment ago may not be heard yet: absent counts as
-        // gone only once it was seen.
+        // gone only once it was seen. A claim not bound yet is pending.
         let mut seen = false;
-        let settled = |cache: &Cache| match cache.pod_state(&name) {
-            PodState::Pending => {
+        let settled = |cache: &Cache| match self.pod_of(sandbox_id).map(|name| cache.pod_state(&name)) {
+            None => false,
+            Some(PodState::Pending) => {
                 seen = true;
                 false
             }
-            PodState::Absent => seen,
-            PodState::Running | PodState::Deleting | PodState::Ended(_) => true,
+            Some(PodState::Absent) => seen,
+            Some(PodState::Running | PodState::Deleting | PodState::Ended(_)) => true,
         };
         cache.wait_until(timeout, settled).await;
+        let Some(name) = self.pod_of(sandbox_id) else {
+            return Err(ProviderError::Pod {
+                sandbox: sandbox_id.to_owned(),
+                pod: pod::pod_name(sandbox_id),
+                reason: format!("its SandboxClaim was not bound to a Sandbox within {timeout:?}"),
+            });
+        };
         let reason = match cache.pod_state(&name) {
             PodState::Running => return Ok(()),
             PodState::Pending => {
@@ -217,7 +268,33 @@ impl KubernetesProvider {
         Err(ProviderError::Pod { sandbox: sandbox_id.to_owned(), pod: name, reason })
     }
 
-    /// Deletes the sandbox's Pod with `grace` and waits until it is gone.
+    /// The Pod of a sandbox: its own, or (agent-sandbox mode) the one of
+    /// the Sandbox its claim was bound to; `None` while it is not bound.
+    fn pod_of(&self, sandbox_id: &str) -> Option<String> {
+        match &self.inner.agent_sandbox {
+            None => Some(pod::pod_name(sandbox_id)),
+            Some(_) => self
+                .inner
+                .cache
+                .sandbox_claim(&pod::pod_name(sandbox_id))
+                .and_then(|claim| agent_sandbox::bound_sandbox(&claim)),
+        }
+    }
+
+    /// How the sandbox's Pod stands (absent while a claim is not bound).
+    fn pod_state(&self, sandbox_id: &str) -> PodState {
+        self.pod_of(sandbox_id).map_or(PodState::Absent, |name| self.inner.cache.pod_state(&name))
+    }
+
+    /// Waits until the sandbox's Pod is gone, up to `timeout`.
+    async fn wait_gone(&self, sandbox_id: &str, timeout: Duration) {
+        let gone = |_: &Cache| self.pod_state(sandbox_id) == PodState::Absent;
+        if !self.inner.cache.wait_until(timeout, gone).await {
+            tracing::warn!(sandbox_id, "a sandbox's Pod is still there after its grace");
+        }
+    }
+
+    /// Deletes the sandbox's own Pod with `grace` and waits until it is gone.
     async fn delete_pod(&self, sandbox_id: &str, grace: Duration) -> Result<(), ProviderError> {
         let name = pod::pod_name(sandbox_id);
         let seconds = u32::try_from(grace.as_secs()).unwrap_or(u32::MAX);
@@ -227,34 +304,88 @@ impl KubernetesProvider {
             Err(kube::Error::Api(status)) if status.code == 404 => return Ok(()),
             Err(error) => return Err(Self::failed(sandbox_id, "delete its Pod")(error)),
         }
-        let gone = |cache: &Cache| cache.pod_state(&name) == PodState::Absent;
-        if !self.inner.cache.wait_until(grace + DELETE_SLACK, gone).await {
-            tracing::warn!(sandbox_id, pod = name, "a deleted Pod is still there after its grace");
-        }
+        self.wait_gone(sandbox_id, grace + DELETE_SLACK).await;
         Ok(())
     }
 
-    /// Whether the sandbox's workspace claim exists and is not being
-    /// deleted, from the watch's store: the provider reads no object by
-    /// itself (its Role grants no `get`).
-    fn claim_exists(&self, sandbox_id: &str) -> bool {
-        self.inner
-            .cache
-            .claim(&pod::claim_name(sandbox_id))
-            .is_some_and(|claim| claim.metadata.deletion_timestamp.is_none())
+    /// Whether the sandbox still exists when it has no Pod: its workspace
+    /// claim (or its SandboxClaim), not being deleted, as the watches have
+    /// it: the provider reads no single object.
+    fn kept(&self, sandbox_id: &str) -> bool {
+        let cache = &self.inner.cache;
+        let name = pod::pod_name(sandbox_id);
+        match &self.inner.agent_sandbox {
+            None => cache
+                .claim(&pod::claim_name(sandbox_id))
+                .is_some_and(|claim| claim.metadata.deletion_timestamp.is_none()),
+            Some(_) => cache.sandbox_claim(&name).is_some_and(|claim| claim.metadata.deletion_timestamp.is_none()),
+        }
     }
 
-    /// Stamps the claim with the time its sandbox stopped (the retention's
-    /// age); a missing claim is fine.
+    /// Stamps the sandbox with the time it stopped (the retention's age);
+    /// a missing one is fine.
     async fn stamp_stopped(&self, sandbox_id: &str) {
-        let name = pod::claim_name(sandbox_id);
         let now = jiff::Timestamp::now().to_string();
-        let patch = serde_json::json!({"metadata": {"annotations": {pod::STOPPED_AT: now}}});
-        match self.inner.claims.patch(&name, &PatchParams::default(), &Patch::Merge(&patch)).await {
-            Ok(_) => {}
-            Err(kube::Error::Api(status)) if status.code == 404 => {}
-            Err(error) => tracing::warn!(sandbox_id, %error, "stamping a stopped sandbox's claim failed"),
+        let stamped = match &self.inner.agent_sandbox {
+            Some(agent_sandbox) => agent_sandbox.stamp_stopped(sandbox_id, &now).await,
+            None => {
+                let patch = serde_json::json!({"metadata": {"annotations": {pod::STOPPED_AT: now}}});
+                let claims = &self.inner.claims;
+                match claims.patch(&pod::claim_name(sandbox_id), &PatchParams::default(), &Patch::Merge(&patch)).await {
+                    Err(kube::Error::Api(status)) if status.code == 404 => Ok(()),
+                    other => other.map(drop),
+                }
+            }
+        };
+        if let Err(error) = stamped {
+            tracing::warn!(sandbox_id, %error, "stamping a stopped sandbox failed");
         }
+    }
+
+    /// The sandboxes whose Pod runs.
+    fn running(&self) -> Vec<String> {
+        self.sandbox_ids().into_iter().filter(|id| self.pod_state(id) == PodState::Running).collect()
+    }
+
+    /// The sandboxes without a Pod, with when they stopped (their stamp).
+    fn stopped(&self) -> Vec<(String, Option<String>)> {
+        let stamp = |meta: &kube::api::ObjectMeta| meta.annotations.as_ref()?.get(pod::STOPPED_AT).cloned();
+        let cache = &self.inner.cache;
+        let kept: Vec<(String, Option<String>)> = match &self.inner.agent_sandbox {
+            None => cache
+                .claims()
+                .iter()
+                .filter_map(|claim| Some((pod::sandbox_of(&claim.metadata)?.to_owned(), stamp(&claim.metadata))))
+                .collect(),
+            Some(_) => cache
+                .sandbox_claims()
+                .iter()
+                .filter_map(|claim| Some((pod::sandbox_of(&claim.metadata)?.to_owned(), stamp(&claim.metadata))))
+                .collect(),
+        };
+        kept.into_iter().filter(|(id, _)| self.pod_state(id) == PodState::Absent).collect()
+    }
+
+    /// Every sandbox of this control plane the watches know of.
+    fn sandbox_ids(&self) -> Vec<String> {
+        let cache = &self.inner.cache;
+        let mut ids: Vec<String> = match &self.inner.agent_sandbox {
+            None => cache
+                .pods()
+                .iter()
+                .map(|found| &found.metadata)
+                .chain(cache.claims().iter().map(|claim| &claim.metadata))
+                .filter_map(|meta| pod::sandbox_of(meta).map(str::to_owned))
+                .collect(),
+            Some(_) => cache
+                .sandbox_claims()
+                .iter()
+                .filter_map(|claim| pod::sandbox_of(&claim.metadata).map(str::to_owned))
+                .collect(),
+        };
+        ids.sort();
+        ids.dedup();
+        ids
     }
 
     fn agent_done(&self, sandbox_id: &str) -> Option<watch::Receiver<bool>> {
@@ -263,7 +394,16 @@ impl KubernetesProvider {
 
     /// `standby WORD` in the sandbox's Pod.
     async fn word(&self, sandbox_id: &str, word: &str) -> Result<Option<i32>, ProviderError> {
-        exec::run_word(&self.inner.pods, &pod::pod_name(sandbox_id), sandbox_id, word, WORD_TIMEOUT).await
+        let Some(pod) = self.pod_of(sandbox_id) else { return Ok(None) };
+        exec::run_word(&self.inner.pods, &pod, sandbox_id, word, WORD_TIMEOUT).await
+    }
+
+    fn unbound(sandbox_id: &str) -> ProviderError {
+        ProviderError::Pod {
+            sandbox: sandbox_id.to_owned(),
+            pod: pod::pod_name(sandbox_id),
+            reason: "its SandboxClaim is not bound to a Sandbox".to_owned(),
+        }
     }
 }
 
@@ -273,12 +413,13 @@ impl KubernetesProvider {
 async fn watch_for_lost_pods(inner: Weak<KubernetesInner>, mut changes: watch::Receiver<u64>) {
     while changes.changed().await.is_ok() {
         let Some(inner) = inner.upgrade() else { return };
+        let provider = KubernetesProvider { inner: Arc::clone(&inner) };
         let mut agents = lock(&inner.agents);
         for (sandbox_id, agent) in agents.iter_mut() {
             if *agent.done.borrow() || agent.lost.is_none() {
                 continue;
             }
-            let why = match inner.cache.pod_state(&pod::pod_name(sandbox_id)) {
+            let why = match provider.pod_state(sandbox_id) {
                 PodState::Absent => "its Pod is gone".to_owned(),
                 PodState::Ended(why) => format!("its Pod ended ({why})"),
                 PodState::Running | PodState::Pending | PodState::Deleting => continue,
@@ -298,6 +439,11 @@ impl SandboxProvider for KubernetesProvider {
             return Err(ProviderError::Stopping { sandbox: sandbox_id.to_owned() });
         }
         let options = &self.inner.options;
+        if let Some(agent_sandbox) = &self.inner.agent_sandbox {
+            let claimed = agent_sandbox.claim(sandbox_id, &options.instance).await;
+            claimed.map_err(Self::failed(sandbox_id, "create its SandboxClaim"))?;
+            return self.wait_running(sandbox_id).await;
+        }
         let claim =
             pod::claim(sandbox_id, &options.instance, &options.workspace_size, options.storage_class.as_deref());
         match self.inner.claims.create(&PostParams::default(), &claim).await {
@@ -315,25 +461,38 @@ impl SandboxProvider for KubernetesProvider {
             return Err(ProviderError::Stopping { sandbox: sandbox_id.to_owned() });
         }
         let _starting = self.inner.timers.starting().await;
-        match self.inner.cache.pod_state(&pod::pod_name(sandbox_id)) {
+        let state = self.pod_state(sandbox_id);
+        match state {
             PodState::Running => return Ok(()),
             PodState::Pending => return self.wait_running(sandbox_id).await,
-            PodState::Deleting | PodState::Ended(_) => self.delete_pod(sandbox_id, Duration::ZERO).await?,
-            PodState::Absent => {}
+            PodState::Deleting | PodState::Ended(_) | PodState::Absent => {}
         }
-        if !self.claim_exists(sandbox_id) {
+        if !self.kept(sandbox_id) {
             return Err(ProviderError::Missing {
                 sandbox: sandbox_id.to_owned(),
                 path: PathBuf::from(format!("claim {}", pod::claim_name(sandbox_id))),
             });
         }
-        self.make_pod(sandbox_id).await?;
+        if let Some(agent_sandbox) = &self.inner.agent_sandbox {
+            let sandbox = self.pod_of(sandbox_id).ok_or_else(|| Self::unbound(sandbox_id))?;
+            if state != PodState::Absent {
+                self.wait_gone(sandbox_id, self.inner.options.stop_grace + DELETE_SLACK).await;
+            }
+            let resumed = agent_sandbox.set_mode(&sandbox, "Running").await;
+            resumed.map_err(Self::failed(sandbox_id, "resume its Sandbox"))?;
+            self.wait_running(sandbox_id).await?;
+        } else {
+            if state != PodState::Absent {
+                self.delete_pod(sandbox_id, Duration::ZERO).await?;
+            }
+            self.make_pod(sandbox_id).await?;
+        }
         tracing::info!(sandbox_id, "a stopped sandbox's Pod made again on its workspace claim");
         Ok(())
     }
 
     async fn launch(&self, sandbox_id: &str, launch: AgentLaunch) -> Result<Launched, ProviderError> {
-        let name = pod::pod_name(sandbox_id);
+        let name = self.pod_of(sandbox_id).ok_or_else(|| Self::unbound(sandbox_id))?;
         let log = self.log_path(sandbox_id);
         let started = exec::start_agent(&self.inner.pods, &name, sandbox_id, &launch, log).await?;
         let agent = Agent { done: started.done, lost: Some(started.lost) };
@@ -344,7 +503,20 @@ impl SandboxProvider for KubernetesProvider {
     }
 
     async fn stop(&self, sandbox_id: &str) {
-        if let Err(error) = self.delete_pod(sandbox_id, self.inner.options.stop_grace).await {
+        let grace = self.inner.options.stop_grace;
+        let stopped = match (&self.inner.agent_sandbox, self.pod_of(sandbox_id)) {
+            (Some(agent_sandbox), Some(sandbox)) => {
+                let suspended = agent_sandbox.set_mode(&sandbox, "Suspended").await;
+                let suspended = suspended.map_err(Self::failed(sandbox_id, "suspend its Sandbox"));
+                if suspended.is_ok() {
+                    self.wait_gone(sandbox_id, grace + DELETE_SLACK).await;
+                }
+                suspended
+            }
+            (Some(_), None) => Ok(()),
+            (None, _) => self.delete_pod(sandbox_id, grace).await,
+        };
+        if let Err(error) = stopped {
             tracing::warn!(%error, "stopping a sandbox's Pod failed");
         }
         if let Some(done) = self.agent_done(sandbox_id) {
@@ -385,11 +557,15 @@ impl SandboxProvider for KubernetesProvider {
     }
 
     async fn delete(&self, sandbox_id: &str) -> Result<(), ProviderError> {
-        self.delete_pod(sandbox_id, Duration::ZERO).await?;
-        match self.inner.claims.delete(&pod::claim_name(sandbox_id), &DeleteParams::default()).await {
-            Ok(_) => {}
-            Err(kube::Error::Api(status)) if status.code == 404 => {}
-            Err(error) => return Err(Self::failed(sandbox_id, "delete its workspace claim")(error)),
+        if let Some(agent_sandbox) = &self.inner.agent_sandbox {
+            agent_sandbox.release(sandbox_id).await.map_err(Self::failed(sandbox_id, "delete its SandboxClaim"))?;
+        } else {
+            self.delete_pod(sandbox_id, Duration::ZERO).await?;
+            match self.inner.claims.delete(&pod::claim_name(sandbox_id), &DeleteParams::default()).await {
+                Ok(_) => {}
+                Err(kube::Error::Api(status)) if status.code == 404 => {}
+                Err(error) => return Err(Self::failed(sandbox_id, "delete its workspace claim")(error)),
+            }
         }
         self.inner.timers.forget(sandbox_id);
         lock(&self.inner.auto_stop).remove(sandbox_id);
@@ -400,11 +576,11 @@ impl SandboxProvider for KubernetesProvider {
 
     async fn state(&self, sandbox_id: &str) -> Result<Found, ProviderError> {
         self.ensure_sweeper();
-        match self.inner.cache.pod_state(&pod::pod_name(sandbox_id)) {
+        match self.pod_state(sandbox_id) {
             PodState::Running => {}
             PodState::Pending => return Ok(Found::NoAgent),
             PodState::Absent | PodState::Deleting | PodState::Ended(_) => {
-                return Ok(if self.claim_exists(sandbox_id) { Found::NoAgent } else { Found::Missing });
+                return Ok(if self.kept(sandbox_id) { Found::NoAgent } else { Found::Missing });
             }
         }
         if let Some(done) = self.agent_done(sandbox_id) {
@@ -423,26 +599,11 @@ impl SandboxProvider for KubernetesProvider {
 
     async fn adopt(&self, known: HashSet<String>) {
         self.ensure_sweeper();
-        let cache = &self.inner.cache;
-        let pods = cache
-            .pods()
-            .iter()
-            .filter_map(|found| pod::sandbox_of(&found.metadata).map(str::to_owned))
-            .collect::<Vec<_>>();
-        let claims = cache
-            .claims()
-            .iter()
-            .filter_map(|found| pod::sandbox_of(&found.metadata).map(str::to_owned))
-            .collect::<Vec<_>>();
-        let mut orphans = HashSet::new();
-        for sandbox_id in pods.iter().chain(&claims) {
-            if known.contains(sandbox_id) {
+        for sandbox_id in self.sandbox_ids() {
+            if known.contains(&sandbox_id) {
                 tracing::info!(sandbox_id, "adopted a sandbox");
-            } else {
-                orphans.insert(sandbox_id.clone());
+                continue;
             }
-        }
-        for sandbox_id in orphans {
             tracing::warn!(sandbox_id, "deleting an orphaned sandbox of this control plane");
             if let Err(error) = self.delete(&sandbox_id).await {
                 tracing::warn!(%error, "deleting an orphaned sandbox failed");

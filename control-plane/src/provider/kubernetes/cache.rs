@@ -1,7 +1,8 @@
 //! What the provider knows of its Pods and claims: one watch per kind
 //! (`kube::runtime::watcher`, which lists, watches from the list's
 //! version, and lists again when the API server answers 410 Gone), each
-//! mirrored in a reflector's store. Every question the provider asks of a
+//! mirrored in a reflector's store: Pods, and the workspace claims
+//! (plain Pods) or agent-sandbox's SandboxClaims (agent-sandbox mode). Every question the provider asks of a
 //! sandbox's state is answered from these stores, never by a GET per Pod,
 //! and every change wakes whoever waits for one ([`Cache::changed`]): a
 //! Pod running, a Pod gone, an agent's Pod lost under it.
@@ -12,6 +13,7 @@ use std::time::Duration;
 
 use futures::StreamExt as _;
 use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
+use kube::api::{ApiResource, DynamicObject};
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt as _, watcher};
 use kube::{Api, Resource};
@@ -22,7 +24,10 @@ use tokio::sync::watch;
 #[derive(Debug, Clone)]
 pub(super) struct Cache {
     pods: Store<Pod>,
-    claims: Store<PersistentVolumeClaim>,
+    /// Plain Pods: the workspace claims.
+    claims: Option<Store<PersistentVolumeClaim>>,
+    /// Agent-sandbox mode: the SandboxClaims.
+    sandbox_claims: Option<Store<DynamicObject>>,
     namespace: String,
     changes: watch::Receiver<u64>,
 }
@@ -47,17 +52,41 @@ pub(super) enum PodState {
 
 impl Cache {
     /// Starts the two watches; they end when `stop` is dropped or set.
-    pub(super) fn start(client: &kube::Client, namespace: &str, selector: &str, stop: watch::Receiver<bool>) -> Self {
+    /// Starts the watches: Pods, and the workspace claims, or the
+    /// SandboxClaims of `sandbox_claims` when given; they end when `stop`
+    /// is dropped or set.
+    pub(super) fn start(
+        client: &kube::Client,
+        namespace: &str,
+        selector: &str,
+        sandbox_claims: Option<&ApiResource>,
+        stop: watch::Receiver<bool>,
+    ) -> Self {
         let (tx, changes) = watch::channel(0_u64);
         let tx = Arc::new(tx);
-        let pods = mirror::<Pod>(Api::namespaced(client.clone(), namespace), selector, Arc::clone(&tx), stop.clone());
-        let claims = mirror::<PersistentVolumeClaim>(Api::namespaced(client.clone(), namespace), selector, tx, stop);
-        Self { pods, claims, namespace: namespace.to_owned(), changes }
+        let api = Api::namespaced(client.clone(), namespace);
+        let pods = mirror::<Pod>(api, (), selector, Arc::clone(&tx), stop.clone());
+        let (claims, sandbox_claims) = match sandbox_claims {
+            Some(resource) => {
+                let api = Api::namespaced_with(client.clone(), namespace, resource);
+                (None, Some(mirror::<DynamicObject>(api, resource.clone(), selector, tx, stop)))
+            }
+            None => (Some(mirror(Api::namespaced(client.clone(), namespace), (), selector, tx, stop)), None),
+        };
+        Self { pods, claims, sandbox_claims, namespace: namespace.to_owned(), changes }
     }
 
-    /// Waits until both watches have listed once.
+    /// Waits until every watch has listed once.
     pub(super) async fn ready(&self) -> bool {
-        self.pods.wait_until_ready().await.is_ok() && self.claims.wait_until_ready().await.is_ok()
+        let claims = match &self.claims {
+            Some(claims) => claims.wait_until_ready().await.is_ok(),
+            None => true,
+        };
+        let sandbox_claims = match &self.sandbox_claims {
+            Some(claims) => claims.wait_until_ready().await.is_ok(),
+            None => true,
+        };
+        self.pods.wait_until_ready().await.is_ok() && claims && sandbox_claims
     }
 
     pub(super) fn pod(&self, name: &str) -> Option<Arc<Pod>> {
@@ -65,7 +94,16 @@ impl Cache {
     }
 
     pub(super) fn claim(&self, name: &str) -> Option<Arc<PersistentVolumeClaim>> {
-        self.claims.get(&ObjectRef::new(name).within(&self.namespace))
+        self.claims.as_ref()?.get(&ObjectRef::new(name).within(&self.namespace))
+    }
+
+    pub(super) fn sandbox_claim(&self, name: &str) -> Option<Arc<DynamicObject>> {
+        let claims = self.sandbox_claims.as_ref()?;
+        claims.state().into_iter().find(|claim| claim.metadata.name.as_deref() == Some(name))
+    }
+
+    pub(super) fn sandbox_claims(&self) -> Vec<Arc<DynamicObject>> {
+        self.sandbox_claims.as_ref().map(Store::state).unwrap_or_default()
     }
 
     pub(super) fn pods(&self) -> Vec<Arc<Pod>> {
@@ -73,7 +111,7 @@ impl Cache {
     }
 
     pub(super) fn claims(&self) -> Vec<Arc<PersistentVolumeClaim>> {
-        self.claims.state()
+        self.claims.as_ref().map(Store::state).unwrap_or_default()
     }
 
     /// How the Pod `name` stands, as last heard.
@@ -159,11 +197,20 @@ pub(super) fn pending_reason(pod: &Pod) -> Option<String> {
 }
 
 /// One kind's watch, mirrored into a store, bumping `changes` on every event.
-fn mirror<K>(api: Api<K>, selector: &str, changes: Arc<watch::Sender<u64>>, mut stop: watch::Receiver<bool>) -> Store<K>
+fn mirror<K>(
+    api: Api<K>,
+    dyntype: K::DynamicType,
+    selector: &str,
+    changes: Arc<watch::Sender<u64>>,
+    mut stop: watch::Receiver<bool>,
+) -> Store<K>
 where
-    K: Resource<DynamicType = ()> + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
+    K: Resource + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
+    K::DynamicType: Eq + std::hash::Hash + Clone + Send + Sync,
 {
-    let (reader, writer) = reflector::store();
+    let kind = K::kind(&dyntype).into_owned();
+    let writer = reflector::store::Writer::new(dyntype);
+    let reader = writer.as_reader();
     let config = watcher::Config::default().labels(selector);
     let stream = watcher(api, config).default_backoff().reflect(writer);
     tokio::spawn(async move {
@@ -173,7 +220,7 @@ where
                 _ = stop.wait_for(|stopped| *stopped) => return,
                 event = stream.next() => match event {
                     Some(Ok(_)) => changes.send_modify(|n| *n = n.wrapping_add(1)),
-                    Some(Err(error)) => tracing::warn!(%error, kind = K::kind(&()).as_ref(), "a watch of the sandboxes failed; it starts again"),
+                    Some(Err(error)) => tracing::warn!(%error, kind, "a watch of the sandboxes failed; it starts again"),
                     None => return,
                 },
             }

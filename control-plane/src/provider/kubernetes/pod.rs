@@ -43,8 +43,9 @@ pub const ROLE_LABEL: &str = "standby.dev/role";
 pub const STOPPED_AT: &str = "standby.dev/stopped-at";
 /// The workspace in every sandbox (the image's, as on Docker).
 pub const WORKSPACE: &str = "/workspace";
-/// The name of the workspace volume; a template may not use it.
-const WORKSPACE_VOLUME: &str = "workspace";
+/// The name of the workspace volume (and of agent-sandbox's claim
+/// template); a template may not use it.
+pub const WORKSPACE_VOLUME: &str = "workspace";
 /// The uid and gid a template that sets none runs as: the image's `standby`.
 const SANDBOX_UID: i64 = 10001;
 
@@ -184,11 +185,9 @@ fn seccomp_allowed(profile: Option<&SeccompProfile>) -> Result<(), String> {
 
 /// The labels of everything a sandbox is made of.
 pub fn labels(sandbox_id: &str, instance: &str) -> BTreeMap<String, String> {
-    BTreeMap::from([
-        (SANDBOX_LABEL.to_owned(), sandbox_id.to_owned()),
-        (INSTANCE_LABEL.to_owned(), instance.to_owned()),
-        (ROLE_LABEL.to_owned(), "sandbox".to_owned()),
-    ])
+    let mut labels = instance_labels(instance);
+    labels.insert(SANDBOX_LABEL.to_owned(), sandbox_id.to_owned());
+    labels
 }
 
 /// The selector of everything this control plane made.
@@ -196,13 +195,22 @@ pub fn instance_selector(instance: &str) -> String {
     format!("{INSTANCE_LABEL}={instance}")
 }
 
-/// The Pod of a sandbox from a checked template.
-pub fn pod(template: &PodTemplateSpec, sandbox_id: &str, instance: &str, stop_grace_s: i64) -> Pod {
+/// The labels of everything of this control plane's, before a sandbox
+/// is known (agent-sandbox's warm Pods are made before any claim).
+pub fn instance_labels(instance: &str) -> BTreeMap<String, String> {
+    BTreeMap::from([(INSTANCE_LABEL.to_owned(), instance.to_owned()), (ROLE_LABEL.to_owned(), "sandbox".to_owned())])
+}
+
+/// A checked template completed into every sandbox's Pod template: the
+/// instance's labels, `hold`, the workspace mount (its volume is the
+/// caller's: a claim of the sandbox's own, or agent-sandbox's claim
+/// template of the same name) and the strict settings.
+pub fn sandbox_template(template: &PodTemplateSpec, instance: &str, stop_grace_s: i64) -> PodTemplateSpec {
     let mut metadata = template.metadata.clone().unwrap_or_default();
-    metadata.name = Some(pod_name(sandbox_id));
+    metadata.name = None;
     metadata.namespace = None;
     metadata.generate_name = None;
-    metadata.labels.get_or_insert_with(BTreeMap::new).extend(labels(sandbox_id, instance));
+    metadata.labels.get_or_insert_with(BTreeMap::new).extend(instance_labels(instance));
     let mut spec = template.spec.clone().unwrap_or_default();
     spec.restart_policy = Some("Never".to_owned());
     spec.automount_service_account_token = Some(false);
@@ -214,14 +222,6 @@ pub fn pod(template: &PodTemplateSpec, sandbox_id: &str, instance: &str, stop_gr
     pod_security.run_as_group.get_or_insert(SANDBOX_UID);
     pod_security.fs_group.get_or_insert(SANDBOX_UID);
     pod_security.seccomp_profile.get_or_insert_with(runtime_default);
-    spec.volumes.get_or_insert_with(Vec::new).push(Volume {
-        name: WORKSPACE_VOLUME.to_owned(),
-        persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
-            claim_name: claim_name(sandbox_id),
-            read_only: None,
-        }),
-        ..Default::default()
-    });
     if let Some(container) = spec.containers.first_mut() {
         container.args = Some(vec!["hold".to_owned()]);
         container.working_dir = Some(WORKSPACE.to_owned());
@@ -240,15 +240,46 @@ pub fn pod(template: &PodTemplateSpec, sandbox_id: &str, instance: &str, stop_gr
         capabilities.add = None;
         capabilities.drop = Some(vec!["ALL".to_owned()]);
     }
+    PodTemplateSpec { metadata: Some(metadata), spec: Some(spec) }
+}
+
+/// The Pod of a sandbox from a checked template, on its own claim.
+pub fn pod(template: &PodTemplateSpec, sandbox_id: &str, instance: &str, stop_grace_s: i64) -> Pod {
+    let completed = sandbox_template(template, instance, stop_grace_s);
+    let mut metadata = completed.metadata.unwrap_or_default();
+    metadata.name = Some(pod_name(sandbox_id));
+    metadata.labels.get_or_insert_with(BTreeMap::new).extend(labels(sandbox_id, instance));
+    let mut spec = completed.spec.unwrap_or_default();
+    spec.volumes.get_or_insert_with(Vec::new).push(Volume {
+        name: WORKSPACE_VOLUME.to_owned(),
+        persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
+            claim_name: claim_name(sandbox_id),
+            read_only: None,
+        }),
+        ..Default::default()
+    });
     Pod { metadata, spec: Some(spec), status: None }
+}
+
+/// The workspace claim's spec: `size`, ReadWriteOnce, of `storage_class`
+/// (the cluster's default when `None`).
+pub fn claim_spec(size: &str, storage_class: Option<&str>) -> PersistentVolumeClaimSpec {
+    PersistentVolumeClaimSpec {
+        access_modes: Some(vec!["ReadWriteOnce".to_owned()]),
+        storage_class_name: storage_class.map(str::to_owned),
+        resources: Some(VolumeResourceRequirements {
+            requests: Some(BTreeMap::from([("storage".to_owned(), Quantity(size.to_owned()))])),
+            limits: None,
+        }),
+        ..Default::default()
+    }
 }
 
 fn runtime_default() -> SeccompProfile {
     SeccompProfile { type_: "RuntimeDefault".to_owned(), localhost_profile: None }
 }
 
-/// The workspace claim of a sandbox: `size`, ReadWriteOnce, of
-/// `storage_class` (the cluster's default when `None`).
+/// The workspace claim of a sandbox.
 pub fn claim(sandbox_id: &str, instance: &str, size: &str, storage_class: Option<&str>) -> PersistentVolumeClaim {
     PersistentVolumeClaim {
         metadata: ObjectMeta {
@@ -256,15 +287,7 @@ pub fn claim(sandbox_id: &str, instance: &str, size: &str, storage_class: Option
             labels: Some(labels(sandbox_id, instance)),
             ..Default::default()
         },
-        spec: Some(PersistentVolumeClaimSpec {
-            access_modes: Some(vec!["ReadWriteOnce".to_owned()]),
-            storage_class_name: storage_class.map(str::to_owned),
-            resources: Some(VolumeResourceRequirements {
-                requests: Some(BTreeMap::from([("storage".to_owned(), Quantity(size.to_owned()))])),
-                limits: None,
-            }),
-            ..Default::default()
-        }),
+        spec: Some(claim_spec(size, storage_class)),
         status: None,
     }
 }

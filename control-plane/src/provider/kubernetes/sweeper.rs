@@ -4,7 +4,8 @@
 //! stopped (Tier 1: the Pod deleted, its claim kept), and a stopped
 //! sandbox (a workspace claim without a Pod) is deleted once it has been
 //! stopped for `auto_delete` minutes, counted from the claim's
-//! `standby.dev/stopped-at` annotation. There is nothing to archive a
+//! `standby.dev/stopped-at` annotation (on the SandboxClaim in
+//! agent-sandbox mode). There is nothing to archive a
 //! claim into without a CSI snapshot class, so `auto_archive` keeps it as
 //! it is (docs/deploy.md). The facts come from the watches' stores, not
 //! from listing the API.
@@ -13,7 +14,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::cache::PodState;
-use super::pod::{self, STOPPED_AT};
 use super::{KubernetesInner, KubernetesProvider};
 use crate::provider::timers::Retention;
 use crate::provider::{SandboxProvider as _, lock, stop_idle};
@@ -21,14 +21,7 @@ use crate::provider::{SandboxProvider as _, lock, stop_idle};
 /// One round of the timers.
 pub(super) async fn sweep_once(inner: Arc<KubernetesInner>) {
     let provider = KubernetesProvider { inner: Arc::clone(&inner) };
-    let running: Vec<String> = inner
-        .cache
-        .pods()
-        .iter()
-        .filter(|found| super::cache::pod_state(found) == PodState::Running)
-        .filter_map(|found| pod::sandbox_of(&found.metadata).map(str::to_owned))
-        .collect();
-    let auto_stops = running.into_iter().map(|id| {
+    let auto_stops = provider.running().into_iter().map(|id| {
         let minutes = lock(&inner.auto_stop).get(&id).copied().unwrap_or(0);
         (id, minutes)
     });
@@ -37,22 +30,17 @@ pub(super) async fn sweep_once(inner: Arc<KubernetesInner>) {
         return;
     }
     let now = jiff::Timestamp::now();
-    for claim in inner.cache.claims() {
-        let Some(id) = pod::sandbox_of(&claim.metadata) else { continue };
-        if inner.cache.pod(&pod::pod_name(id)).is_some() {
-            continue;
-        }
-        let stopped_at = claim.metadata.annotations.as_ref().and_then(|notes| notes.get(STOPPED_AT));
-        let Some(age) = stopped_for(stopped_at.map(String::as_str), now) else { continue };
+    for (id, stopped_at) in provider.stopped() {
+        let Some(age) = stopped_for(stopped_at.as_deref(), now) else { continue };
         if inner.timers.retention(age, true) != Retention::Delete {
             continue;
         }
         let _retaining = inner.timers.retaining().await;
-        if inner.cache.pod(&pod::pod_name(id)).is_some() {
+        if provider.pod_state(&id) != PodState::Absent {
             continue;
         }
         tracing::info!(sandbox_id = id, minutes = inner.options.auto_delete, "stopped sandbox deleted by age");
-        if let Err(error) = provider.delete(id).await {
+        if let Err(error) = provider.delete(&id).await {
             tracing::warn!(%error, "the sweeper could not delete a stopped sandbox");
         }
     }
