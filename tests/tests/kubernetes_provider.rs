@@ -8,213 +8,38 @@
 //! and the API calls of each path, compared with the deployment's Role.
 //!
 //! What the fake does not model is listed in docs/deploy.md ("What CI
-//! proves"); `kubernetes_cluster.rs` runs the same paths against a real
-//! cluster when `STANDBY_TEST_KUBECONFIG` names one.
+//! proves"); the `real_cluster_*` tests, `#[ignore]`d, run the paths the
+//! fake is not needed for against a real cluster when
+//! `STANDBY_TEST_KUBECONFIG` names one (`kubernetes_support`).
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::ops::Deref;
-use std::time::Duration;
+mod kubernetes_support;
 
-use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
-use kube::Api;
+use std::collections::{BTreeMap, BTreeSet};
+
+use k8s_openapi::api::core::v1::Pod;
 use kube::api::{DeleteParams, PostParams};
-use nix::sys::signal::Signal;
-use serde_json::{Value, json};
-use standby_e2e::harness::{standby_bin, write_json};
-use standby_e2e::kube_fake::{Call, FakeCluster, FakeOptions};
+use kubernetes_support::{IMAGE, NAMESPACE, Server, WAIT, counted, pod_name, sandbox_of, uid};
+use serde_json::json;
+use standby_e2e::kube_fake::Call;
 use standby_e2e::kustomize;
-use standby_e2e::server_process::{ServerBuilder, ServerProcess, free_fixed_port};
-
-const WAIT: Duration = Duration::from_secs(60);
-const NAMESPACE: &str = "standby";
-const IMAGE: &str = "standby-sandbox:fake";
-const AGENT_PATH: &str = "/usr/local/bin/standby";
-
-/// As on Docker: one setup step that counts its runs.
-fn spec() -> Value {
-    json!({
-        "workspace": {
-            "repos": [],
-            "setup": [{"name": "build", "command": ["sh", "-c", "echo run >> .setup-runs"], "timeout_s": 60}]
-        },
-        "shell": ["/bin/sh"]
-    })
-}
-
-/// The operator's template: the image, a label of theirs, their own
-/// non-secret variable.
-const TEMPLATE: &str = "metadata:\n  labels: {team: e2e}\nspec:\n  containers:\n    - name: sandbox\n      image: standby-sandbox:fake\n      env: [{name: TEAM_NOTE, value: from-the-template}]\n";
-
-fn fake_options() -> FakeOptions {
-    FakeOptions {
-        namespace: NAMESPACE.to_owned(),
-        images: HashMap::from([(IMAGE.to_owned(), vec![AGENT_PATH.to_owned()])]),
-        binaries: HashMap::from([(AGENT_PATH.to_owned(), standby_bin())]),
-        history: 1000,
-    }
-}
-
-/// A server on the Kubernetes provider, with its fake cluster.
-struct Server {
-    process: Option<ServerProcess>,
-    builder: ServerBuilder,
-    cluster: FakeCluster,
-    instance: String,
-    dir: tempfile::TempDir,
-}
-
-impl Deref for Server {
-    type Target = ServerProcess;
-
-    fn deref(&self) -> &ServerProcess {
-        self.process.as_ref().expect("the server runs")
-    }
-}
-
-impl Server {
-    async fn start(args: &[&str]) -> Self {
-        let cluster = FakeCluster::start(fake_options()).await;
-        let dir = tempfile::Builder::new().prefix("standby-kube-e2e-").tempdir().expect("a temp dir");
-        let spec_path = dir.path().join("spec.json");
-        write_json(&spec_path, &spec());
-        let template = dir.path().join("sandbox-pod.yaml");
-        std::fs::write(&template, TEMPLATE).expect("write the pod template");
-        let kubeconfig = dir.path().join("kubeconfig");
-        cluster.write_kubeconfig(&kubeconfig);
-        let instance = format!("e2e-{}", dir.path().file_name().and_then(|n| n.to_str()).unwrap_or("x").to_lowercase());
-        let instance: String = instance.chars().filter(|c| c.is_ascii_alphanumeric() || *c == '-').take(40).collect();
-        let port = free_fixed_port();
-        let listen = std::net::SocketAddr::from(([127, 0, 0, 1], port));
-        let data = dir.path().join("data");
-        let mut builder = ServerBuilder::new(&data, &dir.path().join("server.log"), &instance)
-            .listen(listen)
-            .env("KUBECONFIG", &kubeconfig.display().to_string())
-            .args(&[
-                "--provider",
-                "kubernetes",
-                "--public-url",
-                &format!("http://127.0.0.1:{port}"),
-                "--kubernetes-pod-template",
-                &template.display().to_string(),
-                "--kubernetes-instance",
-                &instance,
-                "--log",
-                "debug,kube=info,hyper=info,tower=info",
-                "--agent-log",
-                "debug",
-                "--spec",
-                &spec_path.display().to_string(),
-            ]);
-        for (flag, value) in [("--linger", "5s"), ("--stop-grace", "3s"), ("--heartbeat-interval", "300ms")] {
-            if !args.contains(&flag) {
-                builder = builder.args(&[flag, value]);
-            }
-        }
-        let builder = builder.args(args);
-        let process = builder.start().await;
-        Self { process: Some(process), builder, cluster, instance, dir }
-    }
-
-    async fn pods_api(&self) -> Api<Pod> {
-        Api::namespaced(self.cluster.client().await, NAMESPACE)
-    }
-
-    async fn claims_api(&self) -> Api<PersistentVolumeClaim> {
-        Api::namespaced(self.cluster.client().await, NAMESPACE)
-    }
-
-    /// The server's log and the agents' output, for failures.
-    fn agent_logs(&self) -> String {
-        let mut text = self.logs();
-        for entry in std::fs::read_dir(self.dir.path().join("data/sandbox-logs")).into_iter().flatten().flatten() {
-            let log = std::fs::read_to_string(entry.path()).unwrap_or_default();
-            let tail: Vec<&str> = log.lines().rev().take(20).collect();
-            text.push_str(&format!("\n--- {} ---\n", entry.path().display()));
-            text.push_str(&tail.into_iter().rev().collect::<Vec<_>>().join("\n"));
-        }
-        text
-    }
-
-    async fn until<T>(&self, what: &str, check: impl AsyncFnMut() -> Option<T>) -> T {
-        self.process.as_ref().expect("the server runs").until(what, WAIT, check).await
-    }
-
-    async fn run_to_end(&self, body: Value) -> Value {
-        let id = self.submit(&body).await;
-        let run = self.finished(&id, WAIT).await;
-        assert_eq!(
-            (run["state"].as_str(), run["exit_code"].as_i64()),
-            (Some("exited"), Some(0)),
-            "{run}\n{}",
-            self.agent_logs()
-        );
-        run
-    }
-
-    async fn turn(&self, thread: &str, script: &str) -> Value {
-        self.run_to_end(json!({"command": ["sh", "-c", script], "thread_id": thread})).await
-    }
-
-    async fn text_log(&self, run: &Value) -> String {
-        String::from_utf8_lossy(&self.log(run["id"].as_str().expect("an id")).await).into_owned()
-    }
-
-    async fn parked(&self, id: &str, mode: &str) -> Value {
-        self.until(&format!("{id} parked {mode}"), async || {
-            let sandbox = self.sandbox(id).await;
-            let settled = match mode {
-                "running" => sandbox["last_state"] == "ready" && sandbox["candidate"] == false,
-                _ => sandbox["running"] == false,
-            };
-            (sandbox["state"] == "parked" && sandbox["park"]["mode"] == mode && settled).then_some(sandbox)
-        })
-        .await
-    }
-
-    async fn ready_standby(&self) -> String {
-        self.until("a ready standby", async || {
-            self.sandboxes()
-                .await
-                .into_iter()
-                .find(|s| s["candidate"] == true)
-                .and_then(|s| s["id"].as_str().map(str::to_owned))
-        })
-        .await
-    }
-
-    /// The sandbox's Pod as the API has it; `None` when there is none.
-    async fn pod(&self, sandbox_id: &str) -> Option<Pod> {
-        self.pods_api().await.get_opt(&pod_name(sandbox_id)).await.expect("the fake answers")
-    }
-
-    async fn claim(&self, sandbox_id: &str) -> Option<PersistentVolumeClaim> {
-        self.claims_api().await.get_opt(&format!("{}-workspace", pod_name(sandbox_id))).await.expect("the fake answers")
-    }
-
-    async fn stop(mut self) {
-        if let Some(process) = self.process.take() {
-            let status = process.stop(Signal::SIGTERM).await;
-            assert!(status.success(), "standby-server exited {status}");
-        }
-    }
-}
-
-fn pod_name(sandbox_id: &str) -> String {
-    format!("standby-{}", sandbox_id.replace('_', "-"))
-}
-
-fn sandbox_of(run: &Value) -> String {
-    let attempts = run["attempts"].as_array().expect("attempts");
-    attempts.last().and_then(|a| a["sandbox_id"].as_str()).expect("a sandbox").to_owned()
-}
-
-fn uid(pod: &Pod) -> String {
-    pod.metadata.uid.clone().expect("a uid")
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_warm_run_takes_a_prepared_pod_which_is_strict_and_holds_no_credential() {
-    let server = Server::start(&["--pool-size", "1"]).await;
+    a_warm_run_takes_a_prepared_pod_which_is_strict_and_holds_no_credential_on(
+        Server::start(&["--pool-size", "1"]).await,
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a real cluster: STANDBY_TEST_KUBECONFIG (docs/deploy.md, \"What CI proves\")"]
+async fn real_cluster_a_warm_run_takes_a_prepared_pod_which_is_strict_and_holds_no_credential() {
+    if let Some(server) = Server::start_real(&["--pool-size", "1"]).await {
+        a_warm_run_takes_a_prepared_pod_which_is_strict_and_holds_no_credential_on(server).await;
+    }
+}
+
+async fn a_warm_run_takes_a_prepared_pod_which_is_strict_and_holds_no_credential_on(server: Server) {
     let standby = server.ready_standby().await;
     let pod = server.pod(&standby).await.expect("the standby's Pod");
     let text = serde_json::to_string(&pod).expect("json");
@@ -252,7 +77,23 @@ async fn a_warm_run_takes_a_prepared_pod_which_is_strict_and_holds_no_credential
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cold_run_gets_a_fresh_pod() {
-    let server = Server::start(&["--pool-size", "0", "--warm-idle", "0s", "--park-stopped", "false"]).await;
+    a_cold_run_gets_a_fresh_pod_on(
+        Server::start(&["--pool-size", "0", "--warm-idle", "0s", "--park-stopped", "false"]).await,
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a real cluster: STANDBY_TEST_KUBECONFIG (docs/deploy.md, \"What CI proves\")"]
+async fn real_cluster_a_cold_run_gets_a_fresh_pod() {
+    if let Some(server) =
+        Server::start_real(&["--pool-size", "0", "--warm-idle", "0s", "--park-stopped", "false"]).await
+    {
+        a_cold_run_gets_a_fresh_pod_on(server).await;
+    }
+}
+
+async fn a_cold_run_gets_a_fresh_pod_on(server: Server) {
     let run = server.run_to_end(json!({"command": ["sh", "-c", "echo cold-ran; cat .setup-runs"]})).await;
     assert_eq!(run["path"], "cold", "{run}");
     assert!(server.text_log(&run).await.contains("cold-ran"));
@@ -261,7 +102,21 @@ async fn a_cold_run_gets_a_fresh_pod() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tier_2_a_follow_up_is_a_new_exec_in_the_running_pod_which_was_cleared() {
-    let server = Server::start(&["--pool-size", "0", "--warm-idle", "60s"]).await;
+    tier_2_a_follow_up_is_a_new_exec_in_the_running_pod_which_was_cleared_on(
+        Server::start(&["--pool-size", "0", "--warm-idle", "60s"]).await,
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a real cluster: STANDBY_TEST_KUBECONFIG (docs/deploy.md, \"What CI proves\")"]
+async fn real_cluster_tier_2_a_follow_up_is_a_new_exec_in_the_running_pod_which_was_cleared() {
+    if let Some(server) = Server::start_real(&["--pool-size", "0", "--warm-idle", "60s"]).await {
+        tier_2_a_follow_up_is_a_new_exec_in_the_running_pod_which_was_cleared_on(server).await;
+    }
+}
+
+async fn tier_2_a_follow_up_is_a_new_exec_in_the_running_pod_which_was_cleared_on(server: Server) {
     let first = server
         .turn("chat-2", "echo note-from-turn-1 > note.txt; setsid sh -c 'exec sleep 1000' </dev/null >/dev/null 2>&1 &")
         .await;
@@ -285,7 +140,21 @@ async fn tier_2_a_follow_up_is_a_new_exec_in_the_running_pod_which_was_cleared()
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tier_1_deletes_the_pod_keeps_the_claim_and_a_resume_makes_a_new_pod_on_it() {
-    let server = Server::start(&["--pool-size", "0", "--warm-idle", "0s"]).await;
+    tier_1_deletes_the_pod_keeps_the_claim_and_a_resume_makes_a_new_pod_on_it_on(
+        Server::start(&["--pool-size", "0", "--warm-idle", "0s"]).await,
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a real cluster: STANDBY_TEST_KUBECONFIG (docs/deploy.md, \"What CI proves\")"]
+async fn real_cluster_tier_1_deletes_the_pod_keeps_the_claim_and_a_resume_makes_a_new_pod_on_it() {
+    if let Some(server) = Server::start_real(&["--pool-size", "0", "--warm-idle", "0s"]).await {
+        tier_1_deletes_the_pod_keeps_the_claim_and_a_resume_makes_a_new_pod_on_it_on(server).await;
+    }
+}
+
+async fn tier_1_deletes_the_pod_keeps_the_claim_and_a_resume_makes_a_new_pod_on_it_on(server: Server) {
     let first = server.turn("chat-1", "echo note-from-turn-1 > note.txt").await;
     let sandbox_id = sandbox_of(&first);
     server.parked(&sandbox_id, "stopped").await;
@@ -300,14 +169,30 @@ async fn tier_1_deletes_the_pod_keeps_the_claim_and_a_resume_makes_a_new_pod_on_
     assert!(second["resume"]["fallback"].is_null(), "{second}");
     let log = server.text_log(&second).await;
     assert!(log.contains("note-from-turn-1") && log.contains("setup-runs=1"), "{log}");
-    let made = |calls: Vec<Call>| calls.iter().filter(|c| c.verb == "create" && c.resource == "pods").count();
-    assert_eq!(made(server.cluster.calls()), 2, "the cold start's Pod, then a new one on the same claim");
+    if server.cluster.is_fake() {
+        let made = |calls: Vec<Call>| calls.iter().filter(|c| c.verb == "create" && c.resource == "pods").count();
+        assert_eq!(made(server.cluster.fake().calls()), 2, "the cold start's Pod, then a new one on the same claim");
+    }
     server.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_resume_whose_claim_is_gone_falls_back_to_cold_with_the_reason() {
-    let server = Server::start(&["--pool-size", "0", "--warm-idle", "0s"]).await;
+    a_resume_whose_claim_is_gone_falls_back_to_cold_with_the_reason_on(
+        Server::start(&["--pool-size", "0", "--warm-idle", "0s"]).await,
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a real cluster: STANDBY_TEST_KUBECONFIG (docs/deploy.md, \"What CI proves\")"]
+async fn real_cluster_a_resume_whose_claim_is_gone_falls_back_to_cold_with_the_reason() {
+    if let Some(server) = Server::start_real(&["--pool-size", "0", "--warm-idle", "0s"]).await {
+        a_resume_whose_claim_is_gone_falls_back_to_cold_with_the_reason_on(server).await;
+    }
+}
+
+async fn a_resume_whose_claim_is_gone_falls_back_to_cold_with_the_reason_on(server: Server) {
     let first = server.turn("chat-3", "echo note > note.txt").await;
     let sandbox_id = sandbox_of(&first);
     server.parked(&sandbox_id, "stopped").await;
@@ -325,7 +210,19 @@ async fn a_resume_whose_claim_is_gone_falls_back_to_cold_with_the_reason() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restarted_server_adopts_its_live_pods_and_deletes_its_orphans() {
-    let mut server = Server::start(&["--pool-size", "1"]).await;
+    a_restarted_server_adopts_its_live_pods_and_deletes_its_orphans_on(Server::start(&["--pool-size", "1"]).await)
+        .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a real cluster: STANDBY_TEST_KUBECONFIG (docs/deploy.md, \"What CI proves\")"]
+async fn real_cluster_a_restarted_server_adopts_its_live_pods_and_deletes_its_orphans() {
+    if let Some(server) = Server::start_real(&["--pool-size", "1"]).await {
+        a_restarted_server_adopts_its_live_pods_and_deletes_its_orphans_on(server).await;
+    }
+}
+
+async fn a_restarted_server_adopts_its_live_pods_and_deletes_its_orphans_on(mut server: Server) {
     let standby = server.ready_standby().await;
     let pods = server.pods_api().await;
     let orphan_id = "sbx_orphan0000001";
@@ -380,7 +277,7 @@ async fn a_pod_deleted_or_evicted_under_a_run_fails_it_without_waiting_out_the_s
                 let params = DeleteParams { grace_period_seconds: Some(0), ..Default::default() };
                 server.pods_api().await.delete(&pod_name(&sandbox_id), &params).await.expect("delete the Pod");
             }
-            _ => server.cluster.evict(&pod_name(&sandbox_id)).await,
+            _ => server.cluster.fake().evict(&pod_name(&sandbox_id)).await,
         }
         let run = server.finished(&id, WAIT).await;
         assert_eq!(run["state"], "failed", "{how}: {run}\n{}", server.agent_logs());
@@ -396,24 +293,15 @@ async fn watches_that_expire_are_listed_again_and_nothing_is_missed() {
     let server = Server::start(&["--pool-size", "0", "--warm-idle", "0s"]).await;
     let first = server.turn("chat-7", "echo kept > note.txt").await;
     let sandbox_id = sandbox_of(&first);
-    server.cluster.expire_watches().await;
+    server.cluster.fake().expire_watches().await;
     server.parked(&sandbox_id, "stopped").await;
-    server.cluster.expire_watches().await;
+    server.cluster.fake().expire_watches().await;
     let second = server.turn("chat-7", "cat note.txt").await;
     assert_eq!(second["path"], "parked_stopped", "{second}\n{}", server.agent_logs());
     assert!(server.text_log(&second).await.contains("kept"));
-    let watches = server.cluster.calls().into_iter().filter(|call| call.verb == "watch").count();
+    let watches = server.cluster.fake().calls().into_iter().filter(|call| call.verb == "watch").count();
     assert!(watches >= 4, "the watches started again after each expiry: {watches}");
     server.stop().await;
-}
-
-/// The calls of each path, counted by verb and resource, for the log.
-fn counted(calls: &[Call]) -> BTreeMap<String, usize> {
-    let mut counts = BTreeMap::new();
-    for call in calls {
-        *counts.entry(format!("{} {}", call.verb, call.resource)).or_default() += 1;
-    }
-    counts
 }
 
 /// What the provider asks of the API on each path (warm, Tier 2, cold,
@@ -423,17 +311,17 @@ fn counted(calls: &[Call]) -> BTreeMap<String, usize> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_providers_calls_on_each_path_are_exactly_what_the_role_grants() {
     let mut paths: Vec<(&str, Vec<Call>)> = Vec::new();
-    let since = |server: &Server, at: usize| server.cluster.calls()[at..].to_vec();
+    let since = |server: &Server, at: usize| server.cluster.fake().calls()[at..].to_vec();
 
     let warm = Server::start(&["--pool-size", "1", "--warm-idle", "60s"]).await;
     let standby = warm.ready_standby().await;
-    paths.push(("start, one standby made and its agent started", warm.cluster.calls()));
-    let at = warm.cluster.calls().len();
+    paths.push(("start, one standby made and its agent started", warm.cluster.fake().calls()));
+    let at = warm.cluster.fake().calls().len();
     let run = warm.turn("chat-8", "echo one > note.txt").await;
     assert_eq!((run["path"].as_str(), sandbox_of(&run)), (Some("warm"), standby.clone()));
     warm.parked(&standby, "running").await;
     paths.push(("warm run, then parked running (cleared) and the pool refilled", since(&warm, at)));
-    let at = warm.cluster.calls().len();
+    let at = warm.cluster.fake().calls().len();
     let run = warm.turn("chat-8", "cat note.txt").await;
     assert_eq!(run["path"], "parked_running");
     warm.parked(&standby, "running").await;
@@ -441,20 +329,20 @@ async fn the_providers_calls_on_each_path_are_exactly_what_the_role_grants() {
 
     let args = ["--pool-size", "0", "--warm-idle", "0s", "--auto-delete", "8", "--provider-minute", "1s"];
     let cold = Server::start(&args).await;
-    let at = cold.cluster.calls().len();
+    let at = cold.cluster.fake().calls().len();
     let run = cold.turn("chat-9", "echo one > note.txt").await;
     assert_eq!(run["path"], "cold");
     let sandbox_id = sandbox_of(&run);
     cold.parked(&sandbox_id, "stopped").await;
     paths.push(("cold run, then parked stopped (Tier 1)", since(&cold, at)));
-    let at = cold.cluster.calls().len();
+    let at = cold.cluster.fake().calls().len();
     let run = cold.turn("chat-9", "cat note.txt").await;
     assert_eq!(run["path"], "parked_stopped", "{run}\n{}", cold.agent_logs());
     cold.parked(&sandbox_id, "stopped").await;
     paths.push(("Tier 1 resume, then parked stopped", since(&cold, at)));
-    let at = cold.cluster.calls().len();
+    let at = cold.cluster.fake().calls().len();
     // Watched on the fake's disk: a call of the test's own would count.
-    let claim_dir = cold.cluster.pvc_dir(&format!("{}-workspace", pod_name(&sandbox_id)));
+    let claim_dir = cold.cluster.fake().pvc_dir(&format!("{}-workspace", pod_name(&sandbox_id)));
     assert!(claim_dir.exists(), "{}", claim_dir.display());
     cold.until("the stopped sandbox deleted by age", async || (!claim_dir.exists()).then_some(())).await;
     paths.push(("retired by age (--auto-delete)", since(&cold, at)));
