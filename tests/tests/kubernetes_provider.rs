@@ -257,13 +257,13 @@ async fn a_restarted_server_adopts_its_live_pods_and_deletes_its_orphans_on(mut 
     server.stop().await;
 }
 
-/// A Pod deleted (or evicted) under a started run: the watch tells the
+/// A Pod deleted, evicted or lost with its node under a started run: the watch tells the
 /// provider, the agent's end is reported at once, and the run fails by the
 /// contract's rule (it had started), long before the silence bound.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_pod_deleted_or_evicted_under_a_run_fails_it_without_waiting_out_the_silence_bound() {
+async fn a_pod_deleted_evicted_or_lost_under_a_run_fails_it_without_waiting_out_the_silence_bound() {
     let server = Server::start(&["--pool-size", "2", "--run-lost-after", "5m"]).await;
-    for how in ["deleted", "evicted"] {
+    for how in ["deleted", "evicted", "its node lost"] {
         let id = server.submit(&json!({"command": ["sleep", "300"]})).await;
         let run = server
             .until("the run started", async || {
@@ -277,7 +277,8 @@ async fn a_pod_deleted_or_evicted_under_a_run_fails_it_without_waiting_out_the_s
                 let params = DeleteParams { grace_period_seconds: Some(0), ..Default::default() };
                 server.pods_api().await.delete(&pod_name(&sandbox_id), &params).await.expect("delete the Pod");
             }
-            _ => server.cluster.fake().evict(&pod_name(&sandbox_id)).await,
+            "evicted" => server.cluster.fake().evict(&pod_name(&sandbox_id)).await,
+            _ => server.cluster.fake().lose_node().await,
         }
         let run = server.finished(&id, WAIT).await;
         assert_eq!(run["state"], "failed", "{how}: {run}\n{}", server.agent_logs());
