@@ -74,6 +74,7 @@
 //! so it writes only what differs, or it wakes itself forever) and stops on
 //! the shutdown signal.
 
+mod agent_sandbox;
 mod error;
 mod exec;
 mod kubelet;
@@ -167,6 +168,7 @@ impl FakeCluster {
             root,
         });
         kubelet.spawn();
+        agent_sandbox::spawn(shared.clone());
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind 127.0.0.1:0");
         let url = format!("http://{}", listener.local_addr().expect("a bound address"));
         let router = routes::router(shared.clone());
