@@ -2,8 +2,8 @@
 //! global resource version (a counter, as etcd's revision), and the history
 //! of changes a watch replays from.
 //!
-//! The store is also the hook for controllers (the fake kubelet now, the
-//! agent-sandbox controllers later): [`Store::subscribe`] wakes a
+//! The store is also the hook for controllers (the fake kubelet, the
+//! agent-sandbox controllers): [`Store::subscribe`] wakes a
 //! subscriber on every write, and the subscriber re-reads the state it
 //! cares about (level-triggered, as real controllers reconcile), so a
 //! controller never depends on seeing each intermediate change.

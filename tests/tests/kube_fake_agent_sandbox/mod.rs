@@ -4,7 +4,9 @@
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
-use kube::api::{Api, ApiResource, AttachParams, DeleteParams, DynamicObject, GroupVersionKind, Patch, PatchParams, PostParams};
+use kube::api::{
+    Api, ApiResource, AttachParams, DeleteParams, DynamicObject, GroupVersionKind, Patch, PatchParams, PostParams,
+};
 use kube::runtime::watcher;
 use serde_json::{Value, json};
 use tokio::io::AsyncReadExt;
@@ -161,7 +163,12 @@ async fn until(api: &Api<DynamicObject>, labels: &str, what: &str, pred: impl Fn
 }
 
 /// Waits until `pred` holds of the object `name` (None: it does not exist).
-async fn until_one(api: &Api<DynamicObject>, name: &str, what: &str, pred: impl Fn(Option<&Value>) -> bool) -> Option<Value> {
+async fn until_one(
+    api: &Api<DynamicObject>,
+    name: &str,
+    what: &str,
+    pred: impl Fn(Option<&Value>) -> bool,
+) -> Option<Value> {
     let items = until(api, "", what, |items| pred(items.iter().find(|o| s(o, "/metadata/name") == name))).await;
     items.into_iter().find(|o| s(o, "/metadata/name") == name)
 }
@@ -230,7 +237,10 @@ async fn a_warm_pool_keeps_ready_sandboxes_and_a_claim_adopts_one() {
         assert_eq!(label(&pod, TEMPLATE_REF_HASH_LABEL), pool_hash("tpl"));
         assert_eq!(s(&pod, "/metadata/annotations/note"), "n");
         let volumes = &pod["spec"]["volumes"];
-        assert_eq!(volumes, &json!([{ "name": "workspace", "persistentVolumeClaim": { "claimName": format!("workspace-{name}") } }]));
+        assert_eq!(
+            volumes,
+            &json!([{ "name": "workspace", "persistentVolumeClaim": { "claimName": format!("workspace-{name}") } }])
+        );
 
         let pvc = value_of(apis.pvcs.get(&format!("workspace-{name}")).await.expect("its PVC"));
         assert_eq!(controller(&pvc), ("Sandbox", name));
@@ -342,9 +352,13 @@ async fn suspend_keeps_the_volume_resume_makes_a_new_pod_and_deleting_the_claim_
     in_time("the PVC gone", async {
         let uid = apis.pvcs.get(&pvc).await.map(|p| p.metadata.uid.unwrap_or_default()).unwrap_or_default();
         if !uid.is_empty() {
-            kube::runtime::wait::await_condition(apis.pvcs.clone(), &pvc, kube::runtime::wait::conditions::is_deleted(&uid))
-                .await
-                .expect("a watch");
+            kube::runtime::wait::await_condition(
+                apis.pvcs.clone(),
+                &pvc,
+                kube::runtime::wait::conditions::is_deleted(&uid),
+            )
+            .await
+            .expect("a watch");
         }
     })
     .await;
@@ -401,7 +415,10 @@ async fn the_default_network_policy_blocks_private_ranges_and_unmanaged_has_none
     let except = &np["spec"]["egress"][0]["to"][0]["ipBlock"];
     assert_eq!(except["cidr"], json!("0.0.0.0/0"));
     assert_eq!(except["except"], json!(["10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "169.254.0.0/16"]));
-    assert_eq!(np["spec"]["ingress"][0]["from"][0]["podSelector"], json!({ "matchLabels": { "app": "sandbox-router" } }));
+    assert_eq!(
+        np["spec"]["ingress"][0]["from"][0]["podSelector"],
+        json!({ "matchLabels": { "app": "sandbox-router" } })
+    );
     until(&apis.sandboxes, "", "the pool fills once its template exists", |sbs| sbs.len() == 1).await;
     let t = value(apis.templates.get("later").await.expect("the template"));
     assert_eq!(label(&t, TEMPLATE_REF_HASH_LABEL), pool_hash("later"));

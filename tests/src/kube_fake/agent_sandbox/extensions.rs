@@ -52,8 +52,8 @@ fn apply_secure_defaults(template: &Value, spec: &mut Value) {
         spec["automountServiceAccountToken"] = json!(false);
     }
     let management = str_at(template, "/spec/networkPolicyManagement");
-    let secure_default = matches!(management, "" | "Managed")
-        && template.pointer("/spec/networkPolicy").is_none_or(Value::is_null);
+    let secure_default =
+        matches!(management, "" | "Managed") && template.pointer("/spec/networkPolicy").is_none_or(Value::is_null);
     if secure_default && str_at(spec, "/dnsPolicy").is_empty() {
         spec["dnsPolicy"] = json!("None");
         spec["dnsConfig"] = json!({ "nameservers": ["8.8.8.8", "1.1.1.1"] });
@@ -173,7 +173,9 @@ impl Controllers {
             let members: Vec<Value> = self
                 .list_in("sandboxes", &ns)
                 .into_iter()
-                .filter(|sb| str_at(sb, &format!("/metadata/labels/{}", WARM_POOL_LABEL.replace('/', "~1"))) == pool_hash)
+                .filter(|sb| {
+                    str_at(sb, &format!("/metadata/labels/{}", WARM_POOL_LABEL.replace('/', "~1"))) == pool_hash
+                })
                 .filter(|sb| controlled_by(sb, &pool))
                 .collect();
             let terminating = members.iter().filter(|sb| deleting(sb)).count();
@@ -283,7 +285,8 @@ impl Controllers {
             status["conditions"] = json!(conditions);
             if let Some(sb) = &sandbox {
                 let mut s = json!({ "name": str_at(sb, "/metadata/name") });
-                if let Some(ips) = sb.pointer("/status/podIPs").filter(|ips| ips.as_array().is_some_and(|a| !a.is_empty()))
+                if let Some(ips) =
+                    sb.pointer("/status/podIPs").filter(|ips| ips.as_array().is_some_and(|a| !a.is_empty()))
                 {
                     s["podIPs"] = ips.clone();
                 }
@@ -299,7 +302,8 @@ impl Controllers {
     fn claim_sandbox(&self, claim: &Value) -> Result<Option<Value>, ClaimError> {
         let ns = str_at(claim, "/metadata/namespace").to_owned();
         let claim_name = str_at(claim, "/metadata/name").to_owned();
-        let assigned = str_at(claim, &format!("/metadata/annotations/{}", ASSIGNED_SANDBOX_ANNOTATION.replace('/', "~1")));
+        let assigned =
+            str_at(claim, &format!("/metadata/annotations/{}", ASSIGNED_SANDBOX_ANNOTATION.replace('/', "~1")));
         // The real controller finds its cold Sandbox by the status it wrote in
         // the same pass; the fake finds it by name (the claim's).
         for name in [str_at(claim, "/status/sandbox/name"), assigned, &claim_name] {
@@ -473,14 +477,16 @@ fn cold_sandbox(claim: &Value, template: &Value) -> Result<Value, ClaimError> {
     let template_name = str_at(template, "/metadata/name");
     let ref_hash = name_hash(template_name);
     let mut spec = blueprint(template);
-    if let Some(vcts) = claim.pointer("/spec/volumeClaimTemplates").filter(|v| v.as_array().is_some_and(|a| !a.is_empty()))
+    if let Some(vcts) =
+        claim.pointer("/spec/volumeClaimTemplates").filter(|v| v.as_array().is_some_and(|a| !a.is_empty()))
     {
         // Only the merge's simplest case: the claim's templates are added.
         let mut merged = spec.get("volumeClaimTemplates").and_then(Value::as_array).cloned().unwrap_or_default();
         merged.extend(vcts.as_array().into_iter().flatten().cloned());
         spec["volumeClaimTemplates"] = json!(merged);
     }
-    let mut labels = json!({ CLAIM_UID_LABEL: claim_uid, LAUNCH_TYPE_LABEL: "cold", TEMPLATE_REF_HASH_LABEL: ref_hash });
+    let mut labels =
+        json!({ CLAIM_UID_LABEL: claim_uid, LAUNCH_TYPE_LABEL: "cold", TEMPLATE_REF_HASH_LABEL: ref_hash });
     let mut pod_labels = vec![(CLAIM_UID_LABEL, claim_uid), (TEMPLATE_REF_HASH_LABEL, ref_hash.as_str())];
     let created_by = str_at(claim, &format!("/metadata/labels/{}", CREATED_BY_LABEL.replace('/', "~1")));
     if !created_by.is_empty() {

@@ -233,7 +233,8 @@ impl Controllers {
                     let mut synced = p.clone();
                     sync_pod_metadata(sb, &mut synced);
                     if &synced != p {
-                        let (labels, annotations) = (synced["metadata"]["labels"].clone(), synced["metadata"]["annotations"].clone());
+                        let (labels, annotations) =
+                            (synced["metadata"]["labels"].clone(), synced["metadata"]["annotations"].clone());
                         self.modify("pods", p, Part::Main, |current| {
                             current["metadata"]["labels"] = labels;
                             current["metadata"]["annotations"] = annotations;
@@ -241,8 +242,10 @@ impl Controllers {
                     }
                 }
             }
-            if pod.is_some() && annotation.is_none() {
-                annotation = Some(str_at(pod.as_ref().expect("checked"), "/metadata/name").to_owned());
+            if let Some(p) = &pod
+                && annotation.is_none()
+            {
+                annotation = Some(str_at(p, "/metadata/name").to_owned());
             }
         }
         if annotation.as_deref() != (!annotated.is_empty()).then_some(annotated) {
@@ -262,7 +265,11 @@ impl Controllers {
             Some(p) => {
                 map.insert("selector".into(), json!(format!("{NAME_HASH_LABEL}={name_hash}")));
                 let ips = pod_ips(p);
-                if ips.is_empty() { map.remove("podIPs") } else { map.insert("podIPs".into(), json!(ips)) };
+                if ips.is_empty() {
+                    map.remove("podIPs")
+                } else {
+                    map.insert("podIPs".into(), json!(ips))
+                };
                 match str_at(p, "/spec/nodeName") {
                     "" => map.remove("nodeName"),
                     node => map.insert("nodeName".into(), json!(node)),
@@ -294,9 +301,13 @@ impl Controllers {
         let mut out = Vec::new();
         out.push(match (suspended, pod) {
             (false, _) => condition("Suspended", false, "NotSuspended", "Sandbox is not suspended", generation),
-            (true, None) => {
-                condition("Suspended", true, "PodTerminated", "Pod has been terminated. Sandbox is suspended", generation)
-            }
+            (true, None) => condition(
+                "Suspended",
+                true,
+                "PodTerminated",
+                "Pod has been terminated. Sandbox is suspended",
+                generation,
+            ),
             (true, Some(_)) => {
                 condition("Suspended", false, "PodTerminating", "Pod is terminating. Sandbox is suspending", generation)
             }
@@ -333,7 +344,11 @@ impl Controllers {
         out.push(if let Some(e) = error {
             ready(false, "ReconcilerError", &format!("Error seen: {e}"))
         } else if suspended {
-            ready(false, "SandboxSuspended", if pod.is_some() { "Sandbox is suspending" } else { "Sandbox is suspended" })
+            ready(
+                false,
+                "SandboxSuspended",
+                if pod.is_some() { "Sandbox is suspending" } else { "Sandbox is suspended" },
+            )
         } else {
             match pod {
                 None => ready(false, "DependenciesNotReady", "Pod does not exist"),
@@ -343,7 +358,9 @@ impl Controllers {
                     "Running" if pod_ready(p) && !pod_ips(p).is_empty() => {
                         ready(true, "DependenciesReady", "Pod is Ready")
                     }
-                    "Running" if pod_ready(p) => ready(false, "DependenciesNotReady", "Pod is Ready but has no podIPs yet"),
+                    "Running" if pod_ready(p) => {
+                        ready(false, "DependenciesNotReady", "Pod is Ready but has no podIPs yet")
+                    }
                     "Running" => ready(false, "DependenciesNotReady", "Pod is Running but not Ready"),
                     phase => ready(false, "DependenciesNotReady", &format!("Pod exists with phase: {phase}")),
                 },
