@@ -5,12 +5,13 @@
 //! modelled). One level-triggered loop: on every store write it re-reads
 //! every object of those kinds and writes only what differs.
 //!
-//! The reconcilers live in [`sandbox`] (Sandbox → PVCs, Pod, status) and
+//! The reconcilers live in [`sandbox`] (Sandbox → PVCs, Pod, status),
 //! [`extensions`] (SandboxTemplate → NetworkPolicy, SandboxWarmPool →
-//! Sandboxes, SandboxClaim → an adopted or a cold Sandbox); this file holds
-//! the loop, the shared vocabulary and the owner-reference garbage
-//! collector.
+//! Sandboxes) and [`claim`] (SandboxClaim → an adopted or a cold
+//! Sandbox); this file holds the loop, the shared vocabulary and the
+//! owner-reference garbage collector.
 
+mod claim;
 mod extensions;
 mod sandbox;
 

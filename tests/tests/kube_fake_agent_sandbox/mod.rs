@@ -286,6 +286,15 @@ async fn a_warm_pool_keeps_ready_sandboxes_and_a_claim_adopts_one() {
     until_pod(&apis.pods, &name, "the pod leaves the pool", |p| label(p, WARM_POOL_LABEL).is_empty()).await;
     assert_eq!(apis.pods.get(&name).await.expect("the pod").metadata.uid, uid, "the same pod");
     assert_eq!(exec(&apis.pods, &name, &["sh", "-c", "echo hi"]).await, "hi\n");
+
+    // Settled, the controllers write nothing more (they are level-triggered
+    // on every write, their own included: a write that differs each pass
+    // would never stop). An absence cannot be awaited: a short look.
+    let version =
+        || async { apis.sandboxes.list(&Default::default()).await.expect("a list").metadata.resource_version };
+    let before = version().await;
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    assert_eq!(version().await, before, "no writes once settled");
     drop(cluster);
 }
 
@@ -427,4 +436,35 @@ async fn the_default_network_policy_blocks_private_ranges_and_unmanaged_has_none
     let unmanaged = Patch::Merge(json!({ "spec": { "networkPolicyManagement": "Unmanaged" } }));
     apis.templates.patch("later", &PatchParams::default(), &unmanaged).await.expect("unmanaged");
     until_one(&apis.policies, "later-network-policy", "the NetworkPolicy removed", |o| o.is_none()).await;
+}
+
+#[tokio::test]
+async fn a_claim_waits_briefly_for_warm_sandboxes_without_an_ip_then_starts_cold() {
+    let (_cluster, client) = cluster().await;
+    let apis = apis(&client);
+    let pp = PostParams::default();
+    // Its pods wait for a PVC that never comes: no IP, never Ready.
+    let mut stuck = value(template("tpl", None));
+    stuck["spec"]["podTemplate"]["spec"]["volumes"] =
+        json!([{ "name": "missing", "persistentVolumeClaim": { "claimName": "nope" } }]);
+    apis.templates.create(&pp, &object(stuck)).await.expect("the template");
+    apis.pools.create(&pp, &pool("pool", "tpl", 1)).await.expect("the pool");
+    let selector = format!("{WARM_POOL_LABEL}={}", pool_hash("pool"));
+    let warm = until(&apis.sandboxes, &selector, "a pool member", |sbs| sbs.len() == 1).await;
+    let warm = s(&warm[0], "/metadata/name").to_owned();
+
+    let started = std::time::Instant::now();
+    apis.claims.create(&pp, &claim("c", "pool")).await.expect("the claim");
+    let bound = until_one(&apis.claims, "c", "the claim bound", |c| {
+        c.is_some_and(|c| !s(c, "/status/sandbox/name").is_empty())
+    })
+    .await
+    .expect("the claim");
+    assert_eq!(s(&bound, "/status/sandbox/name"), "c", "a cold sandbox, not {warm}");
+    // The grace counts from creationTimestamp, which has whole seconds (as
+    // on a real server): 2 s of it is more than 1 s of ours.
+    assert!(started.elapsed() >= std::time::Duration::from_secs(1), "after the grace: {:?}", started.elapsed());
+    assert_eq!(condition(&bound, "Ready").0, "False");
+    let member = value(apis.sandboxes.get(&warm).await.expect("the member"));
+    assert_eq!(controller(&member), ("SandboxWarmPool", "pool"), "still the pool's");
 }
