@@ -38,7 +38,8 @@
 //!   whole), server-side apply as create-or-merge-patch (no field ownership,
 //!   no conflicts between managers), JSON patch is refused (415).
 //! - No admission, RBAC, authentication, namespaces as objects, owner
-//!   references/garbage collection, finalizers other than PVC protection,
+//!   references/garbage collection (except for what agent-sandbox's
+//!   objects own, below), finalizers other than PVC protection,
 //!   `limit`/`continue` paging (every list is whole), or
 //!   `resourceVersionMatch`. Events are stored, never generated.
 //! - Exec has no TTY (a `tty=true` exec gets pipes) and ignores resize.
@@ -50,6 +51,88 @@
 //!   are ignored. The eviction API (`pods/{name}/eviction`) is a graceful
 //!   delete (no disruption budgets). `/version`, `/api`, `/apis` are
 //!   answered but not recorded in [`FakeCluster::calls`].
+//!
+//! # agent-sandbox (kubernetes-sigs/agent-sandbox, v1beta1)
+//!
+//! The CRDs are served (`agents.x-k8s.io`: `sandboxes`;
+//! `extensions.agents.x-k8s.io`: `sandboxtemplates`, `sandboxclaims`,
+//! `sandboxwarmpools`; status a subresource of all but templates), with
+//! `networking.k8s.io/v1` `networkpolicies`, and a fake of the project's
+//! controllers runs in every fake cluster (it does nothing without those
+//! objects). What it models, as the real controllers do it:
+//!
+//! - **Sandbox** → a PVC `<claimTemplate.metadata.name>-<sandbox>` per
+//!   `spec.volumeClaimTemplates[i]` (the template's labels and annotations
+//!   plus `agents.x-k8s.io/sandbox-name-hash`, owned by the Sandbox, made
+//!   once, kept while suspended); while `spec.operatingMode` is not
+//!   `Suspended`, a Pod named as the Sandbox: labels = the template's
+//!   labels except `agents.x-k8s.io/*` ones, plus
+//!   `agents.x-k8s.io/sandbox-name-hash` = FNV-1a hash of the Sandbox's
+//!   name, plus `agents.x-k8s.io/warm-pool-sandbox` (while a pool owns it)
+//!   and `agents.x-k8s.io/sandbox-template-ref-hash` (while a pool or claim
+//!   owns it); the template's annotations plus
+//!   `agents.x-k8s.io/propagated-labels`/`-annotations`; spec = the
+//!   template's with a `persistentVolumeClaim` volume per claim template
+//!   (named as it); a controller ownerReference to the Sandbox. The Sandbox
+//!   gets `agents.x-k8s.io/pod-name`. Later changes of the template's
+//!   metadata (a claim's adoption) are carried to the running Pod's labels.
+//! - Suspending deletes the Pod (a plain, graceful delete) and clears
+//!   `pod-name`; PVCs stay; `Running` again makes a new Pod on them.
+//! - Sandbox status: `conditions` (metav1.Condition: type, status, reason,
+//!   message, lastTransitionTime, observedGeneration): `Ready` True
+//!   `DependenciesReady` when the Pod runs, is Ready and has IPs, else False
+//!   `DependenciesNotReady` / `SandboxSuspended` / `PodSucceeded` /
+//!   `PodFailed` / `ReconcilerError`; `Suspended` False `NotSuspended`, False
+//!   `PodTerminating`, True `PodTerminated`; `PodScheduled` (while a Pod
+//!   exists), `Finished` (once it ended); `podIPs`, `nodeName`, `selector`.
+//! - **SandboxTemplate** → label `agents.x-k8s.io/sandbox-template-ref-hash`
+//!   on itself and, unless `networkPolicyManagement: Unmanaged`, a
+//!   NetworkPolicy `<template>-network-policy` owned by it: podSelector
+//!   `{sandbox-template-ref-hash: hash(template)}`, policyTypes Ingress and
+//!   Egress, the template's `networkPolicy.ingress`/`egress`, or without
+//!   `networkPolicy` the real default (ingress only from the sandbox
+//!   router; egress to 0.0.0.0/0 and ::/0 except private, link-local and
+//!   ULA ranges). **Stored, never enforced**: the fake has no network.
+//! - **SandboxWarmPool** keeps `spec.replicas` (default 1) Sandboxes it
+//!   controls (generateName `<pool>-`, labels `warm-pool-sandbox` =
+//!   hash(pool), `sandbox-template-ref-hash`, `launch-type: warm`,
+//!   `sandbox-template-hash`, `sandbox-pod-template-hash`, `created-by:
+//!   controller`; annotation `agents.x-k8s.io/sandbox-template-ref`), the
+//!   template's podTemplate and volumeClaimTemplates copied with the
+//!   secure defaults (`automountServiceAccountToken: false`; under the
+//!   default NetworkPolicy `dnsPolicy: None` with 8.8.8.8 and 1.1.1.1).
+//!   Excess goes unready-first, newest-first. Status `replicas`,
+//!   `readyReplicas`, `selector`, `observedGeneration`. Without its
+//!   template it makes nothing until the template exists.
+//! - **SandboxClaim** adopts an unclaimed pool member with pod IPs (a
+//!   Ready one first): annotates itself `agents.x-k8s.io/sandbox-name`,
+//!   and the Sandbox loses the warm-pool and template-hash labels, gains
+//!   `agents.x-k8s.io/claim-uid` (on it and its podTemplate labels) and
+//!   `launch-type: warm`, and gets the claim as its only (controller)
+//!   owner; the pool replaces it. A claim younger than 2 s waits for
+//!   members without IPs; otherwise (or with `spec.env` or
+//!   `spec.volumeClaimTemplates`) it makes a cold Sandbox named as the
+//!   claim (`launch-type: cold`), env injected per the template's
+//!   `envVarsInjectionPolicy` (default Disallowed: rejected). Status:
+//!   `sandbox.name`, `sandbox.podIPs`, condition `Ready` = the Sandbox's
+//!   (or False `SandboxNotReady`, `WarmPoolNotFound`, `TemplateNotFound`,
+//!   `EnvVarsInjectionRejected`, `SandboxCreatePending`).
+//! - Deletion: the garbage collector, simplified: any Sandbox, Pod, PVC or
+//!   NetworkPolicy whose controller ownerReference names a missing
+//!   agent-sandbox object is deleted (background propagation: a Pod
+//!   gracefully, a PVC once unused). So deleting a claim deletes its
+//!   Sandbox, then its Pod and PVCs; deleting a pool its unclaimed members.
+//!
+//! Not modelled: `lifecycle` (`shutdownTime`, `shutdownPolicy`,
+//! `ttlSecondsAfterFinished`: nothing expires), `spec.service` (no
+//! Service, no `serviceFQDN`), `additionalPodMetadata`, the pool's
+//! `updateStrategy` (stale members are never replaced), its readiness
+//! grace (unready members are never replaced), refill rate limits and
+//! batch sizes, adoption of orphaned Sandboxes, Pods or PVCs, foreground
+//! deletion, the controllers' events and metrics, and the exact template
+//! hashes (the fake hashes the same content, not Go's JSON of it). Sandbox
+//! objects have no finalizers in the fake (nor, at the version read, in
+//! the real project): a deleted Sandbox goes at once; its Pod follows.
 //!
 //! # What kube does, as the fake found it
 //!
@@ -67,13 +150,14 @@
 //! # Extending: custom resources and controllers
 //!
 //! A custom resource is one `ResourceType::new(group, version, plural,
-//! kind, namespaced)` line in [`store::registry`]. A controller (the
-//! agent-sandbox controllers of the next round) follows the kubelet's
+//! kind, namespaced)` line in [`store::registry`]. A controller (as the
+//! agent-sandbox fake in `agent_sandbox.rs`) follows the kubelet's
 //! pattern: a task started in [`FakeCluster::start`] that wakes on
 //! `Store::subscribe`, re-reads the state it reconciles (level-triggered,
 //! so it writes only what differs, or it wakes itself forever) and stops on
 //! the shutdown signal.
 
+mod agent_sandbox;
 mod error;
 mod exec;
 mod kubelet;
@@ -167,6 +251,7 @@ impl FakeCluster {
             root,
         });
         kubelet.spawn();
+        agent_sandbox::spawn(shared.clone());
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind 127.0.0.1:0");
         let url = format!("http://{}", listener.local_addr().expect("a bound address"));
         let router = routes::router(shared.clone());

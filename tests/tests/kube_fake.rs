@@ -12,6 +12,7 @@ use kube::runtime::{WatchStreamExt, reflector, watcher};
 use serde_json::json;
 use standby_e2e::kube_fake::{Call, FakeCluster, FakeOptions};
 
+mod kube_fake_agent_sandbox;
 mod kube_fake_pods;
 mod kube_fake_support;
 

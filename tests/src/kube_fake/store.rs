@@ -2,8 +2,8 @@
 //! global resource version (a counter, as etcd's revision), and the history
 //! of changes a watch replays from.
 //!
-//! The store is also the hook for controllers (the fake kubelet now, the
-//! agent-sandbox controllers later): [`Store::subscribe`] wakes a
+//! The store is also the hook for controllers (the fake kubelet, the
+//! agent-sandbox controllers): [`Store::subscribe`] wakes a
 //! subscriber on every write, and the subscriber re-reads the state it
 //! cares about (level-triggered, as real controllers reconcile), so a
 //! controller never depends on seeing each intermediate change.
@@ -55,8 +55,8 @@ impl ResourceType {
     }
 }
 
-/// Every kind the fake serves. A custom resource (the agent-sandbox CRDs of
-/// the next round) is one more `ResourceType::new(...)` line here.
+/// Every kind the fake serves. A custom resource is one more
+/// `ResourceType::new(...)` line here.
 pub fn registry() -> Vec<Arc<ResourceType>> {
     let mut configmaps = ResourceType::new("", "v1", "configmaps", "ConfigMap", true);
     configmaps.status_subresource = false;
@@ -64,12 +64,24 @@ pub fn registry() -> Vec<Arc<ResourceType>> {
     secrets.status_subresource = false;
     let mut events = ResourceType::new("", "v1", "events", "Event", true);
     events.status_subresource = false;
+    let mut network_policies = ResourceType::new("networking.k8s.io", "v1", "networkpolicies", "NetworkPolicy", true);
+    network_policies.status_subresource = false;
+    // agent-sandbox's CRDs (kubernetes-sigs/agent-sandbox, v1beta1); a
+    // SandboxTemplate has no status subresource there either.
+    let mut templates =
+        ResourceType::new("extensions.agents.x-k8s.io", "v1beta1", "sandboxtemplates", "SandboxTemplate", true);
+    templates.status_subresource = false;
     [
         ResourceType::new("", "v1", "pods", "Pod", true),
         ResourceType::new("", "v1", "persistentvolumeclaims", "PersistentVolumeClaim", true),
         configmaps,
         secrets,
         events,
+        network_policies,
+        ResourceType::new("agents.x-k8s.io", "v1beta1", "sandboxes", "Sandbox", true),
+        templates,
+        ResourceType::new("extensions.agents.x-k8s.io", "v1beta1", "sandboxclaims", "SandboxClaim", true),
+        ResourceType::new("extensions.agents.x-k8s.io", "v1beta1", "sandboxwarmpools", "SandboxWarmPool", true),
     ]
     .into_iter()
     .map(Arc::new)
