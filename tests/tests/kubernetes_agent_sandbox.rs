@@ -79,7 +79,9 @@ async fn a_warm_run_takes_a_claimed_warm_sandbox_whose_claim_carries_nothing() {
     assert_eq!(egress[0]["ports"][0]["port"], port, "the agents reach the server's port: {egress}");
 
     let run = server
-        .run_to_end(json!({"command": ["sh", "-c", "cat .setup-runs; echo token=${STANDBY_TOKEN:-none} note=$TEAM_NOTE"]}))
+        .run_to_end(
+            json!({"command": ["sh", "-c", "cat .setup-runs; echo token=${STANDBY_TOKEN:-none} note=$TEAM_NOTE"]}),
+        )
         .await;
     assert_eq!((run["path"].as_str(), sandbox_of(&run)), (Some("warm"), standby.clone()), "{run}");
     let log = server.text_log(&run).await;
@@ -137,7 +139,9 @@ async fn a_pod_deleted_under_a_run_fails_it_and_a_retired_sandbox_releases_its_c
     server.pods_api().await.delete(&sandbox, &params).await.expect("delete the Pod");
     let run = server.finished(&id, WAIT).await;
     assert_eq!(run["state"], "failed", "{run}\n{}", server.agent_logs());
-    server.until("the failed run's sandbox retired", async || claim(&server, &sandbox_id).await.is_none().then_some(())).await;
+    server
+        .until("the failed run's sandbox retired", async || claim(&server, &sandbox_id).await.is_none().then_some(()))
+        .await;
     server.stop().await;
 }
 
@@ -145,7 +149,8 @@ async fn a_pod_deleted_under_a_run_fails_it_and_a_retired_sandbox_releases_its_c
 /// agent-sandbox overlay's Role both ways.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_calls_of_agent_sandbox_mode_are_exactly_what_its_role_grants() {
-    let server = start(&["--pool-size", "1", "--warm-idle", "1s", "--auto-delete", "6", "--provider-minute", "1s"]).await;
+    let server =
+        start(&["--pool-size", "1", "--warm-idle", "1s", "--auto-delete", "6", "--provider-minute", "1s"]).await;
     let mut paths: Vec<(&str, Vec<Call>)> = Vec::new();
     let calls = |server: &Server| server.cluster.fake().calls();
     let standby = server.ready_standby().await;
@@ -164,9 +169,7 @@ async fn the_calls_of_agent_sandbox_mode_are_exactly_what_its_role_grants() {
     let at = calls(&server).len();
     let released = |call: &Call| call.verb == "delete" && call.resource == "sandboxclaims";
     server
-        .until("the stopped sandbox released by age", async || {
-            calls(&server)[at..].iter().any(released).then_some(())
-        })
+        .until("the stopped sandbox released by age", async || calls(&server)[at..].iter().any(released).then_some(()))
         .await;
     paths.push(("retired by age (--auto-delete)", calls(&server)[at..].to_vec()));
 
