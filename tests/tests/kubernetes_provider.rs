@@ -366,3 +366,127 @@ async fn the_providers_calls_on_each_path_are_exactly_what_the_role_grants() {
     warm.stop().await;
     cold.stop().await;
 }
+
+/// The image's `standby` as a wrapper that keeps every credential an
+/// agent start is given (in `dir/creds`) and runs the real one; `hold`,
+/// `clear` and `busy` pass through. A test's alone: it writes credentials.
+fn spying_agent(dir: &std::path::Path) -> std::path::PathBuf {
+    let wrapper = dir.join("standby-spy");
+    let script = format!(
+        "#!/bin/sh\ncase \"$1\" in hold|clear|busy) exec {real} \"$@\";; esac\ncopy={dir}/creds.$$\ncat > \"$copy\"\nexec {real} \"$@\" < \"$copy\"\n",
+        real = standby_e2e::harness::standby_bin().display(),
+        dir = dir.display(),
+    );
+    std::fs::write(&wrapper, script).expect("write the spy");
+    std::fs::set_permissions(&wrapper, std::os::unix::fs::PermissionsExt::from_mode(0o755)).expect("chmod the spy");
+    wrapper
+}
+
+/// Every agent start gets a credential of its own: once the next agent of
+/// a Pod has started, the previous one's is refused (a Pod outlives its
+/// agents, so a credential left in it must be worthless).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_previous_agent_starts_credential_is_refused_after_the_next_start() {
+    let spy_dir = tempfile::tempdir().expect("a temp dir");
+    let mut options = kubernetes_support::fake_options();
+    options.binaries.insert(kubernetes_support::AGENT_PATH.to_owned(), spying_agent(spy_dir.path()));
+    let server = Server::start_with(options, &["--pool-size", "0", "--warm-idle", "60s"]).await;
+    let first = server.turn("chat-credentials", "true").await;
+    let sandbox_id = sandbox_of(&first);
+    server.parked(&sandbox_id, "running").await;
+    let mut given: Vec<(std::time::SystemTime, String)> = std::fs::read_dir(spy_dir.path())
+        .expect("the spy's directory")
+        .flatten()
+        .filter(|entry| entry.file_name().to_string_lossy().starts_with("creds."))
+        .map(|entry| {
+            let modified = entry.metadata().and_then(|meta| meta.modified()).expect("a time");
+            (modified, std::fs::read_to_string(entry.path()).expect("a credential").trim().to_owned())
+        })
+        .collect();
+    given.sort();
+    assert_eq!(given.len(), 2, "the first agent and the next one, each with its credential: {given:?}");
+    assert_ne!(given[0].1, given[1].1, "a fresh credential for the next start");
+    let http = reqwest::Client::new();
+    let spec = async |credential: &str| {
+        let response = http
+            .get(format!("{}{}", server.url(), standby_protocol::SPEC_PATH))
+            .bearer_auth(credential)
+            .header(standby_protocol::PROTOCOL_HEADER, standby_protocol::PROTOCOL_VERSION)
+            .send()
+            .await
+            .expect("the server answers");
+        response.status().as_u16()
+    };
+    assert_eq!(spec(&given[0].1).await, 401, "the previous start's credential is refused");
+    assert_eq!(spec(&given[1].1).await, 200, "the current agent's is accepted");
+    server.stop().await;
+}
+
+/// The provider's own timer: a kept Pod idle past its auto-stop is
+/// stopped by the sweeper (its Pod deleted, its claim kept), and the
+/// auto-stop floor holds it off through its warm window.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_auto_stop_floor_keeps_a_warm_pod_running_through_its_window() {
+    let args = ["--pool-size", "0", "--warm-idle", "4s", "--auto-stop", "2", "--provider-minute", "1s"];
+    let server = Server::start(&args).await;
+    let first = server.turn("chat-4", "true").await;
+    let sandbox_id = sandbox_of(&first);
+    let parked = server.parked(&sandbox_id, "running").await;
+    assert_eq!(parked["auto_stop_minutes"], 9, "{parked}");
+    server.parked(&sandbox_id, "stopped").await;
+    let log = std::fs::read_to_string(server.log_path()).expect("the server log");
+    let ended = log.lines().position(|l| l.contains("warm idle window ended") && l.contains(&sandbox_id));
+    let auto_stopped = log.lines().position(|l| l.contains("idle auto-stop") && l.contains(&sandbox_id));
+    assert!(ended.is_some(), "the window ended first\n{}", server.agent_logs());
+    assert!(auto_stopped.is_none_or(|at| Some(at) > ended), "the provider stopped it inside its window");
+    server.until("the Pod deleted", async || server.pod(&sandbox_id).await.is_none().then_some(())).await;
+    assert!(server.claim(&sandbox_id).await.is_some(), "its claim kept");
+    server.stop().await;
+}
+
+/// An adopted Pod gets its recorded auto-stop back after a restart, and
+/// the provider's sweeper stops it when it is idle past it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_adopted_pod_gets_its_recorded_auto_stop_back_and_the_sweeper_stops_it() {
+    // A provider minute of 60 s: the kept Pod's auto-stop is the floor
+    // ceil(60 s / 60 s) + 5 = 6 minutes, out of reach of the test.
+    let args = ["--pool-size", "0", "--warm-idle", "60s", "--auto-stop", "1", "--provider-minute", "60s"];
+    let mut options = kubernetes_support::fake_options();
+    options.binaries.insert("/bin/sh".to_owned(), "/bin/sh".into());
+    let mut server = Server::start_with(options, &args).await;
+    let first = server.turn("chat-5", "true").await;
+    let sandbox_id = sandbox_of(&first);
+    let parked = server.parked(&sandbox_id, "running").await;
+    assert_eq!(parked["auto_stop_minutes"], 6, "{parked}");
+
+    // While the server is down, the kept Pod's waiting agent dies: the
+    // restarted server finds the Pod running without an agent and keeps it
+    // parked running until its window ends, 60 s on. Restarted with a
+    // minute of 1 s, the recorded six minutes are 6 s: only the provider's
+    // timer, given its minutes back from the store, stops it before. (The
+    // pattern is bracketed so that the killing shell does not match it.)
+    server.process.as_ref().expect("the server runs").crash().await;
+    let kill_agent = "for p in /proc/[0-9]*; do case \"$(tr '\\0' ' ' < $p/cmdline)\" in *--server-[u]rl*) kill -9 ${p#/proc/};; esac; done; true";
+    let params = kube::api::AttachParams::default().stdout(true).stderr(false);
+    let mut killed = server
+        .pods_api()
+        .await
+        .exec(&pod_name(&sandbox_id), ["/bin/sh", "-c", kill_agent], &params)
+        .await
+        .expect("exec");
+    let mut output = killed.stdout().expect("its stdout");
+    let status = killed.take_status().expect("a status");
+    let mut sink = tokio::io::sink();
+    let (_, status) = tokio::join!(tokio::io::copy(&mut output, &mut sink), status);
+    assert_eq!(status.and_then(|status| status.status).as_deref(), Some("Success"));
+    server.builder = server.builder.clone().with_arg("--provider-minute", "1s");
+    server.process = Some(server.builder.start().await);
+    server.until("the adopted Pod auto-stopped", async || server.pod(&sandbox_id).await.is_none().then_some(())).await;
+    let log = std::fs::read_to_string(server.log_path()).expect("the server log");
+    let line = |needle: &str| log.lines().any(|l| l.contains(needle) && l.contains(&sandbox_id));
+    assert!(line("auto-stop restored from the store"), "{}", server.agent_logs());
+    assert!(line("idle auto-stop"), "the provider's timer stopped it\n{}", server.agent_logs());
+    assert!(!line("warm idle window ended"), "not the dispatcher's window");
+    assert!(server.claim(&sandbox_id).await.is_some(), "its claim kept");
+    server.stop().await;
+}

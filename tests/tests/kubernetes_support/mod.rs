@@ -130,7 +130,13 @@ impl RealCluster {
 impl Server {
     /// A server on the fake cluster.
     pub async fn start(args: &[&str]) -> Self {
-        let cluster = FakeCluster::start(fake_options()).await;
+        Self::start_with(fake_options(), args).await
+    }
+
+    /// A server on a fake cluster of `options` (another binary as the
+    /// image's `standby`, say).
+    pub async fn start_with(options: FakeOptions, args: &[&str]) -> Self {
+        let cluster = FakeCluster::start(options).await;
         Self::start_on(Cluster::Fake(cluster), NAMESPACE, TEMPLATE, "127.0.0.1", args).await
     }
 

@@ -20,7 +20,7 @@ use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Status;
 use kube::Api;
 use kube::api::AttachParams;
-use tokio::io::{AsyncRead, AsyncWriteExt as _};
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt as _};
 use tokio::sync::{oneshot, watch};
 
 use crate::provider::docker::AGENT_PATH;
@@ -96,7 +96,7 @@ pub(super) async fn start_agent(
     let (lost, lost_rx) = oneshot::channel::<String>();
     let id = sandbox_id.to_owned();
     tokio::spawn(async move {
-        let copy = copy_output(stdout, stderr, log);
+        let copy = copy_output(stdout, stderr, Some(log));
         let code = tokio::select! {
             status = async { copy.await; match status { Some(status) => status.await, None => None } } => exit_code(status.as_ref()),
             Ok(why) = lost_rx => {
@@ -112,11 +112,15 @@ pub(super) async fn start_agent(
     Ok(Started { done, exited, lost })
 }
 
-/// Appends both output streams to `log` until both end.
-async fn copy_output(stdout: Option<impl AsyncRead + Unpin>, stderr: Option<impl AsyncRead + Unpin>, log: PathBuf) {
-    let mut options = tokio::fs::OpenOptions::new();
-    options.create(true).append(true);
-    let (Ok(mut out_file), Ok(mut err_file)) = (options.open(&log).await, options.open(&log).await) else { return };
+/// Reads both output streams to their end, appending them to `log`
+/// (discarded without one, or when it cannot be opened: an unread stream
+/// stalls the exec's message loop, and its status with it).
+async fn copy_output(
+    stdout: Option<impl AsyncRead + Unpin>,
+    stderr: Option<impl AsyncRead + Unpin>,
+    log: Option<PathBuf>,
+) {
+    let (mut out_file, mut err_file) = (writer(log.as_deref()).await, writer(log.as_deref()).await);
     let out = async {
         if let Some(mut stdout) = stdout {
             let _ = tokio::io::copy(&mut stdout, &mut out_file).await;
@@ -128,6 +132,15 @@ async fn copy_output(stdout: Option<impl AsyncRead + Unpin>, stderr: Option<impl
         }
     };
     tokio::join!(out, err);
+}
+
+/// `log` opened for appending; a sink without one.
+async fn writer(log: Option<&std::path::Path>) -> Box<dyn AsyncWrite + Unpin + Send> {
+    let Some(path) = log else { return Box::new(tokio::io::sink()) };
+    match tokio::fs::OpenOptions::new().create(true).append(true).open(path).await {
+        Ok(file) => Box::new(file),
+        Err(_) => Box::new(tokio::io::sink()),
+    }
 }
 
 /// The exit code of an exec from its status: 0 on success, the
@@ -155,10 +168,16 @@ pub(super) async fn run_word(
     let action = if word == "clear" { "clear its Pod" } else { "ask its Pod whether an agent runs" };
     let run = async {
         let mut process = pods.exec(pod, [AGENT_PATH, word], &params).await.map_err(failed(sandbox_id, action))?;
-        let status = match process.take_status() {
-            Some(status) => status.await,
-            None => None,
+        // Its stderr is read to its end: an unread stream stalls the exec's
+        // message loop, and its status with it.
+        let drained = copy_output(None::<tokio::io::Empty>, process.stderr(), None);
+        let status = async {
+            match process.take_status() {
+                Some(status) => status.await,
+                None => None,
+            }
         };
+        let ((), status) = tokio::join!(drained, status);
         Ok(exit_code(status.as_ref()))
     };
     tokio::time::timeout(timeout, run).await.unwrap_or(Ok(None))
