@@ -109,9 +109,6 @@ struct DockerInner {
     options: DockerOptions,
     gateway: IpAddr,
     agents: Mutex<HashMap<String, Agent>>,
-    /// Auto-stop minutes of each sandbox (memory: after a restart the
-    /// dispatcher sets it again at the next park or resume).
-    auto_stop: Mutex<HashMap<String, u32>>,
     /// Idle auto-stop and retention; its lock keeps a start from a
     /// container being committed or removed under it.
     timers: Arc<Timers>,
@@ -143,7 +140,6 @@ impl DockerProvider {
                 options,
                 gateway,
                 agents: Mutex::new(HashMap::new()),
-                auto_stop: Mutex::new(HashMap::new()),
                 timers,
                 closed: tokio::sync::RwLock::new(false),
             }),
@@ -323,8 +319,7 @@ impl SandboxProvider for DockerProvider {
     async fn delete(&self, sandbox_id: &str) -> Result<(), ProviderError> {
         container::remove(&self.inner.docker, sandbox_id).await?;
         archive::remove(&self.inner.docker, sandbox_id).await?;
-        self.inner.timers.forget(sandbox_id);
-        lock(&self.inner.auto_stop).remove(sandbox_id);
+        self.inner.timers.deleted(sandbox_id);
         lock(&self.inner.agents).remove(sandbox_id);
         let _ = tokio::fs::remove_file(self.log_path(sandbox_id)).await;
         Ok(())
@@ -386,12 +381,12 @@ impl SandboxProvider for DockerProvider {
 
     async fn set_auto_stop(&self, sandbox_id: &str, minutes: u32) -> Result<(), ProviderError> {
         self.ensure_sweeper();
-        lock(&self.inner.auto_stop).insert(sandbox_id.to_owned(), minutes);
+        self.inner.timers.set_auto_stop(sandbox_id, minutes);
         Ok(())
     }
 
     async fn auto_stop(&self, sandbox_id: &str) -> Result<Option<u32>, ProviderError> {
-        Ok(lock(&self.inner.auto_stop).get(sandbox_id).copied())
+        Ok(self.inner.timers.auto_stop(sandbox_id))
     }
 
     fn touch(&self, sandbox_id: &str) {

@@ -145,8 +145,6 @@ struct KubernetesInner {
     cache: Cache,
     options: KubernetesOptions,
     agents: Mutex<HashMap<String, Agent>>,
-    /// Auto-stop minutes of each sandbox (memory, as on Docker).
-    auto_stop: Mutex<HashMap<String, u32>>,
     timers: Arc<Timers>,
     /// Agent-sandbox mode's objects; `None` for plain Pods.
     agent_sandbox: Option<AgentSandbox>,
@@ -195,7 +193,6 @@ impl KubernetesProvider {
             cache,
             options,
             agents: Mutex::new(HashMap::new()),
-            auto_stop: Mutex::new(HashMap::new()),
             timers,
             agent_sandbox,
             closed: tokio::sync::RwLock::new(false),
@@ -567,8 +564,7 @@ impl SandboxProvider for KubernetesProvider {
                 Err(error) => return Err(Self::failed(sandbox_id, "delete its workspace claim")(error)),
             }
         }
-        self.inner.timers.forget(sandbox_id);
-        lock(&self.inner.auto_stop).remove(sandbox_id);
+        self.inner.timers.deleted(sandbox_id);
         lock(&self.inner.agents).remove(sandbox_id);
         let _ = tokio::fs::remove_file(self.log_path(sandbox_id)).await;
         Ok(())
@@ -617,12 +613,12 @@ impl SandboxProvider for KubernetesProvider {
 
     async fn set_auto_stop(&self, sandbox_id: &str, minutes: u32) -> Result<(), ProviderError> {
         self.ensure_sweeper();
-        lock(&self.inner.auto_stop).insert(sandbox_id.to_owned(), minutes);
+        self.inner.timers.set_auto_stop(sandbox_id, minutes);
         Ok(())
     }
 
     async fn auto_stop(&self, sandbox_id: &str) -> Result<Option<u32>, ProviderError> {
-        Ok(lock(&self.inner.auto_stop).get(sandbox_id).copied())
+        Ok(self.inner.timers.auto_stop(sandbox_id))
     }
 
     fn touch(&self, sandbox_id: &str) {

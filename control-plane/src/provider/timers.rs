@@ -76,6 +76,10 @@ pub(crate) struct Timers {
     auto_delete: u32,
     /// Last activity of each running sandbox, for the idle auto-stop.
     activity: Mutex<HashMap<String, Instant>>,
+    /// Auto-stop minutes of each sandbox, for a provider whose platform
+    /// keeps none (Docker, Kubernetes): memory; after a restart the
+    /// dispatcher sets them again from the store.
+    auto_stops: Mutex<HashMap<String, u32>>,
     /// Sandboxes the auto-stop is stopping: a stop outlasts a round (its
     /// grace period), and one stop each is enough.
     stopping: Mutex<HashSet<String>>,
@@ -110,6 +114,7 @@ impl Timers {
             auto_archive,
             auto_delete,
             activity: Mutex::new(HashMap::new()),
+            auto_stops: Mutex::new(HashMap::new()),
             stopping: Mutex::new(HashSet::new()),
             retention: RwLock::new(()),
             sweeper: Once::new(),
@@ -132,6 +137,28 @@ impl Timers {
     /// The sandbox stopped or went away: it has no idle clock.
     pub(crate) fn forget(&self, sandbox_id: &str) {
         lock(&self.activity).remove(sandbox_id);
+    }
+
+    /// Remembers the sandbox's auto-stop minutes.
+    pub(crate) fn set_auto_stop(&self, sandbox_id: &str, minutes: u32) {
+        lock(&self.auto_stops).insert(sandbox_id.to_owned(), minutes);
+    }
+
+    /// The sandbox's remembered auto-stop minutes; `None` when none was set.
+    pub(crate) fn auto_stop(&self, sandbox_id: &str) -> Option<u32> {
+        lock(&self.auto_stops).get(sandbox_id).copied()
+    }
+
+    /// The running sandboxes with their remembered auto-stop minutes
+    /// (`0`, never, when none was set), for [`Timers::idle`].
+    pub(crate) fn with_auto_stops(&self, running: impl IntoIterator<Item = String>) -> Vec<(String, u32)> {
+        running.into_iter().map(|id| (id.clone(), self.auto_stop(&id).unwrap_or(0))).collect()
+    }
+
+    /// The sandbox was deleted: nothing of it is remembered.
+    pub(crate) fn deleted(&self, sandbox_id: &str) {
+        self.forget(sandbox_id);
+        lock(&self.auto_stops).remove(sandbox_id);
     }
 
     /// Of the running sandboxes, each with its auto-stop minutes, those the

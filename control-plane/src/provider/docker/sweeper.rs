@@ -14,7 +14,7 @@ use bollard::query_parameters::ListContainersOptions;
 
 use super::{DockerInner, DockerProvider, archive, container};
 use crate::provider::timers::Retention;
-use crate::provider::{SandboxProvider as _, lock, stop_idle};
+use crate::provider::{SandboxProvider as _, stop_idle};
 
 /// One container of this instance.
 #[derive(Debug, Clone)]
@@ -56,11 +56,8 @@ pub(super) async fn sweep_once(inner: Arc<DockerInner>) {
     let provider = DockerProvider { inner: Arc::clone(&inner) };
     let options = &inner.options;
     let own = own_containers(&inner).await;
-    let auto_stops = own.iter().filter(|own| own.running).map(|own| {
-        let minutes = lock(&inner.auto_stop).get(&own.sandbox_id).copied().unwrap_or(0);
-        (own.sandbox_id.clone(), minutes)
-    });
-    stop_idle(&provider, inner.timers.idle(auto_stops, Instant::now()));
+    let running = own.iter().filter(|own| own.running).map(|own| own.sandbox_id.clone());
+    stop_idle(&provider, inner.timers.idle(inner.timers.with_auto_stops(running), Instant::now()));
     if inner.timers.ages_stopped() {
         for own in own.iter().filter(|own| own.exited) {
             age_stopped(&provider, &own.sandbox_id).await;

@@ -16,16 +16,12 @@ use std::time::{Duration, Instant};
 use super::cache::PodState;
 use super::{KubernetesInner, KubernetesProvider};
 use crate::provider::timers::Retention;
-use crate::provider::{SandboxProvider as _, lock, stop_idle};
+use crate::provider::{SandboxProvider as _, stop_idle};
 
 /// One round of the timers.
 pub(super) async fn sweep_once(inner: Arc<KubernetesInner>) {
     let provider = KubernetesProvider { inner: Arc::clone(&inner) };
-    let auto_stops = provider.running().into_iter().map(|id| {
-        let minutes = lock(&inner.auto_stop).get(&id).copied().unwrap_or(0);
-        (id, minutes)
-    });
-    stop_idle(&provider, inner.timers.idle(auto_stops, Instant::now()));
+    stop_idle(&provider, inner.timers.idle(inner.timers.with_auto_stops(provider.running()), Instant::now()));
     if !inner.timers.ages_stopped() {
         return;
     }
