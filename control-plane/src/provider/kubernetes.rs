@@ -130,6 +130,9 @@ const WORD_TIMEOUT: Duration = Duration::from_secs(20);
 struct Agent {
     done: watch::Receiver<bool>,
     lost: Option<oneshot::Sender<String>>,
+    /// The uid of the Pod it was started in: a Pod of the same name made
+    /// again (agent-sandbox's controller does) is another Pod.
+    pod_uid: Option<String>,
 }
 
 /// Sandboxes as Pods.
@@ -416,7 +419,13 @@ async fn watch_for_lost_pods(inner: Weak<KubernetesInner>, mut changes: watch::R
             if *agent.done.borrow() || agent.lost.is_none() {
                 continue;
             }
+            let pod = provider.pod_of(sandbox_id).and_then(|name| inner.cache.pod(&name));
+            let replaced = match (&pod, &agent.pod_uid) {
+                (Some(pod), Some(uid)) => pod.metadata.uid.as_ref() != Some(uid),
+                _ => false,
+            };
             let why = match provider.pod_state(sandbox_id) {
+                _ if replaced => "its Pod was made again".to_owned(),
                 PodState::Absent => "its Pod is gone".to_owned(),
                 PodState::Ended(why) => format!("its Pod ended ({why})"),
                 PodState::Running | PodState::Pending | PodState::Deleting => continue,
@@ -492,7 +501,8 @@ impl SandboxProvider for KubernetesProvider {
         let name = self.pod_of(sandbox_id).ok_or_else(|| Self::unbound(sandbox_id))?;
         let log = self.log_path(sandbox_id);
         let started = exec::start_agent(&self.inner.pods, &name, sandbox_id, &launch, log).await?;
-        let agent = Agent { done: started.done, lost: Some(started.lost) };
+        let pod_uid = self.inner.cache.pod(&name).and_then(|found| found.metadata.uid.clone());
+        let agent = Agent { done: started.done, lost: Some(started.lost), pod_uid };
         lock(&self.inner.agents).insert(sandbox_id.to_owned(), agent);
         self.inner.timers.active(sandbox_id, Instant::now());
         tracing::info!(sandbox_id, pod = name, "agent started by an exec");

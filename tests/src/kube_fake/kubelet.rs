@@ -216,7 +216,13 @@ impl Kubelet {
                     control,
                     terminating: false,
                 };
-                lock(&self.runtimes).insert((key.namespace.clone(), key.name.clone()), runtime);
+                // A Pod made again under the same name (agent-sandbox's
+                // controller does) is another Pod: the old one's
+                // processes die, as a kubelet keys its Pods by uid.
+                let replaced = lock(&self.runtimes).insert((key.namespace.clone(), key.name.clone()), runtime);
+                if let Some(old) = replaced {
+                    let _ = old.control.send(Control::Kill { ack: None });
+                }
                 let kubelet = self.clone();
                 let uid = uid.to_owned();
                 tokio::spawn(async move { kubelet.supervise(key, uid, plan, rx).await });
