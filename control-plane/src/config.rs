@@ -28,7 +28,7 @@ use crate::containment::ContainmentChoice;
 use crate::listener::ListenerLimits;
 use crate::policy::AutoStop;
 use crate::policy::PoolPolicy;
-use crate::provider::docker::{DockerOptions, Limits};
+use crate::provider::docker::{DockerOptions, Limits, OnStop};
 use crate::provider::kubernetes::pod::{default_template, load_template};
 use crate::provider::kubernetes::{KubernetesApi, KubernetesOptions};
 use crate::provider::local::LocalOptions;
@@ -119,6 +119,7 @@ pub struct DockerConfig {
     pub image: String,
     pub network: String,
     pub limits: Limits,
+    pub on_stop: OnStop,
 }
 
 /// The `kubernetes` provider.
@@ -228,6 +229,7 @@ impl Config {
             auto_archive: self.sweep.auto_archive,
             auto_delete: self.sweep.auto_delete,
             stop_grace: self.stop_grace,
+            on_stop: docker.on_stop,
         }
     }
 
@@ -353,6 +355,14 @@ fn provider(args: &Serve) -> Result<ProviderConfig, ConfigError> {
                 ));
             }
             let docker = &args.docker;
+            let store = StoreArg::location(args.store.as_ref(), &args.data_dir);
+            if docker.on_stop == OnStop::Remove && matches!(store, StoreLocation::Postgres(_)) {
+                return invalid(
+                    "--on-stop remove: on a PostgreSQL store this server is one replica of an instance whose \
+                     containers the other replicas use; its stop would remove them. Use --on-stop keep (and \
+                     `standby-server prune` once the whole deployment is gone)",
+                );
+            }
             ProviderConfig::Docker(DockerConfig {
                 image: docker.image.clone(),
                 network: docker.docker_network.clone(),
@@ -361,6 +371,7 @@ fn provider(args: &Serve) -> Result<ProviderConfig, ConfigError> {
                     memory: docker.sandbox_memory.map(|bytes| bytes.0),
                     pids: docker.sandbox_pids,
                 },
+                on_stop: docker.on_stop,
             })
         }
         ProviderKind::Kubernetes => {

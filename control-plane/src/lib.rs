@@ -9,6 +9,8 @@
 //! - [`seal`]: what a run was submitted with, encrypted at rest.
 //! - `engine`: drives the state machine: store first, then effects.
 //! - [`config`]: `serve`'s flags, file and environment merged and validated.
+//! - [`data_dir`]: the data directory's lock (a `serve` runs on it) and
+//!   instance id.
 //! - [`server`]: HTTP and the control socket on one listener: the router.
 //! - `app`: what every handler shares (state, error answer, store reads).
 //! - `agent_api`: the agent-facing contract's handlers.
@@ -28,7 +30,7 @@
 //!
 //! A module is `pub` only when another crate uses it, or a `pub` type
 //! shows its types: the `standby-server` binary (`main.rs` and its demo:
-//! `cluster`, `config`, `listener`, `provider`, `seal`, `server`,
+//! `cluster`, `config`, `data_dir`, `listener`, `provider`, `seal`, `server`,
 //! `store`), the integration tests (`api_bounds`, `rules`), and
 //! `containment` and `policy`, whose choices the configuration holds. The
 //! handlers, the engine, the records and the metrics are private to the
@@ -41,6 +43,7 @@ pub mod cluster;
 pub mod config;
 pub mod containment;
 mod credential;
+pub mod data_dir;
 mod engine;
 mod link;
 pub mod listener;

@@ -1,8 +1,10 @@
-//! `standby-server`: the reference control plane (`serve`) and the demo
-//! (`demo`). Thin: parses flags, sets up logging, calls the library; the
+//! `standby-server`: the reference control plane (`serve`), the demo
+//! (`demo`) and the tools around them (`config`, `migrate`, `keygen`,
+//! `prune`). Thin: parses flags, sets up logging, calls the library; the
 //! demo is the binary's own module, a client of the library.
 
 mod demo;
+mod prune;
 
 use std::ffi::OsString;
 use std::io::Write as _;
@@ -19,7 +21,7 @@ use demo::{DemoOptions, Sandboxes};
 use standby_control_plane::cluster::ClusterConfig;
 use standby_control_plane::config::flags::{Serve, parse_duration};
 use standby_control_plane::config::{self, Config, LOG_ENV, ProviderConfig, Settings};
-use standby_control_plane::listener;
+use standby_control_plane::{data_dir, listener};
 use standby_control_plane::provider::SandboxProvider;
 use standby_control_plane::provider::docker::DockerProvider;
 use standby_control_plane::provider::kubernetes::KubernetesProvider;
@@ -70,6 +72,14 @@ enum Command {
         #[arg(value_name = "FILE")]
         path: PathBuf,
     },
+    /// Remove what an old instance of the Docker provider left on the
+    /// engine: every container labelled `standby.instance=ID` (running or
+    /// not) and every image with that label (archived sandboxes), and with
+    /// --network its network once no container is on it. `--list` shows
+    /// the instances that have containers or images, to find old ones.
+    /// Never the instance of a server running on --data-dir.
+    #[command(after_help = prune::AFTER_HELP)]
+    Prune(prune::PruneArgs),
 }
 
 #[derive(Debug, clap::Args)]
@@ -193,6 +203,11 @@ async fn serve(settings: Settings) -> anyhow::Result<Ending> {
     listener::raise_open_files_limit();
     let config = Config::validate(&settings)?;
     private_dir(&config.data_dir)?;
+    // Held until the process ends: `prune` sees a server runs here.
+    let _running = data_dir::lock_for_serve(&config.data_dir, |path| {
+        tracing::info!(lock = %path.display(), "a `standby-server prune` holds the data directory: waiting for it");
+    })
+    .with_context(|| format!("cannot lock the data directory {}", config.data_dir.display()))?;
     let key_path = config.secret_key_file.clone();
     // Replicas must share one key: theirs is made beforehand, never here.
     let key = if matches!(config.store, StoreLocation::Postgres(_)) {
@@ -254,12 +269,10 @@ fn show_config(settings: &Settings) -> anyhow::Result<()> {
 /// first start): the label of its containers, so that a restart on the same
 /// data finds them and another server's are never touched.
 fn instance_id(data_dir: &Path) -> anyhow::Result<String> {
-    let path = data_dir.join("instance-id");
-    if let Ok(text) = std::fs::read_to_string(&path)
-        && !text.trim().is_empty()
-    {
-        return Ok(text.trim().to_owned());
+    if let Some(id) = data_dir::instance_id(data_dir) {
+        return Ok(id);
     }
+    let path = data_dir.join(data_dir::INSTANCE_FILE);
     let id = format!("{:016x}", rand::random::<u64>());
     std::fs::write(&path, &id).with_context(|| format!("cannot write the instance id to {}", path.display()))?;
     Ok(id)
@@ -384,12 +397,20 @@ async fn main() -> ExitCode {
             init_logging(log.0.as_deref());
             keygen(&path)
         }
+        Command::Prune(args) => {
+            // Its progress is its own lines on stderr; the log shows only problems.
+            init_logging(log.0.as_deref().or(Some("warn")));
+            prune::run(args).await
+        }
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
             tracing::error!("{error:#}");
             eprintln!("standby-server: {error:#}");
+            if error.downcast_ref::<prune::Refused>().is_some() {
+                return ExitCode::from(prune::REFUSED);
+            }
             error.downcast_ref::<Ending>().map_or(ExitCode::FAILURE, |ending| ExitCode::from(ending.exit_code()))
         }
     }

@@ -14,6 +14,7 @@ use toml::Spanned;
 use super::ConfigError;
 use super::flags::{Bytes, ProviderKind, StoreArg, parse_bytes, parse_duration};
 use crate::containment::ContainmentChoice;
+use crate::provider::docker::OnStop;
 use crate::provider::kubernetes::KubernetesApi;
 
 /// Keys whose value is a secret (or holds one): an error never quotes it.
@@ -103,6 +104,7 @@ pub struct DockerTable {
     pub sandbox_cpus: Value<f64>,
     pub sandbox_memory: Value<ByteCount>,
     pub sandbox_pids: Value<u64>,
+    pub on_stop: Value<Choice<OnStop>>,
 }
 
 /// `[kubernetes]`.

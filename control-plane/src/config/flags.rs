@@ -13,6 +13,7 @@ use clap::builder::TypedValueParser as _;
 use standby_protocol::Secret;
 
 use crate::containment::ContainmentChoice;
+use crate::provider::docker::OnStop;
 use crate::provider::kubernetes::KubernetesApi;
 use crate::store::StoreLocation;
 
@@ -209,6 +210,14 @@ pub struct DockerArgs {
     /// Processes and threads of each sandbox container; none when unset.
     #[arg(long, env = "STANDBY_SERVER_SANDBOX_PIDS", value_name = "N")]
     pub sandbox_pids: Option<u64>,
+    /// What a clean stop (SIGTERM, SIGINT) leaves: `keep` stops this
+    /// instance's containers and keeps them and their archive images for
+    /// the next start on the same data directory; `remove` removes them,
+    /// and the network when this server created it and no container is
+    /// left on it. A crash leaves everything (`standby-server prune`).
+    /// Refused with a PostgreSQL store: replicas share the instance.
+    #[arg(long, env = "STANDBY_SERVER_ON_STOP", default_value = "keep", value_name = "WHAT")]
+    pub on_stop: OnStop,
 }
 
 /// The `kubernetes` provider (docs/deploy.md, "Kubernetes";

@@ -14,6 +14,7 @@ use super::ConfigError;
 use super::file::{FileConfig, FileValue, Loaded, Value};
 use super::flags::{Bytes, ProviderKind, Serve, StoreArg};
 use crate::containment::ContainmentChoice;
+use crate::provider::docker::OnStop;
 use crate::provider::kubernetes::KubernetesApi;
 
 /// The environment variable of `--log`, a flag of every command.
@@ -132,6 +133,7 @@ impl Settings {
         merge.option("docker", "sandbox_cpus", &mut t.sandbox_cpus, f.sandbox_cpus);
         merge.option("docker", "sandbox_memory", &mut t.sandbox_memory, f.sandbox_memory);
         merge.option("docker", "sandbox_pids", &mut t.sandbox_pids, f.sandbox_pids);
+        merge.value("docker", "on_stop", &mut t.on_stop, f.on_stop);
         let (t, f) = (&mut s.kubernetes, v.kubernetes);
         merge.option("kubernetes", "kubernetes_namespace", &mut t.kubernetes_namespace, f.kubernetes_namespace);
         merge.option(
@@ -386,6 +388,12 @@ impl Render for ProviderKind {
 }
 
 impl Render for ContainmentChoice {
+    fn render(&self) -> String {
+        choice_name(self)
+    }
+}
+
+impl Render for OnStop {
     fn render(&self) -> String {
         choice_name(self)
     }

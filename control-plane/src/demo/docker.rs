@@ -19,7 +19,7 @@ use axum::http::{StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use bollard::Docker;
 use bollard::query_parameters::{ListContainersOptions, ListNetworksOptions, RemoveContainerOptions};
-use standby_control_plane::provider::docker::{DockerOptions, DockerProvider, INSTANCE_LABEL, Limits};
+use standby_control_plane::provider::docker::{DockerOptions, DockerProvider, INSTANCE_LABEL, Limits, OnStop};
 use tokio::sync::oneshot;
 
 use super::sample::git;
@@ -64,6 +64,8 @@ async fn demo(
         auto_archive: 0,
         auto_delete: 0,
         stop_grace: Duration::from_secs(5),
+        // The demo removes what it made itself, whatever way it ends.
+        on_stop: OnStop::Keep,
     };
     let provider = DockerProvider::connect(options_for_docker.clone()).await?;
     let gateway = provider.gateway();

@@ -16,7 +16,12 @@
 //! - **timers**: Docker has none, so the sweeper (`sweeper.rs`, the rules
 //!   in `provider/timers.rs`, shared with `local`) stops idle containers, archives long-stopped ones to
 //!   images (`archive.rs`; a resume makes the container again from its
-//!   image) and removes them by age.
+//!   image) and removes them by age;
+//! - **a clean stop** ([`SandboxProvider::stop_all`]) stops the running
+//!   containers, and with `--on-stop remove` removes every container and
+//!   archive image of this instance and the network it made
+//!   (`cleanup.rs` decides what goes; `prune.rs` does the same for an old
+//!   instance, `standby-server prune`).
 //!
 //! A sandbox is [`Found::Running`] while an agent exec runs in its
 //! container; a running container without one (Tier 2, between agents) is
@@ -26,8 +31,10 @@
 //! [`clear`]: SandboxProvider::clear
 
 mod archive;
+mod cleanup;
 mod container;
 mod exec;
+pub mod prune;
 mod sweeper;
 
 use std::collections::{HashMap, HashSet};
@@ -39,6 +46,7 @@ use std::time::{Duration, Instant};
 use bollard::Docker;
 use bollard::models::{Ipam, NetworkCreateRequest};
 use bollard::query_parameters::{KillContainerOptions, TopOptions};
+pub use cleanup::{NETWORK_LABEL, OnStop};
 pub use container::{INSTANCE_LABEL, Limits, SANDBOX_LABEL, SANDBOX_USER};
 pub use exec::AGENT_PATH;
 use tokio::sync::watch;
@@ -67,6 +75,8 @@ pub struct DockerOptions {
     pub auto_delete: u32,
     /// Between SIGTERM and SIGKILL when the auto-stop stops a sandbox.
     pub stop_grace: Duration,
+    /// What a clean stop leaves (`--on-stop`).
+    pub on_stop: OnStop,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -108,6 +118,9 @@ struct DockerInner {
     docker: Docker,
     options: DockerOptions,
     gateway: IpAddr,
+    /// Whether this server created the network at its start (a clean stop
+    /// with `--on-stop remove` removes only a network it made).
+    made_network: bool,
     agents: Mutex<HashMap<String, Agent>>,
     /// Idle auto-stop and retention; its lock keeps a start from a
     /// container being committed or removed under it.
@@ -130,15 +143,22 @@ impl DockerProvider {
             .inspect_image(&options.image)
             .await
             .map_err(|source| DockerError::Image { image: options.image.clone(), source })?;
-        let gateway = ensure_network(&docker, &options.network).await?;
+        let (gateway, made_network) = ensure_network(&docker, &options.network).await?;
         std::fs::create_dir_all(&options.log_dir).ok();
-        tracing::info!(network = options.network, %gateway, image = options.image, "docker provider ready");
+        tracing::info!(
+            network = options.network,
+            %gateway,
+            image = options.image,
+            on_stop = ?options.on_stop,
+            "docker provider ready"
+        );
         let timers = Timers::new(options.minute, options.auto_archive, options.auto_delete);
         Ok(Self {
             inner: Arc::new(DockerInner {
                 docker,
                 options,
                 gateway,
+                made_network,
                 agents: Mutex::new(HashMap::new()),
                 timers,
                 closed: tokio::sync::RwLock::new(false),
@@ -191,9 +211,11 @@ impl DockerProvider {
     }
 }
 
-/// The network's IPv4 gateway, the network created first when missing.
-async fn ensure_network(docker: &Docker, network: &str) -> Result<IpAddr, DockerError> {
+/// The network's IPv4 gateway, the network created first when missing;
+/// and whether this call created it.
+async fn ensure_network(docker: &Docker, network: &str) -> Result<(IpAddr, bool), DockerError> {
     let error = |action| move |source| DockerError::Network { network: network.to_owned(), action, source };
+    let mut made = false;
     let inspected = match docker.inspect_network(network, None).await {
         Ok(inspected) => inspected,
         Err(failure) if container::not_found(&failure) => {
@@ -201,11 +223,14 @@ async fn ensure_network(docker: &Docker, network: &str) -> Result<IpAddr, Docker
                 name: network.to_owned(),
                 driver: Some("bridge".to_owned()),
                 ipam: Some(Ipam::default()),
-                labels: Some(HashMap::from([("standby.network".to_owned(), "sandboxes".to_owned())])),
+                labels: Some(HashMap::from([(NETWORK_LABEL.to_owned(), "sandboxes".to_owned())])),
                 ..Default::default()
             };
             match docker.create_network(request).await {
-                Ok(_) => tracing::info!(network, "created the sandboxes' network"),
+                Ok(_) => {
+                    made = true;
+                    tracing::info!(network, "created the sandboxes' network");
+                }
                 // Another server made it meanwhile.
                 Err(bollard::errors::Error::DockerResponseServerError { status_code: 409, .. }) => {}
                 Err(failure) => return Err(error("create")(failure)),
@@ -214,14 +239,15 @@ async fn ensure_network(docker: &Docker, network: &str) -> Result<IpAddr, Docker
         }
         Err(failure) => return Err(error("inspect")(failure)),
     };
-    inspected
+    let gateway = inspected
         .ipam
         .and_then(|ipam| ipam.config)
         .unwrap_or_default()
         .iter()
         .filter_map(|config| config.gateway.as_deref()?.parse::<IpAddr>().ok())
         .find(IpAddr::is_ipv4)
-        .ok_or_else(|| DockerError::NoGateway { network: network.to_owned() })
+        .ok_or_else(|| DockerError::NoGateway { network: network.to_owned() })?;
+    Ok((gateway, made))
 }
 
 impl SandboxProvider for DockerProvider {
@@ -346,11 +372,18 @@ impl SandboxProvider for DockerProvider {
         })
     }
 
+    /// Stops every running container of this instance (the stop grace
+    /// each); with `--on-stop remove`, then removes every container and
+    /// archive image of this instance, and the network when this server
+    /// made it and no container is left on it.
     async fn stop_all(&self) {
         *self.inner.closed.write().await = true;
         let ids = sweeper::own_containers(&self.inner).await.into_iter().filter(|c| c.running).map(|c| c.sandbox_id);
         let ids: Vec<String> = ids.collect();
         futures::future::join_all(ids.iter().map(|id| self.stop(id))).await;
+        if self.inner.options.on_stop == OnStop::Remove {
+            cleanup::remove_on_stop(self).await;
+        }
     }
 
     async fn adopt(&self, known: HashSet<String>) {
