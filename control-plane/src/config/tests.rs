@@ -8,6 +8,7 @@ use std::time::Duration;
 use clap::{Args as _, FromArgMatches as _};
 
 use super::flags::{ProviderKind, Serve};
+use crate::provider::docker::OnStop;
 use super::{Config, ConfigError, ProviderConfig, Settings, Source};
 
 /// `serve` with `args` (without the word `serve`), merged.
@@ -165,6 +166,7 @@ docker_network = "y"
 sandbox_cpus = 1.5
 sandbox_memory = "1GiB"
 sandbox_pids = 9
+on_stop = "remove"
 [kubernetes]
 kubernetes_namespace = "sandboxes"
 kubernetes_pod_template = "/srv/pod.yaml"
@@ -201,6 +203,7 @@ cluster_secret_file = "/srv/cluster"
     assert_eq!(not_from_file, ["[] api_key"], "api_key is left out: the file gives api_key_file");
     assert_eq!(merged.log.as_deref(), Some("debug"));
     assert_eq!(merged.serve.docker.sandbox_memory.map(|bytes| bytes.0), Some(1 << 30));
+    assert_eq!(merged.serve.docker.on_stop, OnStop::Remove);
     assert_eq!(merged.serve.local.sandbox_containment, crate::containment::ContainmentChoice::ProcessGroup);
     assert!(!merged.serve.pool.park_stopped);
     // What `config` prints is itself a file that gives the same values.
@@ -295,6 +298,29 @@ fn the_docker_provider_refuses_a_loopback_listener() {
     assert_eq!(options.limits.memory, Some(2 << 30));
     assert_eq!((options.stop_grace, options.auto_delete), (Duration::from_secs(10), 1440));
     assert!(options.log_dir.ends_with("standby-data/sandbox-logs"));
+    assert_eq!(options.on_stop, OnStop::Keep, "a clean stop keeps the containers unless told");
+}
+
+#[test]
+fn on_stop_remove_is_taken_from_the_flag_the_variable_or_the_file_and_refused_for_replicas() {
+    let docker = ["--api-key", "k", "--provider", "docker", "--listen", "0.0.0.0:0"];
+    let with = |extra: &[&str]| {
+        let mut args = docker.to_vec();
+        args.extend_from_slice(extra);
+        Config::validate(&settings(&args).expect("merged"))
+    };
+    let config = with(&["--on-stop", "remove"]).expect("valid");
+    let ProviderConfig::Docker(options) = &config.provider else { panic!("{:?}", config.provider) };
+    assert_eq!(options.on_stop, OnStop::Remove);
+    let merged = with_file("[docker]\non_stop = \"remove\"\n", &docker).expect("merged");
+    assert_eq!(merged.serve.docker.on_stop, OnStop::Remove);
+    assert!(matches!(merged.source("docker", "on_stop"), Some(Source::File { line: 2, .. })));
+    let message = refusal(with_file("[docker]\non_stop = \"wipe\"\n", &[]));
+    assert!(message.contains("`on_stop` in [docker]: `wipe` is not one of `keep`, `remove`"), "{message}");
+    let replica = ["--on-stop", "remove", "--store", "postgres://u:pw@db/standby"];
+    let message = refusal(with(&replica));
+    assert!(message.contains("--on-stop remove: on a PostgreSQL store"), "{message}");
+    assert!(with(&["--store", "postgres://u:pw@db/standby"]).is_err_and(|e| !e.to_string().contains("on-stop")));
 }
 
 #[test]
