@@ -358,9 +358,9 @@ fn provider(args: &Serve) -> Result<ProviderConfig, ConfigError> {
             let store = StoreArg::location(args.store.as_ref(), &args.data_dir);
             if docker.on_stop == OnStop::Remove && matches!(store, StoreLocation::Postgres(_)) {
                 return invalid(
-                    "--on-stop remove: on a PostgreSQL store this server is one replica of an instance whose \
-                     containers the other replicas use; its stop would remove them. Use --on-stop keep (and \
-                     `standby-server prune` once the whole deployment is gone)",
+                    "--on-stop remove: on a PostgreSQL store this server is a replica, whose stop leaves the \
+                     sandboxes to the next leader (they are the cluster's), so it would remove nothing. Use \
+                     --on-stop keep, and `standby-server prune` once the whole deployment is gone",
                 );
             }
             ProviderConfig::Docker(DockerConfig {

@@ -1,17 +1,25 @@
 //! The Docker provider's end-to-end tests' side of the engine: whether one
 //! answers, the sandbox image (built by `scripts/build-image` with the
 //! `standby` under test), and a guard that removes a test's containers and
-//! network however the test ends. The tests look at containers through the
+//! network however the test ends, and the tests' server on the Docker
+//! provider ([`Server`]). The tests look at containers through the
 //! `docker` CLI, as an operator would; the server itself never uses it.
 //!
 //! Under `CI=true` a missing engine or an image that cannot be built fails
 //! the test; elsewhere the test is skipped, loudly.
 
+use std::hash::{BuildHasher, RandomState};
+use std::ops::Deref;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::time::Duration;
 
-use crate::harness::standby_bin;
+use nix::sys::signal::Signal;
+use serde_json::{Value, json};
+
+use crate::harness::{standby_bin, write_json};
+use crate::server_process::{ServerBuilder, ServerProcess, free_fixed_port};
 
 /// The image the tests build and run, unless `STANDBY_E2E_IMAGE` names
 /// another ([`image`]).
@@ -188,4 +196,155 @@ pub fn spied_credentials(sandbox_id: &str) -> Vec<String> {
         .filter(|line| !line.is_empty())
         .map(str::to_owned)
         .collect()
+}
+
+pub const WAIT: Duration = Duration::from_secs(60);
+
+/// No repository (containers see no host path): one setup step that
+/// counts its runs, so a resumed sandbox shows it was not prepared again.
+pub fn spec() -> Value {
+    json!({
+        "workspace": {
+            "repos": [],
+            "setup": [{"name": "build", "command": ["sh", "-c", "echo run >> .setup-runs"], "timeout_s": 60}]
+        },
+        "shell": ["/bin/sh"]
+    })
+}
+
+/// A server on the Docker provider, with what removes its containers: the
+/// tests' server (its data directory and network in `dir`, its own).
+#[derive(Debug)]
+pub struct Server {
+    pub process: Option<ServerProcess>,
+    pub builder: ServerBuilder,
+    pub cleanup: Cleanup,
+    pub dir: tempfile::TempDir,
+}
+
+impl Deref for Server {
+    type Target = ServerProcess;
+
+    fn deref(&self) -> &ServerProcess {
+        self.process.as_ref().expect("the server runs")
+    }
+}
+
+impl Server {
+    /// `None` when the test is skipped (no engine, outside CI).
+    pub async fn start(test: &str, args: &[&str]) -> Option<Self> {
+        if !available(test) {
+            return None;
+        }
+        Some(Self::start_on(&image(), args).await)
+    }
+
+    /// A server whose sandboxes are containers of `image`, built already.
+    pub async fn start_on(image: &str, args: &[&str]) -> Self {
+        let dir = tempfile::Builder::new().prefix("standby-docker-e2e-").tempdir().expect("a temp dir");
+        let spec_path = dir.path().join("spec.json");
+        write_json(&spec_path, &spec());
+        let tag = format!("{:012x}", RandomState::new().hash_one((std::process::id(), dir.path())) >> 16);
+        let network = format!("standby-e2e-{tag}");
+        let data = dir.path().join("data");
+        let cleanup = Cleanup { data: data.clone(), network: network.clone() };
+        // Containers reach the server at the network's gateway: it listens
+        // on every address, on a port kept across a restart.
+        let listen = std::net::SocketAddr::from(([0, 0, 0, 0], free_fixed_port()));
+        let mut builder = ServerBuilder::new(&data, &dir.path().join("server.log"), &tag).listen(listen).args(&[
+            "--provider",
+            "docker",
+            "--image",
+            image,
+            "--docker-network",
+            &network,
+            "--log",
+            "debug,bollard=info",
+            "--agent-log",
+            "debug",
+            "--spec",
+            &spec_path.display().to_string(),
+        ]);
+        for (flag, value) in [("--linger", "5s"), ("--stop-grace", "3s"), ("--heartbeat-interval", "300ms")] {
+            if !args.contains(&flag) {
+                builder = builder.args(&[flag, value]);
+            }
+        }
+        let builder = builder.args(args);
+        let process = builder.start().await;
+        Self { process: Some(process), builder, cleanup, dir }
+    }
+
+    /// The agents' output (the provider keeps it per sandbox), for failures.
+    pub fn agent_logs(&self) -> String {
+        let mut text = self.logs();
+        for entry in std::fs::read_dir(self.cleanup.data.join("sandbox-logs")).into_iter().flatten().flatten() {
+            let log = std::fs::read_to_string(entry.path()).unwrap_or_default();
+            let tail: Vec<&str> = log.lines().rev().take(20).collect();
+            text.push_str(&format!("\n--- {} ---\n", entry.path().display()));
+            text.push_str(&tail.into_iter().rev().collect::<Vec<_>>().join("\n"));
+        }
+        text
+    }
+
+    pub async fn until<T>(&self, what: &str, check: impl AsyncFnMut() -> Option<T>) -> T {
+        self.process.as_ref().expect("the server runs").until(what, WAIT, check).await
+    }
+
+    /// Runs one run to its end; the run, which exited 0.
+    pub async fn run_to_end(&self, body: Value) -> Value {
+        let id = self.submit(&body).await;
+        let run = self.finished(&id, WAIT).await;
+        assert_eq!(
+            (run["state"].as_str(), run["exit_code"].as_i64()),
+            (Some("exited"), Some(0)),
+            "{run}\n{}",
+            self.agent_logs()
+        );
+        run
+    }
+
+    pub async fn turn(&self, thread: &str, script: &str) -> Value {
+        self.run_to_end(json!({"command": ["sh", "-c", script], "thread_id": thread})).await
+    }
+
+    pub async fn text_log(&self, run: &Value) -> String {
+        String::from_utf8_lossy(&self.log(run["id"].as_str().expect("an id")).await).into_owned()
+    }
+
+    /// Waits until the sandbox is parked `mode` and settled.
+    pub async fn parked(&self, id: &str, mode: &str) -> Value {
+        self.until(&format!("{id} parked {mode}"), async || {
+            let sandbox = self.sandbox(id).await;
+            let settled = match mode {
+                "running" => sandbox["last_state"] == "ready" && sandbox["candidate"] == false,
+                _ => sandbox["running"] == false,
+            };
+            (sandbox["state"] == "parked" && sandbox["park"]["mode"] == mode && settled).then_some(sandbox)
+        })
+        .await
+    }
+
+    pub async fn ready_standby(&self) -> String {
+        self.until("a ready standby", async || {
+            self.sandboxes()
+                .await
+                .into_iter()
+                .find(|s| s["candidate"] == true)
+                .and_then(|s| s["id"].as_str().map(str::to_owned))
+        })
+        .await
+    }
+
+    pub async fn stop(mut self) {
+        if let Some(process) = self.process.take() {
+            let status = process.stop(Signal::SIGTERM).await;
+            assert!(status.success(), "standby-server exited {status}");
+        }
+    }
+}
+
+pub fn sandbox_of(run: &Value) -> String {
+    let attempts = run["attempts"].as_array().expect("attempts");
+    attempts.last().and_then(|a| a["sandbox_id"].as_str()).expect("a sandbox").to_owned()
 }
