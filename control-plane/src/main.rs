@@ -21,7 +21,6 @@ use demo::{DemoOptions, Sandboxes};
 use standby_control_plane::cluster::ClusterConfig;
 use standby_control_plane::config::flags::{Serve, parse_duration};
 use standby_control_plane::config::{self, Config, LOG_ENV, ProviderConfig, Settings};
-use standby_control_plane::{data_dir, listener};
 use standby_control_plane::provider::SandboxProvider;
 use standby_control_plane::provider::docker::DockerProvider;
 use standby_control_plane::provider::kubernetes::KubernetesProvider;
@@ -30,6 +29,7 @@ use standby_control_plane::provider::spool::SpoolProvider;
 use standby_control_plane::seal::SealKey;
 use standby_control_plane::server::{self, Ending, Replica, ServerConfig};
 use standby_control_plane::store::{Opened, PostgresStore, StoreError, StoreLocation};
+use standby_control_plane::{data_dir, listener};
 use tokio::signal::unix::{SignalKind, signal};
 
 /// The reference control plane for `standby`: the server half of the

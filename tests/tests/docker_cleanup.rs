@@ -21,22 +21,17 @@ use standby_e2e::server_process::server_bin;
 
 /// Minutes of 1 s: a thread's sandbox, stopped at once after its turn,
 /// is archived to an image a second later and never removed by age.
-const ARCHIVING: [&str; 10] = [
-    "--pool-size",
-    "1",
-    "--warm-idle",
-    "0s",
-    "--auto-archive",
-    "1",
-    "--auto-delete",
-    "0",
-    "--provider-minute",
-    "1s",
-];
+const ARCHIVING: [&str; 10] =
+    ["--pool-size", "1", "--warm-idle", "0s", "--auto-archive", "1", "--auto-delete", "0", "--provider-minute", "1s"];
 
 /// `standby-server prune ARGS`.
 fn prune(args: &[&str]) -> Output {
-    Command::new(server_bin()).arg("prune").args(args).env_remove("STANDBY_SERVER_DATA_DIR").output().expect("run prune")
+    Command::new(server_bin())
+        .arg("prune")
+        .args(args)
+        .env_remove("STANDBY_SERVER_DATA_DIR")
+        .output()
+        .expect("run prune")
 }
 
 fn text(output: &Output) -> String {
@@ -158,13 +153,19 @@ async fn prune_removes_a_stopped_servers_instance_and_nothing_of_anothers() {
     let dry = prune(&["--instance", &instance, "--data-dir", &data_dir, "--network", &network, "--dry-run"]);
     assert!(dry.status.success(), "{}", text(&dry));
     assert!(String::from_utf8_lossy(&dry.stdout).contains("would remove"), "{}", text(&dry));
-    assert!(!server.cleanup.containers().is_empty() && !images(&server.cleanup).is_empty(), "a dry run removes nothing");
+    assert!(
+        !server.cleanup.containers().is_empty() && !images(&server.cleanup).is_empty(),
+        "a dry run removes nothing"
+    );
 
     let pruned = prune(&["--instance", &instance, "--data-dir", &data_dir, "--network", &network]);
     assert!(pruned.status.success(), "{}", text(&pruned));
     let summary = String::from_utf8_lossy(&pruned.stdout).into_owned();
     assert!(
-        summary.contains(&format!("instance {instance}: removed {} container(s), {} image(s), network {network}", counts[0], counts[2])),
+        summary.contains(&format!(
+            "instance {instance}: removed {} container(s), {} image(s), network {network}",
+            counts[0], counts[2]
+        )),
         "{}",
         text(&pruned)
     );

@@ -8,8 +8,8 @@ use std::time::Duration;
 use clap::{Args as _, FromArgMatches as _};
 
 use super::flags::{ProviderKind, Serve};
-use crate::provider::docker::OnStop;
 use super::{Config, ConfigError, ProviderConfig, Settings, Source};
+use crate::provider::docker::OnStop;
 
 /// `serve` with `args` (without the word `serve`), merged.
 fn settings(args: &[&str]) -> Result<Settings, ConfigError> {

@@ -14,10 +14,10 @@ use std::collections::{BTreeMap, HashMap};
 use bollard::Docker;
 use bollard::query_parameters::{ListContainersOptions, ListImagesOptions, RemoveContainerOptions, RemoveImageOptions};
 
+use super::DockerError;
 pub use super::cleanup::NetworkFate;
 use super::cleanup::{network_facts, network_fate, remove_network};
 use super::container::{INSTANCE_LABEL, SANDBOX_LABEL, not_found};
-use super::DockerError;
 
 /// One container of the instance.
 #[derive(Debug, Clone)]
@@ -73,10 +73,11 @@ pub async fn survey(docker: &Docker, instance: &str) -> Result<Survey, String> {
         .into_iter()
         .filter_map(|summary| {
             let id = summary.id?;
-            let name = summary.names.unwrap_or_default().first().map_or_else(
-                || id.chars().take(12).collect(),
-                |name| name.trim_start_matches('/').to_owned(),
-            );
+            let name = summary
+                .names
+                .unwrap_or_default()
+                .first()
+                .map_or_else(|| id.chars().take(12).collect(), |name| name.trim_start_matches('/').to_owned());
             let sandbox = summary.labels.and_then(|labels| labels.get(SANDBOX_LABEL).cloned());
             let running = summary.state.is_some_and(|state| state.to_string() == "running");
             Some(FoundContainer { id, name, sandbox, running })
@@ -126,10 +127,8 @@ pub fn count<'a>(
 pub async fn instances(docker: &Docker) -> Result<BTreeMap<String, Counts>, String> {
     let filters = label_filter(INSTANCE_LABEL.to_owned());
     let options = ListContainersOptions { all: true, filters: filters.clone(), ..Default::default() };
-    let containers = docker
-        .list_containers(Some(options))
-        .await
-        .map_err(|error| format!("cannot list the containers: {error}"))?;
+    let containers =
+        docker.list_containers(Some(options)).await.map_err(|error| format!("cannot list the containers: {error}"))?;
     let images = docker
         .list_images(Some(ListImagesOptions { filters, ..Default::default() }))
         .await
@@ -143,7 +142,10 @@ pub async fn instances(docker: &Docker) -> Result<BTreeMap<String, Counts>, Stri
         .collect();
     let images: Vec<String> =
         images.into_iter().filter_map(|summary| summary.labels.get(INSTANCE_LABEL).cloned()).collect();
-    Ok(count(containers.iter().map(|(instance, running)| (instance.as_str(), *running)), images.iter().map(String::as_str)))
+    Ok(count(
+        containers.iter().map(|(instance, running)| (instance.as_str(), *running)),
+        images.iter().map(String::as_str),
+    ))
 }
 
 /// What the data directory named says of the instance to prune.
@@ -277,7 +279,9 @@ pub async fn remove(
         progress(match fate {
             NetworkFate::Remove => format!("{verb} network {network}"),
             NetworkFate::InUse(attached) => format!("left network {network}: {attached} container(s) still on it"),
-            NetworkFate::NotOurs => format!("left network {network}: not made by a standby server (no {} label)", super::NETWORK_LABEL),
+            NetworkFate::NotOurs => {
+                format!("left network {network}: not made by a standby server (no {} label)", super::NETWORK_LABEL)
+            }
             NetworkFate::Missing => format!("network {network} does not exist"),
         });
         report.network = Some((network.to_owned(), fate));
