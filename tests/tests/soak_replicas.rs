@@ -324,10 +324,18 @@ async fn replicated_soak_with_faults_agent_and_replica_kills_loses_nothing_and_r
         }
         if let Some((_, role)) = kills.iter().find(|(at, _)| *at == label) {
             let (leader, _) = replicas.leader().await;
-            let index = if *role == "leader" { leader } else { (leader + 1 + rng.below(2) as usize) % 3 };
+            let followers: Vec<usize> =
+                replicas.live().into_iter().map(|(index, _)| index).filter(|index| *index != leader).collect();
+            let index = match *role {
+                "follower" if !followers.is_empty() => followers[rng.below(followers.len() as u64) as usize],
+                _ => leader,
+            };
             replicas.kill(index).await;
             restarts.push((label + RESTART_AFTER, index));
-            let survivor = replicas.live()[rng.below(2) as usize].1.clone();
+            // One or two are left: a follower killed for holding a
+            // placed standby may not be back yet.
+            let live = replicas.live();
+            let survivor = live[rng.below(live.len() as u64) as usize].1.clone();
             *lock(&server) = Some(survivor);
             *lock(&journal)
                 .faults
@@ -350,7 +358,10 @@ async fn replicated_soak_with_faults_agent_and_replica_kills_loses_nothing_and_r
                 replicas.kill(index).await;
                 holder_killed = true;
                 restarts.push((label + RESTART_AFTER, index));
-                let survivor = replicas.live()[rng.below(2) as usize].1.clone();
+                // One or two are left: a follower killed for holding a
+                // placed standby may not be back yet.
+                let live = replicas.live();
+                let survivor = live[rng.below(live.len() as u64) as usize].1.clone();
                 *lock(&server) = Some(survivor);
                 *lock(&journal).faults.entry("replica-holding-the-assigned-standby").or_default() += 1;
                 lock(&journal).restarts += 1;
