@@ -13,12 +13,12 @@ use std::ops::Deref;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::Duration;
 
 use nix::sys::signal::Signal;
 use serde_json::{Value, json};
 
 use crate::harness::{standby_bin, write_json};
+pub use crate::provider_runs::{WAIT, sandbox_of};
 use crate::server_process::{ServerBuilder, ServerProcess, free_fixed_port};
 
 /// The image the tests build and run, unless `STANDBY_E2E_IMAGE` names
@@ -198,8 +198,6 @@ pub fn spied_credentials(sandbox_id: &str) -> Vec<String> {
         .collect()
 }
 
-pub const WAIT: Duration = Duration::from_secs(60);
-
 /// No repository (containers see no host path): one setup step that
 /// counts its runs, so a resumed sandbox shows it was not prepared again.
 pub fn spec() -> Value {
@@ -275,65 +273,8 @@ impl Server {
         Self { process: Some(process), builder, cleanup, dir }
     }
 
-    /// The agents' output (the provider keeps it per sandbox), for failures.
-    pub fn agent_logs(&self) -> String {
-        let mut text = self.logs();
-        for entry in std::fs::read_dir(self.cleanup.data.join("sandbox-logs")).into_iter().flatten().flatten() {
-            let log = std::fs::read_to_string(entry.path()).unwrap_or_default();
-            let tail: Vec<&str> = log.lines().rev().take(20).collect();
-            text.push_str(&format!("\n--- {} ---\n", entry.path().display()));
-            text.push_str(&tail.into_iter().rev().collect::<Vec<_>>().join("\n"));
-        }
-        text
-    }
-
     pub async fn until<T>(&self, what: &str, check: impl AsyncFnMut() -> Option<T>) -> T {
         self.process.as_ref().expect("the server runs").until(what, WAIT, check).await
-    }
-
-    /// Runs one run to its end; the run, which exited 0.
-    pub async fn run_to_end(&self, body: Value) -> Value {
-        let id = self.submit(&body).await;
-        let run = self.finished(&id, WAIT).await;
-        assert_eq!(
-            (run["state"].as_str(), run["exit_code"].as_i64()),
-            (Some("exited"), Some(0)),
-            "{run}\n{}",
-            self.agent_logs()
-        );
-        run
-    }
-
-    pub async fn turn(&self, thread: &str, script: &str) -> Value {
-        self.run_to_end(json!({"command": ["sh", "-c", script], "thread_id": thread})).await
-    }
-
-    pub async fn text_log(&self, run: &Value) -> String {
-        String::from_utf8_lossy(&self.log(run["id"].as_str().expect("an id")).await).into_owned()
-    }
-
-    /// Waits until the sandbox is parked `mode` and settled.
-    pub async fn parked(&self, id: &str, mode: &str) -> Value {
-        self.until(&format!("{id} parked {mode}"), async || {
-            let sandbox = self.sandbox(id).await;
-            let settled = match mode {
-                "running" => sandbox["last_state"] == "ready" && sandbox["candidate"] == false,
-                _ => sandbox["running"] == false,
-            };
-            (sandbox["state"] == "parked" && sandbox["park"]["mode"] == mode && settled).then_some(sandbox)
-        })
-        .await
-    }
-
-    pub async fn ready_standby(&self) -> String {
-        self.until("a ready standby", async || {
-            self.sandboxes()
-                .await
-                .into_iter()
-                .find(|s| s["candidate"] == true)
-                .and_then(|s| s["id"].as_str().map(str::to_owned))
-        })
-        .await
     }
 
     pub async fn stop(mut self) {
@@ -342,9 +283,4 @@ impl Server {
             assert!(status.success(), "standby-server exited {status}");
         }
     }
-}
-
-pub fn sandbox_of(run: &Value) -> String {
-    let attempts = run["attempts"].as_array().expect("attempts");
-    attempts.last().and_then(|a| a["sandbox_id"].as_str()).expect("a sandbox").to_owned()
 }

@@ -336,6 +336,11 @@ pub struct ServerProcess {
 }
 
 impl ServerProcess {
+    /// Its data directory.
+    pub fn data_dir(&self) -> &Path {
+        &self.data
+    }
+
     /// The address it listens on.
     pub fn addr(&self) -> SocketAddr {
         self.addr

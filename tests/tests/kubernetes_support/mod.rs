@@ -9,7 +9,6 @@
 use std::collections::{BTreeMap, HashMap};
 use std::ops::Deref;
 use std::path::PathBuf;
-use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
 use kube::Api;
@@ -17,9 +16,9 @@ use nix::sys::signal::Signal;
 use serde_json::{Value, json};
 use standby_e2e::harness::{standby_bin, write_json};
 use standby_e2e::kube_fake::{Call, FakeCluster, FakeOptions};
+pub use standby_e2e::provider_runs::{WAIT, sandbox_of};
 use standby_e2e::server_process::{ServerBuilder, ServerProcess, free_fixed_port};
 
-pub const WAIT: Duration = Duration::from_secs(60);
 pub const NAMESPACE: &str = "standby";
 pub const IMAGE: &str = "standby-sandbox:fake";
 pub const AGENT_PATH: &str = "/usr/local/bin/standby";
@@ -208,63 +207,8 @@ impl Server {
         Api::namespaced(self.cluster.client().await, &self.namespace)
     }
 
-    /// The server's log and the agents' output, for failures.
-    pub fn agent_logs(&self) -> String {
-        let mut text = self.logs();
-        for entry in std::fs::read_dir(self.dir.path().join("data/sandbox-logs")).into_iter().flatten().flatten() {
-            let log = std::fs::read_to_string(entry.path()).unwrap_or_default();
-            let tail: Vec<&str> = log.lines().rev().take(20).collect();
-            text.push_str(&format!("\n--- {} ---\n", entry.path().display()));
-            text.push_str(&tail.into_iter().rev().collect::<Vec<_>>().join("\n"));
-        }
-        text
-    }
-
     pub async fn until<T>(&self, what: &str, check: impl AsyncFnMut() -> Option<T>) -> T {
         self.process.as_ref().expect("the server runs").until(what, WAIT, check).await
-    }
-
-    pub async fn run_to_end(&self, body: Value) -> Value {
-        let id = self.submit(&body).await;
-        let run = self.finished(&id, WAIT).await;
-        assert_eq!(
-            (run["state"].as_str(), run["exit_code"].as_i64()),
-            (Some("exited"), Some(0)),
-            "{run}\n{}",
-            self.agent_logs()
-        );
-        run
-    }
-
-    pub async fn turn(&self, thread: &str, script: &str) -> Value {
-        self.run_to_end(json!({"command": ["sh", "-c", script], "thread_id": thread})).await
-    }
-
-    pub async fn text_log(&self, run: &Value) -> String {
-        String::from_utf8_lossy(&self.log(run["id"].as_str().expect("an id")).await).into_owned()
-    }
-
-    pub async fn parked(&self, id: &str, mode: &str) -> Value {
-        self.until(&format!("{id} parked {mode}"), async || {
-            let sandbox = self.sandbox(id).await;
-            let settled = match mode {
-                "running" => sandbox["last_state"] == "ready" && sandbox["candidate"] == false,
-                _ => sandbox["running"] == false,
-            };
-            (sandbox["state"] == "parked" && sandbox["park"]["mode"] == mode && settled).then_some(sandbox)
-        })
-        .await
-    }
-
-    pub async fn ready_standby(&self) -> String {
-        self.until("a ready standby", async || {
-            self.sandboxes()
-                .await
-                .into_iter()
-                .find(|s| s["candidate"] == true)
-                .and_then(|s| s["id"].as_str().map(str::to_owned))
-        })
-        .await
     }
 
     /// The sandbox's Pod as the API has it; `None` when there is none.
@@ -286,11 +230,6 @@ impl Server {
 
 pub fn pod_name(sandbox_id: &str) -> String {
     format!("standby-{}", sandbox_id.replace('_', "-"))
-}
-
-pub fn sandbox_of(run: &Value) -> String {
-    let attempts = run["attempts"].as_array().expect("attempts");
-    attempts.last().and_then(|a| a["sandbox_id"].as_str()).expect("a sandbox").to_owned()
 }
 
 pub fn uid(pod: &Pod) -> String {
