@@ -26,8 +26,9 @@ pub(super) struct Cache {
     pods: Store<Pod>,
     /// Plain Pods: the workspace claims.
     claims: Option<Store<PersistentVolumeClaim>>,
-    /// Agent-sandbox mode: the SandboxClaims.
-    sandbox_claims: Option<Store<DynamicObject>>,
+    /// Agent-sandbox mode: the SandboxClaims, and their resource (the key
+    /// of a dynamic object in its store).
+    sandbox_claims: Option<(Store<DynamicObject>, ApiResource)>,
     namespace: String,
     changes: watch::Receiver<u64>,
 }
@@ -69,7 +70,8 @@ impl Cache {
         let (claims, sandbox_claims) = match sandbox_claims {
             Some(resource) => {
                 let api = Api::namespaced_with(client.clone(), namespace, resource);
-                (None, Some(mirror::<DynamicObject>(api, resource.clone(), selector, tx, stop)))
+                let store = mirror::<DynamicObject>(api, resource.clone(), selector, tx, stop);
+                (None, Some((store, resource.clone())))
             }
             None => (Some(mirror(Api::namespaced(client.clone(), namespace), (), selector, tx, stop)), None),
         };
@@ -83,7 +85,7 @@ impl Cache {
             None => true,
         };
         let sandbox_claims = match &self.sandbox_claims {
-            Some(claims) => claims.wait_until_ready().await.is_ok(),
+            Some((claims, _)) => claims.wait_until_ready().await.is_ok(),
             None => true,
         };
         self.pods.wait_until_ready().await.is_ok() && claims && sandbox_claims
@@ -98,12 +100,12 @@ impl Cache {
     }
 
     pub(super) fn sandbox_claim(&self, name: &str) -> Option<Arc<DynamicObject>> {
-        let claims = self.sandbox_claims.as_ref()?;
-        claims.state().into_iter().find(|claim| claim.metadata.name.as_deref() == Some(name))
+        let (claims, resource) = self.sandbox_claims.as_ref()?;
+        claims.get(&ObjectRef::new_with(name, resource.clone()).within(&self.namespace))
     }
 
     pub(super) fn sandbox_claims(&self) -> Vec<Arc<DynamicObject>> {
-        self.sandbox_claims.as_ref().map(Store::state).unwrap_or_default()
+        self.sandbox_claims.as_ref().map(|(claims, _)| claims.state()).unwrap_or_default()
     }
 
     pub(super) fn pods(&self) -> Vec<Arc<Pod>> {
