@@ -15,9 +15,9 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use nix::sys::signal::Signal;
-use serde_json::{Value, json};
 
 use crate::harness::{standby_bin, write_json};
+use crate::provider_runs::{QUICK, counting_spec};
 pub use crate::provider_runs::{WAIT, sandbox_of};
 use crate::server_process::{ServerBuilder, ServerProcess, free_fixed_port};
 
@@ -198,18 +198,6 @@ pub fn spied_credentials(sandbox_id: &str) -> Vec<String> {
         .collect()
 }
 
-/// No repository (containers see no host path): one setup step that
-/// counts its runs, so a resumed sandbox shows it was not prepared again.
-pub fn spec() -> Value {
-    json!({
-        "workspace": {
-            "repos": [],
-            "setup": [{"name": "build", "command": ["sh", "-c", "echo run >> .setup-runs"], "timeout_s": 60}]
-        },
-        "shell": ["/bin/sh"]
-    })
-}
-
 /// A server on the Docker provider, with what removes its containers: the
 /// tests' server (its data directory and network in `dir`, its own).
 #[derive(Debug)]
@@ -241,7 +229,7 @@ impl Server {
     pub async fn start_on(image: &str, args: &[&str]) -> Self {
         let dir = tempfile::Builder::new().prefix("standby-docker-e2e-").tempdir().expect("a temp dir");
         let spec_path = dir.path().join("spec.json");
-        write_json(&spec_path, &spec());
+        write_json(&spec_path, &counting_spec());
         let tag = format!("{:012x}", RandomState::new().hash_one((std::process::id(), dir.path())) >> 16);
         let network = format!("standby-e2e-{tag}");
         let data = dir.path().join("data");
@@ -249,7 +237,7 @@ impl Server {
         // Containers reach the server at the network's gateway: it listens
         // on every address, on a port kept across a restart.
         let listen = std::net::SocketAddr::from(([0, 0, 0, 0], free_fixed_port()));
-        let mut builder = ServerBuilder::new(&data, &dir.path().join("server.log"), &tag).listen(listen).args(&[
+        let builder = ServerBuilder::new(&data, &dir.path().join("server.log"), &tag).listen(listen).args(&[
             "--provider",
             "docker",
             "--image",
@@ -263,12 +251,7 @@ impl Server {
             "--spec",
             &spec_path.display().to_string(),
         ]);
-        for (flag, value) in [("--linger", "5s"), ("--stop-grace", "3s"), ("--heartbeat-interval", "300ms")] {
-            if !args.contains(&flag) {
-                builder = builder.args(&[flag, value]);
-            }
-        }
-        let builder = builder.args(args);
+        let builder = builder.args_over_defaults(&QUICK, args);
         let process = builder.start().await;
         Self { process: Some(process), builder, cleanup, dir }
     }

@@ -12,6 +12,23 @@ use crate::server_process::ServerProcess;
 /// How long a provider suite waits for any one thing.
 pub const WAIT: Duration = Duration::from_secs(60);
 
+/// A provider suite's timings: quick lingering, stopping and heartbeats
+/// (a test's own flag wins).
+pub const QUICK: [(&str, &str); 3] = [("--linger", "5s"), ("--stop-grace", "3s"), ("--heartbeat-interval", "300ms")];
+
+/// The provider suites' spec: no repository (a sandbox sees no host
+/// path), one setup step that counts its runs, so a resumed sandbox shows
+/// it was not prepared again.
+pub fn counting_spec() -> Value {
+    json!({
+        "workspace": {
+            "repos": [],
+            "setup": [{"name": "build", "command": ["sh", "-c", "echo run >> .setup-runs"], "timeout_s": 60}]
+        },
+        "shell": ["/bin/sh"]
+    })
+}
+
 impl ServerProcess {
     /// The server's log and the tail of each agent's output, for failures.
     pub fn agent_logs(&self) -> String {

@@ -188,6 +188,17 @@ impl ServerBuilder {
         self
     }
 
+    /// `defaults`, each flag and its value, for every flag `given` does not
+    /// name; then `given`.
+    pub fn args_over_defaults(mut self, defaults: &[(&str, &str)], given: &[&str]) -> Self {
+        for (flag, value) in defaults {
+            if !given.contains(flag) {
+                self = self.args(&[flag, value]);
+            }
+        }
+        self.args(given)
+    }
+
     /// The same server with `flag`'s value replaced by `value` (a restart
     /// with another setting).
     pub fn with_arg(mut self, flag: &str, value: &str) -> Self {

@@ -19,6 +19,7 @@ use nix::sys::signal::Signal;
 use serde_json::{Value, json};
 use standby_e2e::GitRepo;
 use standby_e2e::harness::{process_alive, write_json};
+use standby_e2e::provider_runs::sandbox_of;
 use standby_e2e::server_process::{ServerBuilder, ServerProcess, environ_var, marked};
 
 const WAIT: Duration = Duration::from_secs(60);
@@ -74,7 +75,7 @@ impl Server {
         let spec_path = dir.path().join("spec.json");
         write_json(&spec_path, spec);
         let mark = format!("{:016x}", RandomState::new().hash_one((std::process::id(), dir.path())));
-        let mut builder = ServerBuilder::new(&dir.path().join("data"), &dir.path().join("server.log"), &mark).args(&[
+        let builder = ServerBuilder::new(&dir.path().join("data"), &dir.path().join("server.log"), &mark).args(&[
             "--log",
             "debug",
             "--agent-log",
@@ -82,12 +83,8 @@ impl Server {
             "--spec",
             &spec_path.display().to_string(),
         ]);
-        for (flag, value) in [("--linger", "3s"), ("--stop-grace", "3s"), ("--heartbeat-interval", "200ms")] {
-            if !args.contains(&flag) {
-                builder = builder.args(&[flag, value]);
-            }
-        }
-        Self { process: builder.args(args).start().await, _dir: dir }
+        let defaults = [("--linger", "3s"), ("--stop-grace", "3s"), ("--heartbeat-interval", "200ms")];
+        Self { process: builder.args_over_defaults(&defaults, args).start().await, _dir: dir }
     }
 
     async fn log(&self, id: &str) -> String {
@@ -111,27 +108,9 @@ impl Server {
         run
     }
 
-    /// Waits until the sandbox is parked `mode`; its view.
-    async fn parked(&self, id: &str, mode: &str) -> Value {
-        self.until(&format!("{id} parked {mode}"), async || {
-            let sandbox = self.sandbox(id).await;
-            let settled = match mode {
-                "running" => sandbox["last_state"] == "ready" && sandbox["candidate"] == false,
-                _ => sandbox["running"] == false,
-            };
-            (sandbox["state"] == "parked" && sandbox["park"]["mode"] == mode && settled).then_some(sandbox)
-        })
-        .await
-    }
-
     async fn stop(self) {
         self.process.stop_leaving_nothing(Signal::SIGTERM).await;
     }
-}
-
-fn sandbox_of(run: &Value) -> String {
-    let attempts = run["attempts"].as_array().expect("attempts");
-    attempts.last().and_then(|a| a["sandbox_id"].as_str()).expect("a sandbox").to_owned()
 }
 
 fn count(text: &str, needle: &str) -> usize {

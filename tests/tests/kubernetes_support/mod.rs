@@ -13,26 +13,15 @@ use std::path::PathBuf;
 use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
 use kube::Api;
 use nix::sys::signal::Signal;
-use serde_json::{Value, json};
 use standby_e2e::harness::{standby_bin, write_json};
 use standby_e2e::kube_fake::{Call, FakeCluster, FakeOptions};
+use standby_e2e::provider_runs::{QUICK, counting_spec};
 pub use standby_e2e::provider_runs::{WAIT, sandbox_of};
 use standby_e2e::server_process::{ServerBuilder, ServerProcess, free_fixed_port};
 
 pub const NAMESPACE: &str = "standby";
 pub const IMAGE: &str = "standby-sandbox:fake";
 pub const AGENT_PATH: &str = "/usr/local/bin/standby";
-
-/// As on Docker: one setup step that counts its runs.
-pub fn spec() -> Value {
-    json!({
-        "workspace": {
-            "repos": [],
-            "setup": [{"name": "build", "command": ["sh", "-c", "echo run >> .setup-runs"], "timeout_s": 60}]
-        },
-        "shell": ["/bin/sh"]
-    })
-}
 
 /// The operator's template: the image, a label of theirs, their own
 /// non-secret variable.
@@ -151,7 +140,7 @@ impl Server {
     async fn start_on(cluster: Cluster, namespace: &str, template_text: &str, host: &str, args: &[&str]) -> Self {
         let dir = tempfile::Builder::new().prefix("standby-kube-e2e-").tempdir().expect("a temp dir");
         let spec_path = dir.path().join("spec.json");
-        write_json(&spec_path, &spec());
+        write_json(&spec_path, &counting_spec());
         let template = dir.path().join("sandbox-pod.yaml");
         std::fs::write(&template, template_text).expect("write the pod template");
         let kubeconfig = match &cluster {
@@ -168,7 +157,7 @@ impl Server {
         let loopback = host == "127.0.0.1";
         let listen = std::net::SocketAddr::from((if loopback { [127, 0, 0, 1] } else { [0, 0, 0, 0] }, port));
         let data = dir.path().join("data");
-        let mut builder = ServerBuilder::new(&data, &dir.path().join("server.log"), &instance)
+        let builder = ServerBuilder::new(&data, &dir.path().join("server.log"), &instance)
             .listen(listen)
             .env("KUBECONFIG", &kubeconfig.display().to_string())
             .args(&[
@@ -189,12 +178,7 @@ impl Server {
                 "--spec",
                 &spec_path.display().to_string(),
             ]);
-        for (flag, value) in [("--linger", "5s"), ("--stop-grace", "3s"), ("--heartbeat-interval", "300ms")] {
-            if !args.contains(&flag) {
-                builder = builder.args(&[flag, value]);
-            }
-        }
-        let builder = builder.args(args);
+        let builder = builder.args_over_defaults(&QUICK, args);
         let process = builder.start().await;
         Self { process: Some(process), builder, cluster, instance, namespace: namespace.to_owned(), dir }
     }
