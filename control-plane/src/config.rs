@@ -28,7 +28,7 @@ use crate::containment::ContainmentChoice;
 use crate::listener::ListenerLimits;
 use crate::policy::AutoStop;
 use crate::policy::PoolPolicy;
-use crate::provider::docker::{DockerOptions, Limits, OnStop};
+use crate::provider::docker::{Allow, DockerOptions, Egress, Limits, OnStop};
 use crate::provider::kubernetes::pod::{default_template, load_template};
 use crate::provider::kubernetes::{KubernetesApi, KubernetesOptions};
 use crate::provider::local::LocalOptions;
@@ -120,6 +120,8 @@ pub struct DockerConfig {
     pub network: String,
     pub limits: Limits,
     pub on_stop: OnStop,
+    pub egress: Egress,
+    pub egress_allow: Vec<Allow>,
 }
 
 /// The `kubernetes` provider.
@@ -230,6 +232,8 @@ impl Config {
             auto_delete: self.sweep.auto_delete,
             stop_grace: self.stop_grace,
             on_stop: docker.on_stop,
+            egress: docker.egress,
+            egress_allow: docker.egress_allow.clone(),
         }
     }
 
@@ -372,6 +376,8 @@ fn provider(args: &Serve) -> Result<ProviderConfig, ConfigError> {
                     pids: docker.sandbox_pids,
                 },
                 on_stop: docker.on_stop,
+                egress: docker.sandbox_egress,
+                egress_allow: docker.sandbox_egress_allow.clone(),
             })
         }
         ProviderKind::Kubernetes => {

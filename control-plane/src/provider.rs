@@ -75,6 +75,8 @@ pub enum ProviderError {
     Pod { sandbox: String, pod: String, reason: String },
     #[error("sandbox {sandbox}: not started: the server is stopping")]
     Stopping { sandbox: String },
+    #[error("the firewall of the sandboxes' network `{network}` cannot be put in place: {message}")]
+    Firewall { network: String, message: String },
 }
 
 /// What a provider says of a sandbox ([`SandboxProvider::state`]), asked
@@ -194,6 +196,14 @@ pub trait SandboxProvider: Send + Sync + 'static {
     /// address (a container network's gateway); `None`: the listen address.
     fn agent_host(&self) -> Option<std::net::IpAddr> {
         None
+    }
+    /// The server listens at `addr` and is about to serve: a provider that
+    /// guards its sandboxes' network opens it to this address's port here,
+    /// before any sandbox is made. Its clean stop ([`Self::stop_all`])
+    /// closes it again.
+    fn serving(&self, addr: std::net::SocketAddr) -> impl Future<Output = Result<(), ProviderError>> + Send {
+        let _ = addr;
+        async { Ok(()) }
     }
     /// The sandbox is busy: its idle clock starts over.
     fn touch(&self, sandbox_id: &str) {

@@ -39,6 +39,8 @@ pub enum ServerError {
     },
     #[error(transparent)]
     Store(#[from] StoreError),
+    #[error(transparent)]
+    Provider(#[from] crate::provider::ProviderError),
     #[error("the server failed: {0}")]
     Failed(String),
 }
@@ -255,6 +257,7 @@ async fn start_with<P: SandboxProvider>(
     let listener =
         crate::listener::bind(config.listen).map_err(|source| ServerError::Bind { addr: config.listen, source })?;
     let addr = listener.local_addr().map_err(|source| ServerError::Bind { addr: config.listen, source })?;
+    provider.serving(addr).await?;
     let url = config.public_url.clone().map(|url| url.trim_end_matches('/').to_owned()).unwrap_or_else(|| {
         // Agents in containers reach the server at the provider's address
         // for it (their network's gateway), on the port bound here.

@@ -118,7 +118,42 @@ impl Drop for Cleanup {
         for id in docker(&["ps", "-aq", "--filter", &filter]).unwrap_or_default().lines() {
             let _ = docker(&["rm", "-f", id]);
         }
+        // The firewall a killed server left on the network (a clean stop
+        // removes it), then the network.
+        let bridge = bridge(&self.network);
         let _ = docker(&["network", "rm", &self.network]);
+        if let Some(bridge) = bridge {
+            remove_firewall(&bridge);
+        }
+    }
+}
+
+/// The host's interface of a network's bridge: `br-` and the first 12
+/// characters of its id.
+pub fn bridge(network: &str) -> Option<String> {
+    let id = docker(&["network", "inspect", "--format", "{{.Id}}", network])?;
+    Some(format!("br-{}", id.get(..12)?))
+}
+
+/// The `iptables -S` (or `ip6tables -S`) lines that name `bridge`.
+pub fn firewall_rules(program: &str, bridge: &str) -> Vec<String> {
+    let output = Command::new(program).args(["-w", "-S"]).output().map(|output| output.stdout).unwrap_or_default();
+    String::from_utf8_lossy(&output).lines().filter(|line| line.contains(bridge)).map(str::to_owned).collect()
+}
+
+/// Removes the server's chains of `bridge` and the jumps to them, as a
+/// clean stop does (docs/deploy.md, "Isolation").
+pub fn remove_firewall(bridge: &str) {
+    for program in ["iptables", "ip6tables"] {
+        let rules = firewall_rules(program, bridge);
+        for jump in rules.iter().filter(|line| line.starts_with("-A ") && line.contains(" -j STANDBY-")) {
+            let words: Vec<&str> = jump.split_whitespace().skip(1).collect();
+            let _ = Command::new(program).args(["-w", "-D"]).args(&words).output();
+        }
+        for chain in rules.iter().filter_map(|line| line.strip_prefix("-N ")) {
+            let _ = Command::new(program).args(["-w", "-F", chain]).output();
+            let _ = Command::new(program).args(["-w", "-X", chain]).output();
+        }
     }
 }
 

@@ -200,9 +200,12 @@ async fn soak_on_docker_with_killed_paused_and_disconnected_containers_and_resta
     let network = format!("standby-soak-{:08x}-{}", seed >> 32, std::process::id());
     let cleanup = Cleanup { data: data.clone(), network: network.clone() };
 
-    // The test's own network; the markers come in at its gateway.
+    // The test's own network (inter-container traffic off, as the server
+    // would make it); the markers come in at its gateway, opened to the
+    // sandboxes by --sandbox-egress-allow.
     let label = format!("standby.e2e={network}");
-    docker::docker(&["network", "create", "--label", &label, &network]).expect("docker network create");
+    let icc_off = "com.docker.network.bridge.enable_icc=false";
+    docker::docker(&["network", "create", "--label", &label, "-o", icc_off, &network]).expect("docker network create");
     let gateway = docker::docker(&["network", "inspect", "--format", "{{(index .IPAM.Config 0).Gateway}}", &network])
         .expect("the network's gateway");
     let listener = tokio::net::TcpListener::bind("0.0.0.0:0").await.expect("bind the marker listener");
@@ -215,6 +218,7 @@ async fn soak_on_docker_with_killed_paused_and_disconnected_containers_and_resta
     let builder = ServerBuilder::new(&data, &dir.path().join("server.log"), &format!("soak-docker-{seed:016x}"))
         .listen(listen)
         .args(&["--provider", "docker", "--image", &docker::image(), "--docker-network", &network])
+        .args(&["--sandbox-egress-allow", &format!("{gateway}:{marker_port}")])
         .args(&["--spec", &spec.display().to_string(), "--pool-size", "4", "--running-cap", "8"])
         .args(&["--heartbeat-interval", &heartbeat, "--max-attempts", "6", "--launch-timeout", "30s"])
         .args(&[

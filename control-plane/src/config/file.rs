@@ -14,7 +14,7 @@ use toml::Spanned;
 use super::ConfigError;
 use super::flags::{Bytes, ProviderKind, StoreArg, parse_bytes, parse_duration};
 use crate::containment::ContainmentChoice;
-use crate::provider::docker::OnStop;
+use crate::provider::docker::{Allow, Egress, OnStop};
 use crate::provider::kubernetes::KubernetesApi;
 
 /// Keys whose value is a secret (or holds one): an error never quotes it.
@@ -105,6 +105,8 @@ pub struct DockerTable {
     pub sandbox_memory: Value<ByteCount>,
     pub sandbox_pids: Value<u64>,
     pub on_stop: Value<Choice<OnStop>>,
+    pub sandbox_egress: Value<Choice<Egress>>,
+    pub sandbox_egress_allow: Value<AllowList>,
 }
 
 /// `[kubernetes]`.
@@ -201,6 +203,26 @@ impl<'de, T: clap::ValueEnum> Deserialize<'de> for Choice<T> {
                 .collect();
             serde::de::Error::custom(format!("`{text}` is not one of {}", names.join(", ")))
         })
+    }
+}
+
+/// `sandbox_egress_allow`: a list of entries as the flag takes them
+/// (`["10.0.0.5:5432", "192.168.7.0/24"]`).
+#[derive(Debug, Clone)]
+pub struct AllowList(pub Vec<Allow>);
+
+impl<'de> Deserialize<'de> for AllowList {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let entries = Vec::<String>::deserialize(deserializer)?;
+        let parsed: Result<Vec<Allow>, String> = entries.iter().map(|entry| entry.parse()).collect();
+        parsed.map(Self).map_err(serde::de::Error::custom)
+    }
+}
+
+impl FileValue for AllowList {
+    type Target = Vec<Allow>;
+    fn into_target(self) -> Vec<Allow> {
+        self.0
     }
 }
 

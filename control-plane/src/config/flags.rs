@@ -13,7 +13,7 @@ use clap::builder::TypedValueParser as _;
 use standby_protocol::Secret;
 
 use crate::containment::ContainmentChoice;
-use crate::provider::docker::OnStop;
+use crate::provider::docker::{Allow, Egress, OnStop};
 use crate::provider::kubernetes::KubernetesApi;
 use crate::store::StoreLocation;
 
@@ -218,6 +218,27 @@ pub struct DockerArgs {
     /// Refused with a PostgreSQL store: replicas share the instance.
     #[arg(long, env = "STANDBY_SERVER_ON_STOP", default_value = "keep", value_name = "WHAT")]
     pub on_stop: OnStop,
+    /// What a sandbox reaches besides this server's port (docs/deploy.md,
+    /// "Isolation"): `public`, the public internet but no private, shared,
+    /// loopback, link-local (cloud metadata) or reserved range and none of
+    /// the host's other ports; `none`, nothing; `unfiltered`, no rules of
+    /// the server's (the host's own firewall decides; for a server without
+    /// root). Sandboxes never reach each other. `public` and `none` need
+    /// root and iptables: the server manages chains on INPUT and DOCKER-USER
+    /// for its network and removes them at its clean stop.
+    #[arg(long, env = "STANDBY_SERVER_SANDBOX_EGRESS", default_value = "public", value_name = "WHAT")]
+    pub sandbox_egress: Egress,
+    /// An address or range, with an optional port, that sandboxes reach
+    /// whatever --sandbox-egress says: `10.0.0.5:5432`, `192.168.7.0/24`, a
+    /// service on the host at the gateway address (`172.18.0.1:9418`).
+    /// Repeat the flag, or separate entries by commas; IPv4 only.
+    #[arg(
+        long,
+        env = "STANDBY_SERVER_SANDBOX_EGRESS_ALLOW",
+        value_delimiter = ',',
+        value_name = "ADDRESS[/PREFIX][:PORT]"
+    )]
+    pub sandbox_egress_allow: Vec<Allow>,
 }
 
 /// The `kubernetes` provider (docs/deploy.md, "Kubernetes";

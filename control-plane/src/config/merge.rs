@@ -14,7 +14,7 @@ use super::ConfigError;
 use super::file::{FileConfig, FileValue, Loaded, Value};
 use super::flags::{Bytes, ProviderKind, Serve, StoreArg};
 use crate::containment::ContainmentChoice;
-use crate::provider::docker::OnStop;
+use crate::provider::docker::{Allow, Egress, OnStop};
 use crate::provider::kubernetes::KubernetesApi;
 
 /// The environment variable of `--log`, a flag of every command.
@@ -134,6 +134,8 @@ impl Settings {
         merge.option("docker", "sandbox_memory", &mut t.sandbox_memory, f.sandbox_memory);
         merge.option("docker", "sandbox_pids", &mut t.sandbox_pids, f.sandbox_pids);
         merge.value("docker", "on_stop", &mut t.on_stop, f.on_stop);
+        merge.value("docker", "sandbox_egress", &mut t.sandbox_egress, f.sandbox_egress);
+        merge.value("docker", "sandbox_egress_allow", &mut t.sandbox_egress_allow, f.sandbox_egress_allow);
         let (t, f) = (&mut s.kubernetes, v.kubernetes);
         merge.option("kubernetes", "kubernetes_namespace", &mut t.kubernetes_namespace, f.kubernetes_namespace);
         merge.option(
@@ -396,6 +398,19 @@ impl Render for ContainmentChoice {
 impl Render for OnStop {
     fn render(&self) -> String {
         choice_name(self)
+    }
+}
+
+impl Render for Egress {
+    fn render(&self) -> String {
+        choice_name(self)
+    }
+}
+
+impl Render for Vec<Allow> {
+    fn render(&self) -> String {
+        let entries: Vec<String> = self.iter().map(|entry| quote(&entry.to_string())).collect();
+        format!("[{}]", entries.join(", "))
     }
 }
 

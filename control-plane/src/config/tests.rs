@@ -9,7 +9,7 @@ use clap::{Args as _, FromArgMatches as _};
 
 use super::flags::{ProviderKind, Serve};
 use super::{Config, ConfigError, ProviderConfig, Settings, Source};
-use crate::provider::docker::OnStop;
+use crate::provider::docker::{Egress, OnStop};
 
 /// `serve` with `args` (without the word `serve`), merged.
 fn settings(args: &[&str]) -> Result<Settings, ConfigError> {
@@ -167,6 +167,8 @@ sandbox_cpus = 1.5
 sandbox_memory = "1GiB"
 sandbox_pids = 9
 on_stop = "remove"
+sandbox_egress = "none"
+sandbox_egress_allow = ["10.0.0.5:5432", "192.168.7.0/24"]
 [kubernetes]
 kubernetes_namespace = "sandboxes"
 kubernetes_pod_template = "/srv/pod.yaml"
@@ -204,6 +206,9 @@ cluster_secret_file = "/srv/cluster"
     assert_eq!(merged.log.as_deref(), Some("debug"));
     assert_eq!(merged.serve.docker.sandbox_memory.map(|bytes| bytes.0), Some(1 << 30));
     assert_eq!(merged.serve.docker.on_stop, OnStop::Remove);
+    assert_eq!(merged.serve.docker.sandbox_egress, Egress::Nothing);
+    let allow: Vec<String> = merged.serve.docker.sandbox_egress_allow.iter().map(ToString::to_string).collect();
+    assert_eq!(allow, ["10.0.0.5/32:5432", "192.168.7.0/24"]);
     assert_eq!(merged.serve.local.sandbox_containment, crate::containment::ContainmentChoice::ProcessGroup);
     assert!(!merged.serve.pool.park_stopped);
     // What `config` prints is itself a file that gives the same values.
@@ -471,4 +476,19 @@ fn the_kubernetes_deployments_configuration_file_holds_only_keys_the_server_know
     let merged = with_file(&text, &[]).expect("deploy/kubernetes/base/config.toml parses");
     assert_eq!(merged.serve.provider, ProviderKind::Kubernetes);
     assert_eq!(merged.serve.kubernetes.kubernetes_instance.as_deref(), Some("standby"));
+}
+
+#[test]
+fn the_egress_allow_list_comes_from_repeated_flags_a_comma_list_or_the_file_and_a_bad_entry_is_named() {
+    let docker = ["--provider", "docker", "--listen", "0.0.0.0:8080"];
+    let mut args = docker.to_vec();
+    args.extend(["--sandbox-egress-allow", "10.0.0.5:5432", "--sandbox-egress-allow", "172.18.0.1/32,192.168.7.0/24"]);
+    let merged = with_file("", &args).expect("merged");
+    let allow: Vec<String> = merged.serve.docker.sandbox_egress_allow.iter().map(ToString::to_string).collect();
+    assert_eq!(allow, ["10.0.0.5/32:5432", "172.18.0.1/32", "192.168.7.0/24"]);
+    assert_eq!(merged.serve.docker.sandbox_egress, Egress::Public, "public unless told");
+    let message = refusal(with_file("[docker]\nsandbox_egress_allow = [\"10.0.0.5:http\"]\n", &[]));
+    assert!(message.contains("`10.0.0.5:http` is not an allow entry"), "{message}");
+    let message = refusal(with_file("[docker]\nsandbox_egress = \"open\"\n", &[]));
+    assert!(message.contains("`open` is not one of `public`, `none`, `unfiltered`"), "{message}");
 }

@@ -19,7 +19,9 @@ use axum::http::{StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use bollard::Docker;
 use bollard::query_parameters::{ListContainersOptions, ListNetworksOptions, RemoveContainerOptions};
-use standby_control_plane::provider::docker::{DockerOptions, DockerProvider, INSTANCE_LABEL, Limits, OnStop};
+use standby_control_plane::provider::docker::{
+    Allow, DockerOptions, DockerProvider, Egress, INSTANCE_LABEL, Limits, OnStop, remove_network,
+};
 use tokio::sync::oneshot;
 
 use super::sample::git;
@@ -66,11 +68,17 @@ async fn demo(
         stop_grace: Duration::from_secs(5),
         // The demo removes what it made itself, whatever way it ends.
         on_stop: OnStop::Keep,
+        egress: Egress::Public,
+        egress_allow: Vec::new(),
     };
-    let provider = DockerProvider::connect(options_for_docker.clone()).await?;
-    let gateway = provider.gateway();
+    let gateway = IpAddr::V4(DockerProvider::connect(options_for_docker.clone()).await?.gateway());
     let repo = RepoServer::start(scene, gateway).await?;
-    let provider = Arc::new(provider);
+    // The sandboxes reach the host only at the server's port and what the
+    // allow list opens: the repository, served on the host.
+    let mut options_for_docker = options_for_docker;
+    let IpAddr::V4(gateway_v4) = gateway else { unreachable!("the gateway is IPv4") };
+    options_for_docker.egress_allow.push(Allow { net: gateway_v4.into(), port: Some(repo.port) });
+    let provider = Arc::new(DockerProvider::connect(options_for_docker.clone()).await?);
     let wrote = |e: std::io::Error| DemoError::Io { action: "write", path: "stdout".into(), source: e };
     writeln!(
         out,
@@ -171,7 +179,7 @@ async fn clean_up(engine: &Docker, instance: &str, network: &str, network_existe
             tracing::warn!(container = id, %error, "the demo could not remove its container");
         }
     }
-    if !network_existed && let Err(error) = engine.remove_network(network).await {
+    if !network_existed && let Err(error) = remove_network(engine, network).await {
         tracing::warn!(network, %error, "the demo could not remove its network");
     }
 }
@@ -180,6 +188,7 @@ async fn clean_up(engine: &Docker, instance: &str, network: &str, network_existe
 /// files of a bare clone) on the sandbox network's gateway.
 struct RepoServer {
     url: String,
+    port: u16,
     stop: oneshot::Sender<()>,
 }
 
@@ -210,7 +219,7 @@ impl RepoServer {
         for repo in &mut scene.spec.workspace.repos {
             repo.url.clone_from(&url);
         }
-        Ok(Self { url, stop })
+        Ok(Self { url, port: addr.port(), stop })
     }
 
     fn stop(self) {

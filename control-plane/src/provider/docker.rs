@@ -34,21 +34,26 @@ mod archive;
 mod cleanup;
 mod container;
 mod exec;
+pub mod firewall;
+mod netfilter;
+mod network;
 pub mod prune;
 mod sweeper;
 
 use std::collections::{HashMap, HashSet};
-use std::net::IpAddr;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bollard::Docker;
-use bollard::models::{Ipam, NetworkCreateRequest};
 use bollard::query_parameters::{KillContainerOptions, TopOptions};
-pub use cleanup::{NETWORK_LABEL, OnStop};
+pub use cleanup::{NETWORK_LABEL, OnStop, remove_network};
 pub use container::{INSTANCE_LABEL, Limits, SANDBOX_LABEL, SANDBOX_USER};
 pub use exec::AGENT_PATH;
+use firewall::Policy;
+pub use firewall::{Allow, Egress};
+pub use netfilter::NetfilterError;
 use tokio::sync::watch;
 
 use super::timers::Timers;
@@ -60,8 +65,13 @@ pub struct DockerOptions {
     /// The image every sandbox is created from (`--image`).
     pub image: String,
     /// The user-defined bridge network of the sandboxes
-    /// (`--docker-network`), created when missing.
+    /// (`--docker-network`), created when missing, inter-container traffic
+    /// off.
     pub network: String,
+    /// What the sandboxes reach beyond the server (`--sandbox-egress`).
+    pub egress: Egress,
+    /// What they reach whatever `egress` says (`--sandbox-egress-allow`).
+    pub egress_allow: Vec<Allow>,
     /// This server's instance id: its containers carry it as a label.
     pub instance: String,
     pub limits: Limits,
@@ -98,6 +108,11 @@ pub enum DockerError {
     },
     #[error("the network `{network}` has no IPv4 gateway to reach the server at")]
     NoGateway { network: String },
+    #[error(
+        "the network `{network}` cannot hold sandboxes: {why}. Name a new one with --docker-network (the server \
+         makes it), or make it with `docker network create -o com.docker.network.bridge.enable_icc=false`"
+    )]
+    NotIsolated { network: String, why: String },
 }
 
 /// An agent exec this server started.
@@ -117,10 +132,12 @@ pub struct DockerProvider {
 struct DockerInner {
     docker: Docker,
     options: DockerOptions,
-    gateway: IpAddr,
-    /// Whether this server created the network at its start (a clean stop
-    /// with `--on-stop remove` removes only a network it made).
-    made_network: bool,
+    /// The sandboxes' network (a clean stop with `--on-stop remove`
+    /// removes it only when this server made it).
+    network: network::Network,
+    /// The port whose openings this server put in the network's firewall
+    /// ([`SandboxProvider::serving`]), for its clean stop to take out.
+    guarded: Mutex<Option<u16>>,
     agents: Mutex<HashMap<String, Agent>>,
     /// Idle auto-stop and retention; its lock keeps a start from a
     /// container being committed or removed under it.
@@ -143,11 +160,13 @@ impl DockerProvider {
             .inspect_image(&options.image)
             .await
             .map_err(|source| DockerError::Image { image: options.image.clone(), source })?;
-        let (gateway, made_network) = ensure_network(&docker, &options.network).await?;
+        let network = network::ensure(&docker, &options.network).await?;
         std::fs::create_dir_all(&options.log_dir).ok();
         tracing::info!(
             network = options.network,
-            %gateway,
+            bridge = network.bridge,
+            gateway = %network.gateway,
+            egress = ?options.egress,
             image = options.image,
             on_stop = ?options.on_stop,
             "docker provider ready"
@@ -157,8 +176,8 @@ impl DockerProvider {
             inner: Arc::new(DockerInner {
                 docker,
                 options,
-                gateway,
-                made_network,
+                network,
+                guarded: Mutex::new(None),
                 agents: Mutex::new(HashMap::new()),
                 timers,
                 closed: tokio::sync::RwLock::new(false),
@@ -167,8 +186,15 @@ impl DockerProvider {
     }
 
     /// The address containers reach the server at: the network's gateway.
-    pub fn gateway(&self) -> IpAddr {
-        self.inner.gateway
+    pub fn gateway(&self) -> Ipv4Addr {
+        self.inner.network.gateway
+    }
+
+    /// The firewall of the sandboxes' network, as `--sandbox-egress` and
+    /// its allow list say, with the host's resolvers.
+    fn policy(&self) -> Policy {
+        let options = &self.inner.options;
+        Policy { egress: options.egress, allow: options.egress_allow.clone(), resolvers: host_resolvers() }
     }
 
     fn agent(&self, sandbox_id: &str) -> Option<Agent> {
@@ -209,45 +235,6 @@ impl DockerProvider {
             }
         }
     }
-}
-
-/// The network's IPv4 gateway, the network created first when missing;
-/// and whether this call created it.
-async fn ensure_network(docker: &Docker, network: &str) -> Result<(IpAddr, bool), DockerError> {
-    let error = |action| move |source| DockerError::Network { network: network.to_owned(), action, source };
-    let mut made = false;
-    let inspected = match docker.inspect_network(network, None).await {
-        Ok(inspected) => inspected,
-        Err(failure) if container::not_found(&failure) => {
-            let request = NetworkCreateRequest {
-                name: network.to_owned(),
-                driver: Some("bridge".to_owned()),
-                ipam: Some(Ipam::default()),
-                labels: Some(HashMap::from([(NETWORK_LABEL.to_owned(), "sandboxes".to_owned())])),
-                ..Default::default()
-            };
-            match docker.create_network(request).await {
-                Ok(_) => {
-                    made = true;
-                    tracing::info!(network, "created the sandboxes' network");
-                }
-                // Another server made it meanwhile.
-                Err(bollard::errors::Error::DockerResponseServerError { status_code: 409, .. }) => {}
-                Err(failure) => return Err(error("create")(failure)),
-            }
-            docker.inspect_network(network, None).await.map_err(error("inspect"))?
-        }
-        Err(failure) => return Err(error("inspect")(failure)),
-    };
-    let gateway = inspected
-        .ipam
-        .and_then(|ipam| ipam.config)
-        .unwrap_or_default()
-        .iter()
-        .filter_map(|config| config.gateway.as_deref()?.parse::<IpAddr>().ok())
-        .find(IpAddr::is_ipv4)
-        .ok_or_else(|| DockerError::NoGateway { network: network.to_owned() })?;
-    Ok((gateway, made))
 }
 
 impl SandboxProvider for DockerProvider {
@@ -381,6 +368,11 @@ impl SandboxProvider for DockerProvider {
         let ids = sweeper::own_containers(&self.inner).await.into_iter().filter(|c| c.running).map(|c| c.sandbox_id);
         let ids: Vec<String> = ids.collect();
         futures::future::join_all(ids.iter().map(|id| self.stop(id))).await;
+        let guarded = lock(&self.inner.guarded).take();
+        if let Some(port) = guarded {
+            let (bridge, allow) = (self.inner.network.bridge.clone(), self.inner.options.egress_allow.clone());
+            let _ = tokio::task::spawn_blocking(move || netfilter::release(&bridge, &allow, port)).await;
+        }
         if self.inner.options.on_stop == OnStop::Remove {
             cleanup::remove_on_stop(self).await;
         }
@@ -431,6 +423,34 @@ impl SandboxProvider for DockerProvider {
     }
 
     fn agent_host(&self) -> Option<IpAddr> {
-        Some(self.inner.gateway)
+        Some(IpAddr::V4(self.inner.network.gateway))
     }
+
+    /// Puts the network's firewall in place, open to `addr`'s port
+    /// (`netfilter.rs`), before any sandbox is made.
+    async fn serving(&self, addr: SocketAddr) -> Result<(), ProviderError> {
+        let (bridge, policy, port) = (self.inner.network.bridge.clone(), self.policy(), addr.port());
+        let network = self.inner.options.network.clone();
+        tokio::task::spawn_blocking(move || netfilter::guard(&bridge, &policy, port))
+            .await
+            .map_err(|error| ProviderError::Firewall { network: network.clone(), message: error.to_string() })?
+            .map_err(|error| ProviderError::Firewall { network, message: error.to_string() })?;
+        *lock(&self.inner.guarded) = Some(port);
+        tracing::info!(
+            network = self.inner.options.network,
+            egress = ?self.inner.options.egress,
+            port,
+            "the sandboxes' firewall is in place"
+        );
+        Ok(())
+    }
+}
+
+/// The resolvers the Engine's DNS forwards sandbox queries to: the host's
+/// (`/etc/resolv.conf`, or systemd-resolved's upstream list when the host
+/// asks a local stub).
+fn host_resolvers() -> Vec<Ipv4Addr> {
+    let read = |path| std::fs::read_to_string(path).map(|text| firewall::resolvers(&text)).unwrap_or_default();
+    let resolvers = read("/etc/resolv.conf");
+    if resolvers.is_empty() { read("/run/systemd/resolve/resolv.conf") } else { resolvers }
 }

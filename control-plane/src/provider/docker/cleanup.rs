@@ -95,13 +95,18 @@ pub(super) async fn network_facts(docker: &Docker, network: &str) -> Result<(boo
     Ok((true, labelled, attached))
 }
 
-/// Removes the network; a missing one is fine.
-pub(super) async fn remove_network(docker: &Docker, network: &str) -> Result<(), String> {
+/// Removes the network and its firewall rules; a missing one is fine.
+pub async fn remove_network(docker: &Docker, network: &str) -> Result<(), String> {
+    let bridge = docker.inspect_network(network, None).await.ok().as_ref().and_then(super::network::bridge_name);
     match docker.remove_network(network).await {
-        Ok(()) => Ok(()),
-        Err(error) if container::not_found(&error) => Ok(()),
-        Err(error) => Err(format!("cannot remove the network `{network}`: {error}")),
+        Ok(()) => {}
+        Err(error) if container::not_found(&error) => {}
+        Err(error) => return Err(format!("cannot remove the network `{network}`: {error}")),
     }
+    if let Some(bridge) = bridge {
+        let _ = tokio::task::spawn_blocking(move || super::netfilter::remove(&bridge)).await;
+    }
+    Ok(())
 }
 
 /// `--on-stop remove`, after the running containers were stopped: every
@@ -129,7 +134,7 @@ pub(super) async fn remove_on_stop(provider: &DockerProvider) {
     }
     let network = &inner.options.network;
     let fate = match network_facts(&inner.docker, network).await {
-        Ok((exists, _, attached)) => network_fate(exists, inner.made_network, attached.len()),
+        Ok((exists, _, attached)) => network_fate(exists, inner.network.made, attached.len()),
         Err(error) => {
             tracing::warn!(%error, "the network is left");
             return;
