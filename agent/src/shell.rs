@@ -88,6 +88,8 @@ pub enum ShellError {
     NoForeground,
     #[error("the idle shell's terminal is not writable")]
     NotWritable,
+    #[error("{program:?} cannot take the terminal {}: it is still another session's", tty.display())]
+    TerminalTaken { program: String, tty: PathBuf },
     #[error("cannot {action} (pseudo-terminal {}): {source}", tty.display())]
     Io { action: &'static str, tty: PathBuf, source: io::Error },
     #[error("cannot send {signal} to the run's process group {pgid}: {source}")]
@@ -137,7 +139,7 @@ impl IdleShell {
         if let Some(status) = self.shell.try_exit(&self.terminal.tty)? {
             return Err(ShellError::NotAlive { status: describe_status(status) });
         }
-        match self.terminal.master.process_group_leader() {
+        match self.terminal.foreground(self.shell.pid)? {
             Some(pgid) if u32::try_from(pgid).is_ok_and(|pgid| pgid == self.shell.pid) => {}
             Some(pgid) => {
                 return Err(ShellError::Busy { foreground_pgid: pgid });
@@ -170,8 +172,24 @@ impl IdleShell {
         shell.kill();
         terminal.reset()?;
         let (output, output_rx) = mpsc::channel(OUTPUT_BACKLOG);
-        terminal.expect_run(output)?;
-        let child = terminal.spawn(command, program)?;
+        terminal.expect_run(output.clone())?;
+        let (terminal, child) = match terminal.spawn(command.clone(), program) {
+            Ok(child) => (terminal, child),
+            Err(ShellError::TerminalTaken { .. }) => {
+                // gVisor keeps a terminal its dead session leader had: the
+                // run gets a fresh one, with none of the shell's output.
+                debug!(tty = %terminal.tty.display(), "the terminal is still the dead shell's: the run gets a fresh one");
+                // Its reader may never see the end of its output: it must
+                // not hold the run's.
+                *lock(&terminal.sink) = Sink::Discard;
+                drop(terminal);
+                let fresh = Terminal::open()?;
+                *lock(&fresh.sink) = Sink::Run(output);
+                let child = fresh.spawn(command, program)?;
+                (fresh, child)
+            }
+            Err(error) => return Err(error),
+        };
         let pid = child.id();
         let Terminal { master, slave, slave_file, tty, sink, reader_done, .. } = terminal;
         // Only the run holds the terminal's slave side now: the reader sees
@@ -439,7 +457,14 @@ impl Terminal {
     /// its controlling terminal, and registers it as ours to wait for.
     fn spawn(&self, command: CommandBuilder, program: &str) -> Result<Child, ShellError> {
         let spawn_error = |source: BoxError| ShellError::Spawn { program: program.to_owned(), source };
-        let child: Box<dyn PtyChild> = self.slave.spawn_command(command).map_err(|error| spawn_error(error.into()))?;
+        let child: Box<dyn PtyChild> = self.slave.spawn_command(command).map_err(|error| {
+            // The child's TIOCSCTTY refused: the terminal still belongs to
+            // a session (a dead one, under gVisor).
+            if error.downcast_ref::<io::Error>().and_then(io::Error::raw_os_error) == Some(Errno::EPERM as i32) {
+                return ShellError::TerminalTaken { program: program.to_owned(), tty: self.tty.clone() };
+            }
+            spawn_error(error.into())
+        })?;
         match child.downcast::<Child>() {
             Ok(child) => {
                 register(child.id());
@@ -452,6 +477,29 @@ impl Terminal {
                 let _ = other.wait();
                 Err(spawn_error("portable-pty returned an unknown child type".into()))
             }
+        }
+    }
+
+    /// The terminal's foreground process group, asked of the terminal
+    /// (`tcgetpgrp` on its master). Where the terminal cannot tell (gVisor
+    /// answers ENOTTY), a group of the shell's session other than the
+    /// shell's own stands in: a job of the shell's, in the foreground or
+    /// not, counts as busy.
+    fn foreground(&self, shell: u32) -> Result<Option<i32>, ShellError> {
+        let fd_error =
+            |source| ShellError::Io { action: "ask the terminal for its foreground", tty: self.tty.clone(), source };
+        let raw =
+            self.master.as_raw_fd().ok_or_else(|| fd_error(io::Error::other("the master has no file descriptor")))?;
+        let fd = FileDescriptor::dup(&raw).map_err(|e| fd_error(io::Error::other(e)))?;
+        match nix::unistd::tcgetpgrp(fd.as_fd()) {
+            Ok(group) => Ok(Some(group.as_raw())),
+            Err(errno @ (Errno::ENOTTY | Errno::EINVAL | Errno::ENOSYS)) => {
+                let shell = pid_i32(shell);
+                let job = session_groups(shell).into_iter().filter(|group| *group != shell).min();
+                debug!(%errno, ?job, "the terminal cannot name its foreground: the shell's session's groups stand in");
+                Ok(Some(job.unwrap_or(shell)))
+            }
+            Err(_) => Ok(None),
         }
     }
 
@@ -484,7 +532,15 @@ impl Terminal {
         };
         tcsetattr(&self.slave_file, SetArg::TCSANOW, &self.termios)
             .map_err(io_error("restore the terminal's settings"))?;
-        tcflush(&self.slave_file, FlushArg::TCIFLUSH).map_err(io_error("discard the idle shell's unread input"))
+        match tcflush(&self.slave_file, FlushArg::TCIFLUSH) {
+            // A terminal that cannot flush (gVisor's): nothing types into
+            // the idle shell but a user, so there is nothing to discard.
+            Err(Errno::ENOTTY | Errno::EINVAL) => {
+                debug!(tty = %self.tty.display(), "the terminal cannot discard its input; none was typed");
+                Ok(())
+            }
+            result => result.map_err(io_error("discard the idle shell's unread input")),
+        }
     }
 
     /// From now on, output after a fresh marker goes to `output`; the

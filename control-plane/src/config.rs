@@ -122,6 +122,7 @@ pub struct DockerConfig {
     pub on_stop: OnStop,
     pub egress: Egress,
     pub egress_allow: Vec<Allow>,
+    pub runtime: Option<String>,
 }
 
 /// The `kubernetes` provider.
@@ -234,6 +235,7 @@ impl Config {
             on_stop: docker.on_stop,
             egress: docker.egress,
             egress_allow: docker.egress_allow.clone(),
+            runtime: docker.runtime.clone(),
         }
     }
 
@@ -378,6 +380,7 @@ fn provider(args: &Serve) -> Result<ProviderConfig, ConfigError> {
                 on_stop: docker.on_stop,
                 egress: docker.sandbox_egress,
                 egress_allow: docker.sandbox_egress_allow.clone(),
+                runtime: docker.sandbox_runtime.clone().filter(|runtime| !runtime.is_empty()),
             })
         }
         ProviderKind::Kubernetes => {

@@ -79,6 +79,26 @@ pub fn available(test: &str) -> bool {
     }
 }
 
+/// gVisor's runtime as the Engine knows it (`.ci/run` registers it).
+pub const GVISOR: &str = "runsc";
+
+/// [`available`], and the Engine has gVisor's runtime ([`GVISOR`]):
+/// `false` (with a loud line) when the test is to be skipped; under
+/// `CI=true` a missing runtime fails the test.
+pub fn gvisor_available(test: &str) -> bool {
+    if !available(test) {
+        return false;
+    }
+    let runtimes = docker(&["info", "--format", "{{json .Runtimes}}"]).unwrap_or_default();
+    if runtimes.contains(&format!("\"{GVISOR}\"")) {
+        return true;
+    }
+    let why = format!("the Docker Engine has no runtime `{GVISOR}` (its runtimes: {runtimes})");
+    assert!(!in_ci(), "{test}: {why} (CI=true: .ci/run installs gVisor and registers it)");
+    eprintln!("*** {test}: SKIPPED: {why} ***");
+    false
+}
+
 /// Removes the containers and archive images of a server instance and a
 /// network when dropped,
 /// whether the test passed or panicked.

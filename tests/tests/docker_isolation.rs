@@ -101,8 +101,10 @@ const METADATA: &str = "169.254.169.254";
 
 /// The stand-in of the outside world: a namespace behind a veth pair, its
 /// addresses routed from the host, and a listener answering with the
-/// address it was reached at. Removed when dropped.
+/// address it was reached at. Removed when dropped. One at a time on a
+/// machine (its addresses and routes are fixed): it holds a lock file.
 struct World {
+    _one_at_a_time: std::fs::File,
     namespace: String,
     host_end: String,
     listener: Child,
@@ -111,6 +113,9 @@ struct World {
 
 impl World {
     fn start() -> Self {
+        let lock = std::env::temp_dir().join("standby-e2e-world.lock");
+        let one_at_a_time = std::fs::File::create(&lock).expect("create the world's lock file");
+        one_at_a_time.lock().expect("lock the world");
         let tag = std::process::id() % 100_000;
         let (namespace, host_end, inner_end) =
             (format!("standby-world-{tag}"), format!("sbw{tag}h"), format!("sbw{tag}n"));
@@ -151,7 +156,7 @@ while True:\n    c,_=s.accept(); c.sendall(('world '+c.getsockname()[0]+'\\n').e
             line.push(byte[0]);
         }
         let port = String::from_utf8_lossy(&line).trim().parse().expect("the listener's port");
-        Self { namespace, host_end, listener, port }
+        Self { _one_at_a_time: one_at_a_time, namespace, host_end, listener, port }
     }
 }
 
@@ -168,11 +173,46 @@ fn reached_at(probe: &Probe, address: &str) -> bool {
     matches!(probe, Probe::Reached(reply) if reply.trim() == format!("world {address}"))
 }
 
+/// `--sandbox-runtime runsc`: the same tests under gVisor, whose own
+/// network stack is off (`--network=host` in its registration: the
+/// container's namespace and the host's rules see its traffic).
+const UNDER_GVISOR: [&str; 2] = ["--sandbox-runtime", docker::GVISOR];
+
 #[tokio::test]
 async fn sandboxes_reach_their_server_but_not_each_other_nor_the_hosts_other_ports() {
-    let Some(mut server) = Server::start("isolation: neighbours and the host", &["--pool-size", "2"]).await else {
-        return;
-    };
+    if docker::available("isolation: neighbours and the host") {
+        neighbours_and_the_host(&[]).await;
+    }
+}
+
+#[tokio::test]
+async fn under_gvisor_sandboxes_reach_their_server_but_not_each_other_nor_the_hosts_other_ports() {
+    if docker::gvisor_available("isolation under gVisor: neighbours and the host") {
+        neighbours_and_the_host(&UNDER_GVISOR).await;
+    }
+}
+
+#[tokio::test]
+async fn public_reaches_the_outside_world_only_and_none_reaches_only_the_allow_list() {
+    if docker::available("isolation: egress") {
+        egress(&[]).await;
+    }
+}
+
+#[tokio::test]
+async fn under_gvisor_public_reaches_the_outside_world_only_and_none_reaches_only_the_allow_list() {
+    if docker::gvisor_available("isolation under gVisor: egress") {
+        egress(&UNDER_GVISOR).await;
+    }
+}
+
+/// Two sandboxes of a server started with `runtime` (more flags): not
+/// each other, not the host's other ports, their server yes, and the
+/// server's chains gone after its clean stop.
+async fn neighbours_and_the_host(runtime: &[&str]) {
+    let mut args = vec!["--pool-size", "2"];
+    args.extend_from_slice(runtime);
+    let mut server = Server::start_on(&docker::image(), &args).await;
     let first = server.ready_standby().await;
     let second = server
         .until("a second ready standby", async || {
@@ -223,15 +263,15 @@ async fn sandboxes_reach_their_server_but_not_each_other_nor_the_hosts_other_por
     assert_eq!(ours("ip6tables"), Vec::<String>::new(), "no IPv6 rule of the server's left");
 }
 
-#[tokio::test]
-async fn public_reaches_the_outside_world_only_and_none_reaches_only_the_allow_list() {
-    if !docker::available("isolation: egress") {
-        return;
-    }
+/// Under `public` the outside world's public address only; under `none`
+/// with one address and port allowed, that one only.
+async fn egress(runtime: &[&str]) {
     let world = World::start();
     let port = world.port;
 
-    let mut server = Server::start_on(&docker::image(), &["--pool-size", "1"]).await;
+    let mut args = vec!["--pool-size", "1"];
+    args.extend_from_slice(runtime);
+    let mut server = Server::start_on(&docker::image(), &args).await;
     let sandbox = server.ready_standby().await;
     let public = probe(&sandbox, PUBLIC, port, "");
     assert!(reached_at(&public, PUBLIC), "public: the public stand-in is reached: {public:?}");
@@ -241,7 +281,8 @@ async fn public_reaches_the_outside_world_only_and_none_reaches_only_the_allow_l
     assert!(status.success(), "standby-server exited {status}");
 
     let allow = format!("{PRIVATE}:{port}");
-    let args = ["--pool-size", "1", "--sandbox-egress", "none", "--sandbox-egress-allow", &allow];
+    let mut args = vec!["--pool-size", "1", "--sandbox-egress", "none", "--sandbox-egress-allow", &allow];
+    args.extend_from_slice(runtime);
     let server = Server::start_on(&docker::image(), &args).await;
     let sandbox = server.ready_standby().await;
     assert_eq!(probe(&sandbox, PUBLIC, port, ""), Probe::Refused, "none: the public stand-in");

@@ -82,9 +82,10 @@ impl InstallFailure {
             ShellError::EmptyCommand | ShellError::Cwd { .. } | ShellError::Spawn { .. } => {
                 Self::new(Stage::Start, Cause::InvalidRun, message)
             }
-            ShellError::OpenPty { .. } | ShellError::Io { .. } | ShellError::Signal { .. } => {
-                Self::new(Stage::Start, Cause::Sandbox, message)
-            }
+            ShellError::OpenPty { .. }
+            | ShellError::Io { .. }
+            | ShellError::Signal { .. }
+            | ShellError::TerminalTaken { .. } => Self::new(Stage::Start, Cause::Sandbox, message),
         }
     }
 }

@@ -107,6 +107,7 @@ pub struct DockerTable {
     pub on_stop: Value<Choice<OnStop>>,
     pub sandbox_egress: Value<Choice<Egress>>,
     pub sandbox_egress_allow: Value<AllowList>,
+    pub sandbox_runtime: Value<String>,
 }
 
 /// `[kubernetes]`.

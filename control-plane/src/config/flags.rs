@@ -239,6 +239,13 @@ pub struct DockerArgs {
         value_name = "ADDRESS[/PREFIX][:PORT]"
     )]
     pub sandbox_egress_allow: Vec<Allow>,
+    /// The OCI runtime of the sandbox containers, one the Engine knows
+    /// (its daemon.json `runtimes`), such as gVisor's `runsc`: a kernel of
+    /// its own between a run and the host's (docs/deploy.md, "gVisor").
+    /// The Engine's default (runc) when unset. An unknown one fails the
+    /// start, naming the ones the Engine knows.
+    #[arg(long, env = "STANDBY_SERVER_SANDBOX_RUNTIME", value_name = "RUNTIME")]
+    pub sandbox_runtime: Option<String>,
 }
 
 /// The `kubernetes` provider (docs/deploy.md, "Kubernetes";

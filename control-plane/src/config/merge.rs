@@ -136,6 +136,7 @@ impl Settings {
         merge.value("docker", "on_stop", &mut t.on_stop, f.on_stop);
         merge.value("docker", "sandbox_egress", &mut t.sandbox_egress, f.sandbox_egress);
         merge.value("docker", "sandbox_egress_allow", &mut t.sandbox_egress_allow, f.sandbox_egress_allow);
+        merge.option("docker", "sandbox_runtime", &mut t.sandbox_runtime, f.sandbox_runtime);
         let (t, f) = (&mut s.kubernetes, v.kubernetes);
         merge.option("kubernetes", "kubernetes_namespace", &mut t.kubernetes_namespace, f.kubernetes_namespace);
         merge.option(

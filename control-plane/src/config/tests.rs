@@ -169,6 +169,7 @@ sandbox_pids = 9
 on_stop = "remove"
 sandbox_egress = "none"
 sandbox_egress_allow = ["10.0.0.5:5432", "192.168.7.0/24"]
+sandbox_runtime = "runsc"
 [kubernetes]
 kubernetes_namespace = "sandboxes"
 kubernetes_pod_template = "/srv/pod.yaml"
@@ -209,6 +210,7 @@ cluster_secret_file = "/srv/cluster"
     assert_eq!(merged.serve.docker.sandbox_egress, Egress::Nothing);
     let allow: Vec<String> = merged.serve.docker.sandbox_egress_allow.iter().map(ToString::to_string).collect();
     assert_eq!(allow, ["10.0.0.5/32:5432", "192.168.7.0/24"]);
+    assert_eq!(merged.serve.docker.sandbox_runtime.as_deref(), Some("runsc"));
     assert_eq!(merged.serve.local.sandbox_containment, crate::containment::ContainmentChoice::ProcessGroup);
     assert!(!merged.serve.pool.park_stopped);
     // What `config` prints is itself a file that gives the same values.

@@ -70,6 +70,7 @@ async fn demo(
         on_stop: OnStop::Keep,
         egress: Egress::Public,
         egress_allow: Vec::new(),
+        runtime: None,
     };
     let gateway = IpAddr::V4(DockerProvider::connect(options_for_docker.clone()).await?.gateway());
     let repo = RepoServer::start(scene, gateway).await?;

@@ -87,6 +87,9 @@ pub struct DockerOptions {
     pub stop_grace: Duration,
     /// What a clean stop leaves (`--on-stop`).
     pub on_stop: OnStop,
+    /// The OCI runtime of the sandbox containers (`--sandbox-runtime`,
+    /// such as gVisor's `runsc`); the Engine's default when `None`.
+    pub runtime: Option<String>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -113,6 +116,13 @@ pub enum DockerError {
          makes it), or make it with `docker network create -o com.docker.network.bridge.enable_icc=false`"
     )]
     NotIsolated { network: String, why: String },
+    #[error(
+        "--sandbox-runtime `{runtime}` is not a runtime of the Docker Engine (it knows: {known}); register it in \
+         the Engine's daemon.json `runtimes` and reload the Engine (docs/deploy.md, \"gVisor\")"
+    )]
+    UnknownRuntime { runtime: String, known: String },
+    #[error("cannot ask the Docker Engine for its runtimes: {0}")]
+    Info(#[source] bollard::errors::Error),
 }
 
 /// An agent exec this server started.
@@ -160,6 +170,9 @@ impl DockerProvider {
             .inspect_image(&options.image)
             .await
             .map_err(|source| DockerError::Image { image: options.image.clone(), source })?;
+        if let Some(runtime) = &options.runtime {
+            check_runtime(&docker, runtime).await?;
+        }
         let network = network::ensure(&docker, &options.network).await?;
         std::fs::create_dir_all(&options.log_dir).ok();
         tracing::info!(
@@ -167,6 +180,7 @@ impl DockerProvider {
             bridge = network.bridge,
             gateway = %network.gateway,
             egress = ?options.egress,
+            runtime = options.runtime.as_deref().unwrap_or("the engine's default"),
             image = options.image,
             on_stop = ?options.on_stop,
             "docker provider ready"
@@ -188,6 +202,17 @@ impl DockerProvider {
     /// The address containers reach the server at: the network's gateway.
     pub fn gateway(&self) -> Ipv4Addr {
         self.inner.network.gateway
+    }
+
+    /// What every sandbox container of this server shares.
+    fn shape(&self) -> container::Shape<'_> {
+        let options = &self.inner.options;
+        container::Shape {
+            network: &options.network,
+            instance: &options.instance,
+            limits: options.limits,
+            runtime: options.runtime.as_deref(),
+        }
     }
 
     /// The firewall of the sandboxes' network, as `--sandbox-egress` and
@@ -245,7 +270,7 @@ impl SandboxProvider for DockerProvider {
             return Err(ProviderError::Stopping { sandbox: sandbox_id.to_owned() });
         }
         let options = &self.inner.options;
-        let body = container::spec(&options.image, &options.network, sandbox_id, &options.instance, options.limits);
+        let body = container::spec(&options.image, sandbox_id, self.shape());
         container::create(&self.inner.docker, sandbox_id, body).await?;
         container::start(&self.inner.docker, sandbox_id).await
     }
@@ -267,9 +292,8 @@ impl SandboxProvider for DockerProvider {
             });
         }
         // Archived: the container is made again from its image.
-        let options = &self.inner.options;
         let image = archive::image(sandbox_id);
-        let body = container::spec(&image, &options.network, sandbox_id, &options.instance, options.limits);
+        let body = container::spec(&image, sandbox_id, self.shape());
         container::create(&self.inner.docker, sandbox_id, body).await?;
         container::start(&self.inner.docker, sandbox_id).await?;
         tracing::info!(sandbox_id, image, "archived sandbox's container made again from its image");
@@ -453,4 +477,16 @@ fn host_resolvers() -> Vec<Ipv4Addr> {
     let read = |path| std::fs::read_to_string(path).map(|text| firewall::resolvers(&text)).unwrap_or_default();
     let resolvers = read("/etc/resolv.conf");
     if resolvers.is_empty() { read("/run/systemd/resolve/resolv.conf") } else { resolvers }
+}
+
+/// Whether the Engine knows `runtime` (its `docker info` runtimes).
+async fn check_runtime(docker: &Docker, runtime: &str) -> Result<(), DockerError> {
+    let info = docker.info().await.map_err(DockerError::Info)?;
+    let known: Vec<String> = info.runtimes.unwrap_or_default().into_keys().collect();
+    if known.iter().any(|name| name == runtime) {
+        return Ok(());
+    }
+    let mut known = known;
+    known.sort();
+    Err(DockerError::UnknownRuntime { runtime: runtime.to_owned(), known: known.join(", ") })
 }

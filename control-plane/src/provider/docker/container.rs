@@ -54,14 +54,20 @@ pub(super) fn name(sandbox_id: &str) -> String {
     format!("standby-{sandbox_id}")
 }
 
+/// What every sandbox container of a server shares.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Shape<'a> {
+    pub network: &'a str,
+    pub instance: &'a str,
+    pub limits: Limits,
+    /// The OCI runtime (`--sandbox-runtime`); the Engine's default when
+    /// `None`.
+    pub runtime: Option<&'a str>,
+}
+
 /// The specification of a sandbox's container.
-pub(super) fn spec(
-    image: &str,
-    network: &str,
-    sandbox_id: &str,
-    instance: &str,
-    limits: Limits,
-) -> ContainerCreateBody {
+pub(super) fn spec(image: &str, sandbox_id: &str, shape: Shape<'_>) -> ContainerCreateBody {
+    let Shape { network, instance, limits, runtime } = shape;
     let labels = HashMap::from([
         (SANDBOX_LABEL.to_owned(), sandbox_id.to_owned()),
         (INSTANCE_LABEL.to_owned(), instance.to_owned()),
@@ -83,6 +89,7 @@ pub(super) fn spec(
             memory_swap: memory,
             pids_limit: limits.pids.map(|pids| i64::try_from(pids).unwrap_or(i64::MAX)),
             init: Some(false),
+            runtime: runtime.map(str::to_owned),
             ..Default::default()
         }),
         ..Default::default()
@@ -157,7 +164,8 @@ mod tests {
     #[test]
     fn a_sandbox_container_is_unprivileged_unmounted_limited_and_labelled() {
         let limits = Limits { cpus: Some(1.5), memory: Some(512 << 20), pids: Some(256) };
-        let body = spec("standby-sandbox:dev", "standby-net", "sbx_1", "inst_a", limits);
+        let shape = Shape { network: "standby-net", instance: "inst_a", limits, runtime: None };
+        let body = spec("standby-sandbox:dev", "sbx_1", shape);
         assert_eq!(body.image.as_deref(), Some("standby-sandbox:dev"));
         assert_eq!(body.cmd, Some(vec!["hold".to_owned()]), "the image's entrypoint, as PID 1 between agents");
         assert_eq!(body.entrypoint, None, "the image's own entrypoint");
@@ -178,11 +186,20 @@ mod tests {
         assert_eq!(host.memory, Some(512 << 20));
         assert_eq!(host.memory_swap, Some(512 << 20), "no swap beyond the memory limit");
         assert_eq!(host.pids_limit, Some(256));
+        assert_eq!(host.runtime, None, "the Engine's default runtime");
+    }
+
+    #[test]
+    fn a_named_runtime_is_the_containers() {
+        let shape = Shape { network: "n", instance: "i", limits: Limits::default(), runtime: Some("runsc") };
+        let host = spec("image", "sbx_3", shape).host_config.expect("a host config");
+        assert_eq!(host.runtime.as_deref(), Some("runsc"));
     }
 
     #[test]
     fn without_limits_the_engine_defaults_apply() {
-        let body = spec("i", "n", "sbx_2", "inst", Limits::default());
+        let shape = Shape { network: "n", instance: "inst", limits: Limits::default(), runtime: None };
+        let body = spec("i", "sbx_2", shape);
         let host = body.host_config.expect("a host config");
         assert_eq!((host.nano_cpus, host.memory, host.pids_limit), (None, None, None));
         assert_eq!(name("sbx_2"), "standby-sbx_2");
