@@ -318,3 +318,29 @@ async fn a_network_where_containers_reach_each_other_is_refused_naming_it() {
         "{error}"
     );
 }
+
+#[tokio::test]
+async fn a_crashed_servers_rules_stay_closed_until_prune_removes_them_with_its_network() {
+    if !docker::available("isolation: after a crash") {
+        return;
+    }
+    let mut server = Server::start_on(&docker::image(), &["--pool-size", "0"]).await;
+    let network = server.cleanup.network.clone();
+    let bridge = bridge(&network).expect("the network's bridge");
+    let process = server.process.take().expect("the server runs");
+    process.crash().await;
+    let ours = || -> Vec<String> {
+        firewall_rules("iptables", &bridge).into_iter().filter(|line| line.contains("STANDBY-")).collect()
+    };
+    assert!(ours().iter().any(|line| line.contains("-j REJECT")), "a crash leaves the rules, closed: {:#?}", ours());
+
+    let pruned = Command::new(standby_e2e::server_process::server_bin())
+        .args(["prune", "--instance", &server.cleanup.instance(), "--network", &network])
+        .arg("--data-dir")
+        .arg(&server.cleanup.data)
+        .output()
+        .expect("run prune");
+    assert!(pruned.status.success(), "{}", String::from_utf8_lossy(&pruned.stderr));
+    assert!(docker::docker(&["network", "inspect", &network]).is_none(), "the network is removed");
+    assert_eq!(ours(), Vec::<String>::new(), "its rules with it");
+}
