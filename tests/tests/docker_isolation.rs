@@ -344,3 +344,20 @@ async fn a_crashed_servers_rules_stay_closed_until_prune_removes_them_with_its_n
     assert!(docker::docker(&["network", "inspect", &network]).is_none(), "the network is removed");
     assert_eq!(ours(), Vec::<String>::new(), "its rules with it");
 }
+
+#[tokio::test]
+async fn unfiltered_puts_no_rule_in_place_and_leaves_the_host_to_its_own_firewall() {
+    if !docker::available("isolation: unfiltered") {
+        return;
+    }
+    let server = Server::start_on(&docker::image(), &["--pool-size", "1", "--sandbox-egress", "unfiltered"]).await;
+    let sandbox = server.ready_standby().await;
+    let bridge = bridge(&server.cleanup.network).expect("the network's bridge");
+    let ours: Vec<String> =
+        firewall_rules("iptables", &bridge).into_iter().filter(|line| line.contains("STANDBY-")).collect();
+    assert_eq!(ours, Vec::<String>::new(), "no rule of the server's");
+    let host_port = host_listener();
+    let reply = probe(&sandbox, &gateway(&server.cleanup.network), host_port, "");
+    assert_eq!(reply, Probe::Reached("host-listener\n".to_owned()), "the host's own firewall decides: none here");
+    server.stop().await;
+}

@@ -453,6 +453,14 @@ impl SandboxProvider for DockerProvider {
     /// Puts the network's firewall in place, open to `addr`'s port
     /// (`netfilter.rs`), before any sandbox is made.
     async fn serving(&self, addr: SocketAddr) -> Result<(), ProviderError> {
+        if self.inner.options.egress == Egress::Unfiltered {
+            tracing::warn!(
+                network = self.inner.options.network,
+                "--sandbox-egress unfiltered: the sandboxes reach whatever the host's own firewall lets through, \
+                 the host included"
+            );
+            return Ok(());
+        }
         let (bridge, policy, port) = (self.inner.network.bridge.clone(), self.policy(), addr.port());
         let network = self.inner.options.network.clone();
         tokio::task::spawn_blocking(move || netfilter::guard(&bridge, &policy, port))

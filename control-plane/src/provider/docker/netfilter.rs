@@ -18,7 +18,7 @@ use std::fs::File;
 use std::io::Write as _;
 use std::process::{Command, Stdio};
 
-use super::firewall::{self, Allow, Egress, Policy};
+use super::firewall::{self, Allow, Policy};
 
 /// A failed netfilter command, named with its arguments.
 #[derive(Debug, thiserror::Error)]
@@ -169,11 +169,8 @@ fn host_has_ipv6() -> bool {
 /// `OUT` chain replaced by `policy`, the `IN` chain made when missing and
 /// given this server's openings, the IPv6 chains, and the jumps to them.
 /// Blocking: call it off the runtime's workers.
-/// [`Egress::Unfiltered`] puts nothing in place.
+/// Not for `--sandbox-egress unfiltered`, which puts nothing in place.
 pub fn guard(bridge: &str, policy: &Policy, port: u16) -> Result<(), NetfilterError> {
-    if policy.egress == Egress::Unfiltered {
-        return Ok(());
-    }
     let _locked = lock()?;
     let (input, output) = firewall::chains(bridge);
     replace_chain(Family::V4, &output, &firewall::output_rules(policy))?;
