@@ -28,7 +28,7 @@ pub use install::{Cause, Stage};
 pub use message::{AgentMessage, AgentState, Assignment, Cancel, DecodeError, Retired, Run, ServerMessage};
 pub use refusal::{Answer, CredentialKind, Purpose, Refusal, Standing};
 pub use secret::Secret;
-pub use spec::{McpServer, McpTransport, Repo, SetupStep, Spec, Workspace};
+pub use spec::{McpClientCapability, McpServer, McpTransport, Repo, SetupStep, Spec, Workspace};
 
 /// Describes a JSON error without quoting the input: serde_json's own
 /// messages echo offending values ("invalid type: string \"…\""), and the

@@ -11,12 +11,33 @@ pub struct Spec {
     pub workspace: Workspace,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub mcp_servers: Vec<McpServer>,
+    /// **(1.2)** What the agent's MCP bridge declares to every stdio server
+    /// it initializes, unless the server says otherwise
+    /// ([`McpServer::client_capabilities`]). Absent: all of them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mcp_client_capabilities: Option<Vec<McpClientCapability>>,
     /// The idle shell's command line; the agent picks a default when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shell: Option<Vec<String>>,
     /// RFC 3339 time after which a standby with no assignment exits 12.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub deadline: Option<String>,
+}
+
+impl Spec {
+    /// The MCP servers, each naming the client capabilities the bridge
+    /// declares to it ([`McpServer::declared_capabilities`] with this
+    /// spec's `mcp_client_capabilities`).
+    pub fn mcp_servers_with_defaults(&self) -> Vec<McpServer> {
+        let spec_default = self.mcp_client_capabilities.as_deref();
+        self.mcp_servers
+            .iter()
+            .map(|server| McpServer {
+                client_capabilities: Some(server.declared_capabilities(spec_default)),
+                ..server.clone()
+            })
+            .collect()
+    }
 }
 
 /// The prepared workspace. Its [`fingerprint`](crate::fingerprint) decides
@@ -103,6 +124,56 @@ pub struct McpServer {
     /// Where an `http` server is reached.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub url: Option<String>,
+    /// **(1.2)** For a `stdio` server: the client capabilities the bridge
+    /// declares in its `initialize`, so that a server that checks them
+    /// offers the tools that need them. Absent: the spec's
+    /// `mcp_client_capabilities`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub client_capabilities: Option<Vec<McpClientCapability>>,
+    /// **(1.2)** For a `stdio` server: whether the bridge answers the
+    /// server's `roots/list` with the workspace root when no client of the
+    /// bridge declared roots. Absent: true.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workspace_root: Option<bool>,
+}
+
+/// What an MCP client may offer a server, which a run's harness serves
+/// through the agent's bridge.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum McpClientCapability {
+    /// `sampling/createMessage`.
+    Sampling,
+    /// `roots/list`, and `notifications/roots/list_changed` from the client.
+    Roots,
+    /// `elicitation/create`.
+    Elicitation,
+}
+
+impl McpClientCapability {
+    /// Every capability: what is declared when the spec says nothing.
+    pub const ALL: [Self; 3] = [Self::Sampling, Self::Roots, Self::Elicitation];
+}
+
+impl McpServer {
+    /// The client capabilities the bridge declares to this server: its
+    /// own list, else the spec's (`spec_default`), else all of them.
+    pub fn declared_capabilities(&self, spec_default: Option<&[McpClientCapability]>) -> Vec<McpClientCapability> {
+        let mut declared = match (&self.client_capabilities, spec_default) {
+            (Some(own), _) => own.clone(),
+            (None, Some(spec)) => spec.to_vec(),
+            (None, None) => McpClientCapability::ALL.to_vec(),
+        };
+        declared.sort_unstable();
+        declared.dedup();
+        declared
+    }
+
+    /// Whether the bridge answers `roots/list` with the workspace root
+    /// when no client can.
+    pub fn answers_workspace_root(&self) -> bool {
+        self.workspace_root.unwrap_or(true)
+    }
 }
 
 #[cfg(test)]
@@ -112,6 +183,22 @@ mod tests {
     fn timeout(json: &str) -> Result<Option<u64>, String> {
         let step = format!(r#"{{"name":"deps","command":["true"]{json}}}"#);
         serde_json::from_str::<SetupStep>(&step).map(|step| step.timeout_s).map_err(|error| error.to_string())
+    }
+
+    #[test]
+    fn declared_capabilities_are_the_servers_else_the_specs_else_all() {
+        use McpClientCapability::{Elicitation, Roots, Sampling};
+        let mut server: McpServer =
+            serde_json::from_str(r#"{"name":"s","command":["s"],"transport":"stdio"}"#).expect("a server");
+        assert_eq!(server.declared_capabilities(None), [Sampling, Roots, Elicitation]);
+        assert_eq!(server.declared_capabilities(Some(&[Roots])), [Roots]);
+        server.client_capabilities = Some(vec![Elicitation, Sampling, Sampling]);
+        assert_eq!(server.declared_capabilities(Some(&[Roots])), [Sampling, Elicitation], "sorted, once each");
+        server.client_capabilities = Some(Vec::new());
+        assert_eq!(server.declared_capabilities(None), [], "none at all is a choice");
+        assert!(server.answers_workspace_root());
+        server.workspace_root = Some(false);
+        assert!(!server.answers_workspace_root());
     }
 
     #[test]

@@ -142,6 +142,8 @@ pub(super) fn sample(dir: &Path, setup_cost: Duration, in_container: bool) -> Re
             ready_tcp: None,
             transport: None,
             url: None,
+            client_capabilities: None,
+            workspace_root: None,
         });
     }
     let spec = Spec {
@@ -160,6 +162,7 @@ pub(super) fn sample(dir: &Path, setup_cost: Duration, in_container: bool) -> Re
             }],
         },
         mcp_servers,
+        mcp_client_capabilities: None,
         shell: Some(vec!["/bin/sh".into()]),
         deadline: None,
     };
