@@ -525,7 +525,7 @@ async fn prepare_all(
     let _ = events.send(PrepEvent::SpecLoaded(Box::new(spec.clone()))).await;
     let root = &config.workspace;
     let workspace = prepare::prepare(root, &spec.workspace).await.map_err(|e| PrepFailure::Failed(e.to_string()))?;
-    let mcp = McpSupervisor::start(&spec.mcp_servers, root, config.mcp_ready_timeout)
+    let mcp = McpSupervisor::start(&spec.mcp_servers_with_defaults(), root, config.mcp_ready_timeout)
         .await
         .map_err(|e| PrepFailure::Failed(e.to_string()))?;
     let shell_argv = spec.shell.clone().filter(|argv| !argv.is_empty()).unwrap_or_else(default_shell);

@@ -25,6 +25,8 @@
 mod bridge;
 mod connection;
 mod framing;
+mod routing;
+mod server_requests;
 
 use std::collections::{BTreeMap, HashSet};
 use std::fmt;
@@ -46,7 +48,7 @@ use tokio::net::TcpStream;
 use tokio::process::{Child, Command};
 use tracing::{debug, info, warn};
 
-use self::bridge::{Backend, Bridge};
+use self::bridge::{Backend, Bridge, ServerOptions};
 use self::connection::{Connection, MAX_MESSAGE_BYTES, Message, initialize_request, initialize_result};
 use crate::git::describe_status;
 use crate::process::{child_env, register, unregister};
@@ -165,8 +167,18 @@ impl McpSupervisor {
                 source,
             })?;
         }
-        let stdio: Vec<&str> =
-            servers.iter().filter(|server| is_stdio(server)).map(|server| server.name.as_str()).collect();
+        let root = workspace_root(workspace);
+        let stdio: Vec<(&str, ServerOptions)> = servers
+            .iter()
+            .filter(|server| is_stdio(server))
+            .map(|server| {
+                let options = ServerOptions {
+                    declared: server.declared_capabilities(None),
+                    workspace_root: server.answers_workspace_root().then(|| root.clone()),
+                };
+                (server.name.as_str(), options)
+            })
+            .collect();
         let bridge = if stdio.is_empty() {
             None
         } else {
@@ -306,6 +318,30 @@ fn is_stdio(server: &McpServer) -> bool {
     server.transport == Some(McpTransport::Stdio)
 }
 
+/// The MCP root naming the workspace, which answers a server's
+/// `roots/list` when no client of the bridge declared roots.
+fn workspace_root(workspace: &Path) -> Value {
+    let absolute = std::path::absolute(workspace).unwrap_or_else(|_| workspace.to_path_buf());
+    let name = absolute.file_name().map_or_else(|| "workspace".to_owned(), |name| name.to_string_lossy().into_owned());
+    json!({"uri": file_uri(&absolute), "name": name})
+}
+
+/// A `file://` URI of an absolute path, its bytes outside RFC 3986's
+/// unreserved set (and `/`) percent-encoded.
+fn file_uri(path: &Path) -> String {
+    use std::fmt::Write as _;
+    use std::os::unix::ffi::OsStrExt;
+    let mut uri = String::from("file://");
+    for &byte in path.as_os_str().as_bytes() {
+        if byte.is_ascii_alphanumeric() || matches!(byte, b'/' | b'-' | b'.' | b'_' | b'~') {
+            uri.push(char::from(byte));
+        } else {
+            let _ = write!(uri, "%{byte:02X}");
+        }
+    }
+    uri
+}
+
 /// Not synced: `mcp.json` is a run's file, rewritten by each install and
 /// worth nothing after a crash; an fsync would sit on the critical path.
 fn write_file(path: &Path, bytes: &[u8]) -> io::Result<()> {
@@ -418,7 +454,8 @@ async fn launch(
     let readiness = async {
         if let Some(connection) = &connection {
             set(&waited_for, "it answered no MCP initialize on stdio".to_owned());
-            if let Err(reason) = connection.initialize().await {
+            let declared = backend.map(|backend| backend.declared().to_vec()).unwrap_or_default();
+            if let Err(reason) = connection.initialize(&declared).await {
                 return Err(if connection.is_closed() { NotReady::Closed(reason) } else { NotReady::Refused(reason) });
             }
         }
@@ -664,7 +701,7 @@ async fn probe_initialize(client: &reqwest::Client, url: &str) -> Result<(), Str
     let response = client
         .post(url)
         .header(reqwest::header::ACCEPT, "application/json, text/event-stream")
-        .json(&initialize_request(0))
+        .json(&initialize_request(0, &[]))
         .send()
         .await
         .map_err(|error| error.to_string())?;
@@ -771,6 +808,8 @@ while True:
             ready_tcp: None,
             transport: None,
             url: None,
+            client_capabilities: None,
+            workspace_root: None,
         }
     }
 
@@ -1010,8 +1049,16 @@ while True:
 
         /// A client with a session: `initialize` answered, `initialized` sent.
         async fn connect(url: &str) -> Self {
+            Self::connect_declaring(url, json!({})).await
+        }
+
+        /// A client with a session, declaring `capabilities`.
+        async fn connect_declaring(url: &str, capabilities: Value) -> Self {
             let mut client = Self::new(url);
-            let (status, headers, answer) = client.post(&initialize_request(1)).await;
+            let initialize = json!({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+                "protocolVersion": "2025-11-25", "capabilities": capabilities,
+                "clientInfo": {"name": "test", "version": "1"}}});
+            let (status, headers, answer) = client.post(&initialize).await;
             assert_eq!(status, 200, "{answer}");
             assert_eq!(answer["id"], 1, "{answer}");
             assert_eq!(answer["result"]["serverInfo"]["name"], "probe", "the server's own result: {answer}");
@@ -1322,6 +1369,189 @@ http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
             (server.as_str(), status.as_str(), tail.as_str()),
             ("exiting", "exit status 1", "exiting on purpose")
         );
+    }
+
+    /// A client's event stream, message by message.
+    struct Events {
+        response: reqwest::Response,
+        buffer: String,
+    }
+
+    impl Events {
+        async fn open(client: &Client) -> Self {
+            let response = client.request(reqwest::Method::GET).send().await.expect("a stream");
+            assert_eq!(response.status(), 200);
+            Self { response, buffer: String::new() }
+        }
+
+        /// The next JSON-RPC message on the stream (keep-alives skipped).
+        async fn next(&mut self) -> Value {
+            loop {
+                if let Some(end) = self.buffer.find("\n\n") {
+                    let event: String = self.buffer.drain(..end + 2).collect();
+                    let data: String =
+                        event.lines().filter_map(|line| line.strip_prefix("data:")).map(str::trim_start).collect();
+                    if !data.is_empty() {
+                        return serde_json::from_str(&data).expect("an event is JSON");
+                    }
+                    continue;
+                }
+                let chunk = tokio::time::timeout(TIMEOUT, self.response.chunk()).await.expect("an event in time");
+                let chunk = chunk.expect("a chunk").expect("the stream is open");
+                self.buffer.push_str(&String::from_utf8_lossy(&chunk));
+            }
+        }
+    }
+
+    fn ask(method: &str, deferred: bool) -> Value {
+        json!({"method": method, "params": {"messages": [], "maxTokens": 1}, "deferred": deferred})
+    }
+
+    /// A call's task, for a call that waits on something the test does next.
+    fn spawn_call(
+        client: &Client,
+        id: u64,
+        tool: &'static str,
+        arguments: Value,
+    ) -> tokio::task::JoinHandle<Result<String, String>> {
+        let client = Client { http: client.http.clone(), url: client.url.clone(), session: client.session.clone() };
+        tokio::spawn(async move { client.call(id, tool, arguments).await })
+    }
+
+    fn log_of(workspace: &Path, server: &str) -> String {
+        std::fs::read_to_string(StateDir::of(workspace).mcp_log(server)).unwrap_or_default()
+    }
+
+    #[tokio::test]
+    async fn a_servers_request_reaches_the_session_whose_call_is_in_flight_under_a_bridge_id() {
+        let dir = tempfile::tempdir().expect("a workspace");
+        let mut supervisor = McpSupervisor::start(&[stdio_server("probe")], dir.path(), TIMEOUT).await.expect("starts");
+        let url = listed_url(dir.path(), "probe");
+        let log = log_of(dir.path(), "probe");
+        assert!(
+            log.contains(r#"capabilities {"elicitation": {}, "roots": {"listChanged": true}, "sampling": {}}"#),
+            "the bridge declares every capability by default: {log}"
+        );
+        let a = Client::connect_declaring(&url, json!({"sampling": {}})).await;
+        let b = Client::connect_declaring(&url, json!({})).await;
+        let (mut a_events, mut b_events) = (Events::open(&a).await, Events::open(&b).await);
+
+        // A's call makes the server ask for sampling when B's call arrives:
+        // B, which declared nothing, is then the most recently active.
+        let asking = spawn_call(&a, 2, "ask", ask("sampling/createMessage", true));
+        wait_until("the server holds A's request", || log_of(dir.path(), "probe").contains("deferred q0")).await;
+        assert_eq!(b.call(3, "env", json!({"name": "NOPE"})).await, Ok(String::new()));
+        let request = a_events.next().await;
+        assert_eq!(request["method"], "sampling/createMessage", "{request}");
+        let bridge_id = request["id"].as_u64().expect("a bridge id, not the server's \"q0\"");
+
+        // B cannot answer A's request; A can, once.
+        let forged = json!({"jsonrpc": "2.0", "id": bridge_id, "result": {"from": "b"}});
+        assert_eq!(b.post(&forged).await.0, 202);
+        let answer = json!({"jsonrpc": "2.0", "id": bridge_id, "result": {"from": "a"}});
+        assert_eq!(a.post(&answer).await.0, 202);
+        assert_eq!(asking.await.expect("the call task"), Ok(r#"{"from": "a"}"#.to_owned()));
+        assert_eq!(a.post(&answer).await.0, 202, "a second answer is taken and ignored");
+        assert_eq!(a.call(4, "notify", json!({})).await, Ok("notify".to_owned()));
+        assert!(!log_of(dir.path(), "probe").contains("answer to no request"), "only A's answer reached the server");
+        let first = b_events.next().await;
+        assert_eq!(first["method"], "notifications/message", "B got nothing before the broadcast: {first}");
+        supervisor.stop().await;
+    }
+
+    #[tokio::test]
+    async fn a_request_no_client_declared_is_answered_by_the_bridge() {
+        let dir = tempfile::tempdir().expect("a workspace");
+        let mut bare = stdio_server("bare");
+        bare.client_capabilities = Some(Vec::new());
+        bare.workspace_root = Some(false);
+        let mut supervisor =
+            McpSupervisor::start(&[stdio_server("probe"), bare], dir.path(), TIMEOUT).await.expect("starts");
+        assert!(log_of(dir.path(), "bare").contains("capabilities {}"), "{}", log_of(dir.path(), "bare"));
+        let probe = Client::connect(&listed_url(dir.path(), "probe")).await;
+        let _events = Events::open(&probe).await;
+        let answer = |text: Result<String, String>| -> Value {
+            serde_json::from_str(&text.expect("the tool answers")).expect("JSON")
+        };
+        let refused = answer(probe.call(2, "ask", ask("sampling/createMessage", false)).await);
+        assert_eq!(
+            refused,
+            json!({"code": -32601, "message": "no client of the standby MCP bridge declared sampling"})
+        );
+        let refused = answer(probe.call(3, "ask", ask("elicitation/create", false)).await);
+        assert_eq!(refused["code"], -32601, "{refused}");
+        let refused = answer(probe.call(4, "ask", ask("standby/unknown", false)).await);
+        assert_eq!(
+            refused,
+            json!({"code": -32601, "message": "no client of the standby MCP bridge serves standby/unknown"})
+        );
+        let roots = answer(probe.call(5, "ask", ask("roots/list", false)).await);
+        let name = dir.path().file_name().expect("a name").to_string_lossy().into_owned();
+        assert_eq!(roots, json!({"roots": [{"uri": format!("file://{}", dir.path().display()), "name": name}]}));
+
+        let bare = Client::connect(&listed_url(dir.path(), "bare")).await;
+        let refused = answer(bare.call(6, "ask", ask("roots/list", false)).await);
+        assert_eq!(refused, json!({"code": -32601, "message": "no client of the standby MCP bridge declared roots"}));
+
+        // A client's roots/list_changed reaches a server told of roots only.
+        let changed = json!({"jsonrpc": "2.0", "method": "notifications/roots/list_changed"});
+        for client in [&probe, &bare] {
+            assert_eq!(client.post(&changed).await.0, 202);
+            assert_eq!(client.call(7, "env", json!({"name": "NOPE"})).await, Ok(String::new()));
+        }
+        assert!(log_of(dir.path(), "probe").contains("notification notifications/roots/list_changed"));
+        assert!(!log_of(dir.path(), "bare").contains("notification notifications/roots/list_changed"));
+        supervisor.stop().await;
+    }
+
+    #[tokio::test]
+    async fn a_servers_request_does_not_outlive_its_process_or_its_session() {
+        let dir = tempfile::tempdir().expect("a workspace");
+        let mut supervisor = McpSupervisor::start(&[stdio_server("probe")], dir.path(), TIMEOUT).await.expect("starts");
+        let url = listed_url(dir.path(), "probe");
+        let client = Client::connect_declaring(&url, json!({"elicitation": {}})).await;
+        let mut events = Events::open(&client).await;
+
+        let asking = spawn_call(&client, 2, "ask", ask("elicitation/create", false));
+        let before = events.next().await;
+        assert_eq!(before["method"], "elicitation/create", "{before}");
+        let failures = supervisor.restart(&BTreeMap::new()).await;
+        assert!(failures.is_empty(), "{failures:?}");
+        let error = asking.await.expect("the call task").expect_err("its process is gone");
+        assert!(error.contains("stopped before it answered"), "{error}");
+        let cancelled = events.next().await;
+        assert_eq!(
+            (cancelled["method"].clone(), cancelled["params"]["requestId"].clone()),
+            (json!("notifications/cancelled"), before["id"].clone()),
+            "the client is told: {cancelled}"
+        );
+
+        // The new process asks again under its own id "q0"; the late answer
+        // to the old request reaches nobody.
+        let late = json!({"jsonrpc": "2.0", "id": before["id"], "result": {"action": "decline"}});
+        assert_eq!(client.post(&late).await.0, 202);
+        let asking = spawn_call(&client, 3, "ask", ask("elicitation/create", false));
+        let again = events.next().await;
+        assert_ne!(again["id"], before["id"], "a new bridge id: {again}");
+        let answer = json!({"jsonrpc": "2.0", "id": again["id"], "result": {"action": "accept"}});
+        assert_eq!(client.post(&answer).await.0, 202);
+        assert_eq!(asking.await.expect("the call task"), Ok(r#"{"action": "accept"}"#.to_owned()));
+        assert!(!log_of(dir.path(), "probe").contains("answer to no request"), "the late answer was ignored");
+
+        // A session that ends leaves no request of the server waiting.
+        let asking = spawn_call(&client, 4, "ask", ask("elicitation/create", false));
+        assert_eq!(events.next().await["method"], "elicitation/create");
+        assert_eq!(client.request(reqwest::Method::DELETE).send().await.expect("an answer").status(), 200);
+        let answer: Value =
+            serde_json::from_str(&asking.await.expect("the call task").expect("answered")).expect("JSON");
+        assert_eq!(answer, json!({"code": -32000, "message": "the client's session ended before it answered"}));
+        supervisor.stop().await;
+    }
+
+    #[test]
+    fn the_workspace_root_is_a_file_uri() {
+        assert_eq!(file_uri(Path::new("/work/my repo/ü")), "file:///work/my%20repo/%C3%BC");
+        assert_eq!(workspace_root(Path::new("/srv/app")), json!({"uri": "file:///srv/app", "name": "app"}));
     }
 
     #[tokio::test]

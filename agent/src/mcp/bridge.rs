@@ -23,6 +23,7 @@ use std::collections::HashMap;
 use std::convert::Infallible;
 use std::io;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
@@ -34,12 +35,14 @@ use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use serde_json::Value;
+use standby_protocol::McpClientCapability;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
 use super::connection::{BRIDGE_ERROR, Connection, MAX_MESSAGE_BYTES, Message, error_answer};
+use super::routing::{self, Candidate};
 
 /// Sessions kept per server; the least recently used goes first.
 const MAX_SESSIONS: usize = 64;
@@ -61,7 +64,40 @@ enum Serving {
 
 struct Session {
     last_used: Instant,
-    stream: Option<mpsc::Sender<Value>>,
+    /// What its client declared it serves (sampling, roots, elicitation).
+    declared: Vec<McpClientCapability>,
+    /// The queue of its event stream. Until the client opens the stream,
+    /// its receiving end waits in `parked`, so that a server's request for
+    /// a client that has not opened it yet (it does so right after
+    /// `initialize`, while already calling tools) waits for it.
+    outbox: mpsc::Sender<Value>,
+    parked: Option<mpsc::Receiver<Value>>,
+}
+
+impl Session {
+    fn new(declared: Vec<McpClientCapability>) -> Self {
+        let (outbox, parked) = mpsc::channel(STREAM_QUEUE);
+        Self { last_used: Instant::now(), declared, outbox, parked: Some(parked) }
+    }
+
+    fn stream_open(&self) -> bool {
+        self.parked.is_none() && !self.outbox.is_closed()
+    }
+
+    /// The stream's queue, for what reaches only an open stream.
+    fn stream(&self) -> Option<&mpsc::Sender<Value>> {
+        self.stream_open().then_some(&self.outbox)
+    }
+}
+
+/// How the bridge stands in for a client to one server (from the spec).
+#[derive(Debug, Clone, Default)]
+pub(super) struct ServerOptions {
+    /// The client capabilities its `initialize` declares.
+    pub(super) declared: Vec<McpClientCapability>,
+    /// The root (`{"uri", "name"}`) that answers its `roots/list` when no
+    /// client declared roots; `None` to answer with an error instead.
+    pub(super) workspace_root: Option<Value>,
 }
 
 /// One stdio server as the bridge serves it: its current process, if any,
@@ -72,6 +108,11 @@ pub(super) struct Backend {
     sessions: Mutex<HashMap<String, Session>>,
     /// How long a request waits for a restarting server.
     wait: Duration,
+    options: ServerOptions,
+    /// The next id a server's request reaches a client under: unique for
+    /// the endpoint's life, so an answer meant for a process that is gone
+    /// never matches a request of the next one.
+    next_request: AtomicU64,
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -79,8 +120,37 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl Backend {
-    fn new(name: &str, wait: Duration) -> Self {
-        Self { name: name.to_owned(), state: watch::Sender::new(Serving::Starting), sessions: Mutex::default(), wait }
+    fn new(name: &str, wait: Duration, options: ServerOptions) -> Self {
+        Self {
+            name: name.to_owned(),
+            state: watch::Sender::new(Serving::Starting),
+            sessions: Mutex::default(),
+            wait,
+            options,
+            next_request: AtomicU64::new(1),
+        }
+    }
+
+    /// The client capabilities the bridge declares to the server.
+    pub(super) fn declared(&self) -> &[McpClientCapability] {
+        &self.options.declared
+    }
+
+    /// The root that answers `roots/list` when no client can, if any.
+    pub(super) fn workspace_root(&self) -> Option<Value> {
+        self.options.workspace_root.clone()
+    }
+
+    pub(super) fn next_request_id(&self) -> u64 {
+        self.next_request.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// The process serving requests now, without waiting for one.
+    fn current(&self) -> Option<Arc<Connection>> {
+        match &*self.state.borrow() {
+            Serving::Up(connection) => Some(Arc::clone(connection)),
+            Serving::Starting | Serving::Down(_) => None,
+        }
     }
 
     /// A restart begins: requests wait from now on.
@@ -137,17 +207,40 @@ impl Backend {
         }
     }
 
-    fn new_session(&self) -> String {
+    /// A new session for a client that declared `declared`; beyond
+    /// [`MAX_SESSIONS`], the least recently used one ends.
+    fn new_session(&self, declared: Vec<McpClientCapability>) -> String {
         let id = format!("{:032x}", rand::random::<u128>());
-        let mut sessions = lock(&self.sessions);
-        if sessions.len() >= MAX_SESSIONS
-            && let Some(oldest) = sessions.iter().min_by_key(|(_, session)| session.last_used).map(|(id, _)| id.clone())
-        {
+        let evicted = {
+            let mut sessions = lock(&self.sessions);
+            let oldest = (sessions.len() >= MAX_SESSIONS)
+                .then(|| sessions.iter().min_by_key(|(_, session)| session.last_used).map(|(id, _)| id.clone()))
+                .flatten();
+            let evicted = oldest.filter(|oldest| sessions.remove(oldest).is_some());
+            sessions.insert(id.clone(), Session::new(declared));
+            evicted
+        };
+        if let Some(evicted) = evicted {
             debug!(server = %self.name, "too many MCP sessions; the least recently used one is ended");
-            sessions.remove(&oldest);
+            self.session_ended(&evicted);
         }
-        sessions.insert(id.clone(), Session { last_used: Instant::now(), stream: None });
         id
+    }
+
+    /// Ends a session; false when there is no such session.
+    fn end_session(&self, id: &str) -> bool {
+        let ended = lock(&self.sessions).remove(id).is_some();
+        if ended {
+            self.session_ended(id);
+        }
+        ended
+    }
+
+    /// The server's requests the session was given will not be answered.
+    fn session_ended(&self, id: &str) {
+        if let Some(connection) = self.current() {
+            connection.session_ended(id);
+        }
     }
 
     /// Marks a session used; false when there is no such session.
@@ -159,7 +252,7 @@ impl Backend {
     /// its queue is full (a slow client must not hold the server up).
     pub(super) fn deliver(&self, session: &str, message: Value) {
         let sessions = lock(&self.sessions);
-        if let Some(stream) = sessions.get(session).and_then(|session| session.stream.as_ref())
+        if let Some(stream) = sessions.get(session).and_then(Session::stream)
             && stream.try_send(message).is_err()
         {
             debug!(server = %self.name, "a message for an MCP session was dropped: its stream is full or closed");
@@ -168,20 +261,42 @@ impl Backend {
 
     /// A message for every open stream.
     pub(super) fn broadcast(&self, message: &Value) {
-        for stream in lock(&self.sessions).values().filter_map(|session| session.stream.as_ref()) {
+        for stream in lock(&self.sessions).values().filter_map(Session::stream) {
             let _ = stream.try_send(message.clone());
         }
     }
 
-    /// A request from the server, for the most recently active session
-    /// with an open stream. Whether one took it.
-    pub(super) fn deliver_request(&self, request: &Value) -> bool {
+    /// The session a server's request that needs `capability` goes to
+    /// ([`routing::route`]), given when each session's latest request in
+    /// flight at the server was sent.
+    pub(super) fn route(
+        &self,
+        capability: McpClientCapability,
+        in_flight: &HashMap<String, Instant>,
+    ) -> Option<String> {
         let sessions = lock(&self.sessions);
-        let mut open: Vec<&Session> = sessions.values().filter(|session| session.stream.is_some()).collect();
-        open.sort_by_key(|session| std::cmp::Reverse(session.last_used));
-        open.into_iter()
-            .filter_map(|session| session.stream.as_ref())
-            .any(|stream| stream.try_send(request.clone()).is_ok())
+        let candidates: Vec<Candidate<&str, Instant>> = sessions
+            .iter()
+            .map(|(id, session)| Candidate {
+                session: id.as_str(),
+                declared: session.declared.contains(&capability),
+                in_flight_since: in_flight.get(id).copied(),
+                stream_open: session.stream_open(),
+                last_used: session.last_used,
+            })
+            .collect();
+        routing::route(&candidates).map(str::to_owned)
+    }
+
+    /// A server's request (or its cancellation) for one session, queued
+    /// even before the client opened its stream. Whether it was taken
+    /// (false: no such session, or its queue is full or closed).
+    pub(super) fn deliver_request(&self, session: &str, message: Value) -> bool {
+        let taken = lock(&self.sessions).get(session).is_some_and(|session| session.outbox.try_send(message).is_ok());
+        if !taken {
+            debug!(server = %self.name, "a server's request for an MCP session was not taken: its queue is full or closed");
+        }
+        taken
     }
 
     /// Answers a client's request, or says why it cannot be answered.
@@ -212,11 +327,16 @@ struct Routes {
 }
 
 impl Bridge {
-    /// Binds `127.0.0.1` on a free port and serves `names` there; a
+    /// Binds `127.0.0.1` on a free port and serves `servers` there; a
     /// request waits up to `wait` for a server being (re)started.
-    pub(super) async fn open<'a>(names: impl IntoIterator<Item = &'a str>, wait: Duration) -> io::Result<Self> {
-        let backends: HashMap<String, Arc<Backend>> =
-            names.into_iter().map(|name| (name.to_owned(), Arc::new(Backend::new(name, wait)))).collect();
+    pub(super) async fn open<'a>(
+        servers: impl IntoIterator<Item = (&'a str, ServerOptions)>,
+        wait: Duration,
+    ) -> io::Result<Self> {
+        let backends: HashMap<String, Arc<Backend>> = servers
+            .into_iter()
+            .map(|(name, options)| (name.to_owned(), Arc::new(Backend::new(name, wait, options))))
+            .collect();
         let listener = tokio::net::TcpListener::bind(("127.0.0.1", 0)).await?;
         let addr = listener.local_addr()?;
         let routes = Routes { backends: Arc::new(backends.clone()) };
@@ -361,7 +481,7 @@ async fn post_message(
             });
             match result {
                 Ok(result) => {
-                    let session = backend.new_session();
+                    let session = backend.new_session(routing::declared_by(message.get("params")));
                     let mut answer = Message::new();
                     answer.insert("jsonrpc".to_owned(), "2.0".into());
                     answer.insert("id".to_owned(), id);
@@ -382,19 +502,30 @@ async fn post_message(
             };
             json_answer(StatusCode::OK, backend.request(message, session.as_deref()).await)
         }
-        (Some(_), None) => {
+        (Some(method), None) => {
             let session = match session_of(&backend, &headers) {
                 Ok(session) => session,
                 Err(refusal) => return refusal.into_response(),
             };
+            if method == "notifications/roots/list_changed" && !backend.declared().contains(&McpClientCapability::Roots)
+            {
+                debug!(server = %name, "a client's roots/list_changed was dropped: the server was not told of roots");
+                return StatusCode::ACCEPTED.into_response();
+            }
             if let Ok(connection) = backend.connection().await {
                 connection.client_notification(message, session.as_deref()).await;
             }
             StatusCode::ACCEPTED.into_response()
         }
         (None, Some(_)) if is_answer => {
-            if let Ok(connection) = backend.connection().await {
-                connection.client_answer(message).await;
+            let session = match session_of(&backend, &headers) {
+                Ok(session) => session,
+                Err(refusal) => return refusal.into_response(),
+            };
+            // Not waited for: a restart drops the requests being answered.
+            match backend.current() {
+                Some(connection) => connection.client_answer(message, session.as_deref()).await,
+                None => debug!(server = %name, "an answer to a server's request was ignored: the server is not up"),
             }
             StatusCode::ACCEPTED.into_response()
         }
@@ -420,11 +551,18 @@ async fn open_stream(State(routes): State<Routes>, Path(name): Path<String>, hea
         Ok(None) => return (StatusCode::BAD_REQUEST, "a stream needs an Mcp-Session-Id").into_response(),
         Err(refusal) => return refusal.into_response(),
     };
-    let (sender, receiver) = mpsc::channel(STREAM_QUEUE);
-    if let Some(entry) = lock(&backend.sessions).get_mut(&session) {
-        // A second stream replaces the first, which ends.
-        entry.stream = Some(sender);
-    }
+    let receiver = {
+        let mut sessions = lock(&backend.sessions);
+        let Some(entry) = sessions.get_mut(&session) else {
+            return (StatusCode::NOT_FOUND, "no such MCP session: initialize again").into_response();
+        };
+        entry.parked.take().unwrap_or_else(|| {
+            // A second stream replaces the first, which ends.
+            let (outbox, receiver) = mpsc::channel(STREAM_QUEUE);
+            entry.outbox = outbox;
+            receiver
+        })
+    };
     let events = futures::stream::unfold(receiver, |mut receiver| async move {
         let message = receiver.recv().await?;
         Some((Ok::<_, Infallible>(Event::default().data(message.to_string())), receiver))
@@ -438,7 +576,7 @@ async fn end_session(State(routes): State<Routes>, Path(name): Path<String>, hea
         Err(refusal) => return refusal.into_response(),
     };
     let id = headers.get(SESSION_HEADER).and_then(|value| value.to_str().ok()).unwrap_or_default();
-    if lock(&backend.sessions).remove(id).is_some() {
+    if backend.end_session(id) {
         StatusCode::OK.into_response()
     } else {
         (StatusCode::NOT_FOUND, "no such MCP session").into_response()

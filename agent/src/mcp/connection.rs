@@ -11,9 +11,12 @@
 //! Several clients share one server, so every request is sent under an id
 //! of the bridge's own and answered under the client's id again; a
 //! request's progress token is rewritten the same way, so that progress
-//! reaches the client that asked for it.
+//! reaches the client that asked for it. The server's own requests
+//! (sampling, roots, elicitation) go the other way the same way: to the
+//! session [`super::routing`] chooses, under an id of the bridge's own
+//! ([`super::server_requests`] keeps the books).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError, Weak};
 
@@ -24,14 +27,18 @@ use rmcp::model::{
 };
 use rmcp::transport::async_rw::JsonRpcMessageCodec;
 use serde_json::{Map, Value, json};
+use standby_protocol::McpClientCapability;
 use tokio::process::{ChildStdin, ChildStdout};
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
+use tokio::time::Instant;
 use tokio_util::codec::FramedWrite;
 use tracing::{debug, warn};
 
 use super::bridge::Backend;
 use super::framing::{Frame, Frames};
+use super::routing;
+use super::server_requests::{Answered, ServerRequests};
 
 /// Largest message accepted from a server (and from a client).
 pub(super) const MAX_MESSAGE_BYTES: usize = 4 << 20;
@@ -43,15 +50,18 @@ const MAX_SERVER_REQUESTS: usize = 256;
 const OUTGOING_QUEUE: usize = 64;
 /// JSON-RPC error code of the failures the bridge answers itself.
 pub(super) const BRIDGE_ERROR: i64 = -32000;
+/// JSON-RPC's "method not found": what a client that does not serve a
+/// server's request answers, and so what the bridge answers for none.
+const METHOD_NOT_FOUND: i64 = -32601;
 
 /// A JSON-RPC message as it travels through the bridge.
 pub(super) type Message = Map<String, Value>;
 
-/// An `initialize` request or a `notifications/initialized`, built with
-/// rmcp's types so that the handshake speaks the SDK's idea of the protocol.
-pub(super) fn initialize_request(id: i64) -> Value {
+/// An `initialize` request declaring `capabilities`, built with rmcp's
+/// types so that the handshake speaks the SDK's idea of the protocol.
+pub(super) fn initialize_request(id: i64, capabilities: &[McpClientCapability]) -> Value {
     let params = InitializeRequestParams::new(
-        ClientCapabilities::default(),
+        client_capabilities(capabilities),
         Implementation::new("standby-mcp-bridge", env!("CARGO_PKG_VERSION")),
     )
     .with_protocol_version(ProtocolVersion::LATEST_WITH_INITIALIZE);
@@ -60,6 +70,23 @@ pub(super) fn initialize_request(id: i64) -> Value {
         RequestId::Number(id),
     );
     serde_json::to_value(message).unwrap_or(Value::Null)
+}
+
+/// MCP's `ClientCapabilities` declaring `declared`: each with no
+/// sub-capability, but roots with `listChanged` (a client's
+/// `notifications/roots/list_changed` is forwarded).
+fn client_capabilities(declared: &[McpClientCapability]) -> ClientCapabilities {
+    let declared: Map<String, Value> = declared
+        .iter()
+        .map(|capability| {
+            let value = match capability {
+                McpClientCapability::Roots => json!({"listChanged": true}),
+                McpClientCapability::Sampling | McpClientCapability::Elicitation => json!({}),
+            };
+            (routing::name(*capability).to_owned(), value)
+        })
+        .collect();
+    serde_json::from_value(Value::Object(declared)).unwrap_or_default()
 }
 
 fn initialized_notification() -> Value {
@@ -98,6 +125,7 @@ struct Pending {
     session: Option<String>,
     client_id: Value,
     progress_token: Option<Value>,
+    sent_at: Instant,
 }
 
 /// The requests waiting for the server; none are taken once it is closed
@@ -120,12 +148,14 @@ pub(super) struct Connection {
     server: String,
     outgoing: mpsc::Sender<Value>,
     pending: Mutex<PendingTable>,
-    /// Ids (as JSON text) of the server's requests handed to a client.
-    server_requests: Mutex<HashSet<String>>,
+    /// The server's requests handed to a client, waiting for its answer.
+    server_requests: Mutex<ServerRequests>,
     next_id: AtomicU64,
     /// The server's `InitializeResult`, once the handshake succeeded.
     initialized: OnceLock<Message>,
     tasks: Mutex<Vec<JoinHandle<()>>>,
+    /// The endpoint, whose sessions the server's requests go to.
+    backend: Weak<Backend>,
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -142,10 +172,11 @@ impl Connection {
             server: server.to_owned(),
             outgoing,
             pending: Mutex::new(PendingTable::default()),
-            server_requests: Mutex::new(HashSet::new()),
+            server_requests: Mutex::new(ServerRequests::new(MAX_SERVER_REQUESTS)),
             next_id: AtomicU64::new(1),
             initialized: OnceLock::new(),
             tasks: Mutex::new(Vec::new()),
+            backend: backend.clone(),
         });
         let writer = tokio::spawn(write_loop(server.to_owned(), stdin, queue));
         let reader = tokio::spawn(read_loop(server.to_owned(), stdout, Arc::downgrade(&connection), backend));
@@ -153,9 +184,10 @@ impl Connection {
         connection
     }
 
-    /// The `initialize` exchange, then `notifications/initialized`.
-    pub(super) async fn initialize(&self) -> Result<(), String> {
-        let Value::Object(request) = initialize_request(0) else {
+    /// The `initialize` exchange declaring `capabilities`, then
+    /// `notifications/initialized`.
+    pub(super) async fn initialize(&self, capabilities: &[McpClientCapability]) -> Result<(), String> {
+        let Value::Object(request) = initialize_request(0, capabilities) else {
             return Err("cannot build the initialize request".to_owned());
         };
         let answer = self.request(request, None).await?;
@@ -195,8 +227,13 @@ impl Connection {
                     self.server
                 ));
             }
-            let entry =
-                Pending { reply, session: session.map(str::to_owned), client_id: client_id.clone(), progress_token };
+            let entry = Pending {
+                reply,
+                session: session.map(str::to_owned),
+                client_id: client_id.clone(),
+                progress_token,
+                sent_at: Instant::now(),
+            };
             pending.entries.insert(id, entry);
         }
         let mut guard = CancelOnDrop { connection: self, id, armed: true };
@@ -240,14 +277,60 @@ impl Connection {
         }
     }
 
-    /// Forwards a client's answer to a request the server made.
-    pub(super) async fn client_answer(&self, answer: Message) {
-        let id = answer.get("id").map(Value::to_string).unwrap_or_default();
-        if !lock(&self.server_requests).remove(&id) {
-            debug!(server = %self.server, "an answer to no request of this server was dropped");
-            return;
+    /// Forwards a client's answer to a request the server made, under the
+    /// server's id; an answer to no waiting request, or from another
+    /// session than the one asked, is ignored.
+    pub(super) async fn client_answer(&self, mut answer: Message, session: Option<&str>) {
+        let id = answer.get("id").cloned().unwrap_or(Value::Null);
+        let verdict = lock(&self.server_requests).answer(&id, session);
+        match verdict {
+            Answered::Forward(server_id) => {
+                answer.insert("id".to_owned(), server_id);
+                let _ = self.notify(Value::Object(answer)).await;
+            }
+            Answered::Unknown => debug!(
+                server = %self.server,
+                "an answer to no waiting request of this server was ignored (answered, cancelled, or its process is gone)"
+            ),
+            Answered::OtherSession => {
+                debug!(server = %self.server, "an answer from a session the request was not sent to was ignored");
+            }
         }
-        let _ = self.notify(Value::Object(answer)).await;
+    }
+
+    /// When each session's latest request in flight at this server was sent.
+    fn in_flight(&self) -> HashMap<String, Instant> {
+        let mut latest: HashMap<String, Instant> = HashMap::new();
+        for entry in lock(&self.pending).entries.values() {
+            if let Some(session) = &entry.session {
+                let at = latest.entry(session.clone()).or_insert(entry.sent_at);
+                *at = (*at).max(entry.sent_at);
+            }
+        }
+        latest
+    }
+
+    /// A session ended: its client will never answer the server's requests
+    /// it was given, so the server is answered with an error for each.
+    pub(super) fn session_ended(&self, session: &str) {
+        let abandoned = lock(&self.server_requests).session_ended(session);
+        for server_id in abandoned {
+            let why = "the client's session ended before it answered";
+            let _ = self.outgoing.try_send(Value::Object(error_answer(Some(server_id), BRIDGE_ERROR, why)));
+        }
+    }
+
+    /// The process is gone: its requests waiting at clients are dropped,
+    /// and each client is told with a cancellation (its answer would be
+    /// ignored).
+    fn abandon_server_requests(&self) {
+        let abandoned = lock(&self.server_requests).drain();
+        let Some(backend) = self.backend.upgrade() else { return };
+        for (bridge_id, session) in abandoned {
+            let cancel = json!({"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {
+                "requestId": bridge_id, "reason": "the MCP server stopped (it exited or was restarted)"}});
+            backend.deliver_request(&session, cancel);
+        }
     }
 
     async fn notify(&self, message: Value) -> Result<(), String> {
@@ -259,12 +342,14 @@ impl Connection {
         lock(&self.pending).closed
     }
 
-    /// Stops reading and writing; every waiting request fails.
+    /// Stops reading and writing; every waiting request fails, and the
+    /// server's requests waiting at clients are dropped.
     pub(super) fn close(&self) {
         for task in lock(&self.tasks).drain(..) {
             task.abort();
         }
         lock(&self.pending).close();
+        self.abandon_server_requests();
     }
 
     /// Routes one message from the server.
@@ -275,16 +360,18 @@ impl Connection {
             (Some("ping"), Some(id)) => {
                 let _ = self.outgoing.try_send(json!({"jsonrpc": "2.0", "id": id, "result": {}}));
             }
-            (Some(method), Some(id)) => {
-                let room = lock(&self.server_requests).len() < MAX_SERVER_REQUESTS;
-                let key = id.to_string();
-                if room && backend.deliver_request(&Value::Object(message)) {
-                    lock(&self.server_requests).insert(key);
-                } else {
-                    debug!(server = %self.server, method, "no client can take the server's request");
-                    let error = error_answer(Some(id), -32601, "no client of the standby MCP bridge can answer this");
-                    let _ = self.outgoing.try_send(Value::Object(error));
+            (Some(method), Some(id)) => self.server_request(method, id, message, backend),
+            (Some("notifications/cancelled"), None) => {
+                let server_id = message.get("params").and_then(|params| params.get("requestId")).cloned();
+                let found = server_id.and_then(|server_id| lock(&self.server_requests).cancelled(&server_id));
+                let Some((bridge_id, session)) = found else {
+                    debug!(server = %self.server, "a cancellation of no request handed to a client was dropped");
+                    return;
+                };
+                if let Some(params) = message.get_mut("params").and_then(Value::as_object_mut) {
+                    params.insert("requestId".to_owned(), bridge_id.into());
                 }
+                backend.deliver_request(&session, Value::Object(message));
             }
             (Some("notifications/progress"), None) => {
                 let token =
@@ -314,10 +401,48 @@ impl Connection {
         }
     }
 
-    /// Fails the request an unreadable answer was meant for.
+    /// A request of the server's: handed to the session [`routing::route`]
+    /// chooses under a bridge id, or answered here (the workspace root for
+    /// `roots/list` when configured, else an error): never left waiting.
+    fn server_request(&self, method: &str, id: Value, mut message: Message, backend: &Backend) {
+        let refuse = |code: i64, why: &str| {
+            debug!(server = %self.server, method, why, "a request of the server was answered by the bridge");
+            let _ = self.outgoing.try_send(Value::Object(error_answer(Some(id.clone()), code, why)));
+        };
+        let Some(capability) = routing::needs(method) else {
+            return refuse(METHOD_NOT_FOUND, &format!("no client of the standby MCP bridge serves {method}"));
+        };
+        let Some(session) = backend.route(capability, &self.in_flight()) else {
+            if let (McpClientCapability::Roots, Some(root)) = (capability, backend.workspace_root()) {
+                let answer = json!({"jsonrpc": "2.0", "id": id, "result": {"roots": [root]}});
+                let _ = self.outgoing.try_send(answer);
+                return;
+            }
+            let name = routing::name(capability);
+            return refuse(METHOD_NOT_FOUND, &format!("no client of the standby MCP bridge declared {name}"));
+        };
+        let bridge_id = backend.next_request_id();
+        if !lock(&self.server_requests).admit(bridge_id, id.clone(), &session) {
+            let why =
+                format!("{MAX_SERVER_REQUESTS} requests of MCP server {:?} already wait for clients", self.server);
+            return refuse(BRIDGE_ERROR, &why);
+        }
+        message.insert("id".to_owned(), bridge_id.into());
+        if !backend.deliver_request(&session, Value::Object(message)) && lock(&self.server_requests).withdraw(bridge_id)
+        {
+            refuse(BRIDGE_ERROR, "the client's session ended, or its stream is full");
+        }
+    }
+
+    /// Fails the request an unreadable answer was meant for; a line that
+    /// answers no request of the bridge's was a request of the server's,
+    /// which is refused.
     fn fail(&self, id: &Value, why: &str) {
         if let Some(entry) = id.as_u64().and_then(|id| lock(&self.pending).entries.remove(&id)) {
             let _ = entry.reply.send(error_answer(None, BRIDGE_ERROR, why));
+        } else {
+            let why = format!("a message over the size limit of {MAX_MESSAGE_BYTES} bytes");
+            let _ = self.outgoing.try_send(Value::Object(error_answer(Some(id.clone()), BRIDGE_ERROR, &why)));
         }
     }
 }
@@ -392,6 +517,7 @@ async fn read_loop(server: String, stdout: ChildStdout, connection: Weak<Connect
     }
     if let (Some(connection), Some(backend)) = (connection.upgrade(), backend.upgrade()) {
         lock(&connection.pending).close();
+        connection.abandon_server_requests();
         if backend.lost(&connection) {
             warn!(%server, "MCP server closed its stdout (it exited?); its endpoint answers errors until a restart");
         } else {
