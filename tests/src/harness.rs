@@ -32,6 +32,33 @@ const MARK: &str = "E2E_AGENT_MARK";
 /// `python3`; its modes and tools are described in the file.
 pub const FAKE_MCP_SERVER: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../agent/src/mcp/fake_server.py");
 
+/// The variable naming the Python interpreter that has the official MCP
+/// SDK (`scripts/mcp-py` makes it and prints its path; `.ci/run` and
+/// `scripts/test` export it).
+pub const MCP_PYTHON_VAR: &str = "STANDBY_TEST_MCP_PYTHON";
+
+/// The MCP server and client written with the official Python SDK that the
+/// bridge's SDK tests run (`tests/mcp_py/`).
+pub const MCP_PY_DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/mcp_py");
+
+/// The Python of `$STANDBY_TEST_MCP_PYTHON`, or `None` (after a loud
+/// message) where it is not set up outside CI. Panics under `CI=true`,
+/// where `.ci/run` installs it.
+pub fn mcp_python(test: &str) -> Option<PathBuf> {
+    let python = std::env::var_os(MCP_PYTHON_VAR).map(PathBuf::from).filter(|path| path.is_file());
+    if python.is_none() {
+        let why = format!("{MCP_PYTHON_VAR} does not name a Python interpreter");
+        if std::env::var("CI").is_ok_and(|ci| ci == "true") {
+            panic!("{test} needs the official MCP Python SDK, which CI installs (.ci/run, scripts/mcp-py): {why}");
+        }
+        eprintln!(
+            "\n*** SKIPPED {test}: it needs the official MCP Python SDK and {why}.\n*** Run `export \
+             {MCP_PYTHON_VAR}=\"$(scripts/mcp-py)\"` to run it; under CI=true it fails instead.\n"
+        );
+    }
+    python
+}
+
 /// The `standby` binary under test: `$STANDBY_BIN`, else `standby` next to
 /// the test executable's `deps/` directory (`target/<profile>/standby`).
 pub fn standby_bin() -> PathBuf {
