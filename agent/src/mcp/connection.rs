@@ -360,7 +360,7 @@ impl Connection {
             (Some("ping"), Some(id)) => {
                 let _ = self.outgoing.try_send(json!({"jsonrpc": "2.0", "id": id, "result": {}}));
             }
-            (Some(method), Some(id)) => self.server_request(method, id, message, backend),
+            (Some(method), Some(id)) => self.server_request(method, &id, message, backend),
             (Some("notifications/cancelled"), None) => {
                 let server_id = message.get("params").and_then(|params| params.get("requestId")).cloned();
                 let found = server_id.and_then(|server_id| lock(&self.server_requests).cancelled(&server_id));
@@ -404,7 +404,7 @@ impl Connection {
     /// A request of the server's: handed to the session [`routing::route`]
     /// chooses under a bridge id, or answered here (the workspace root for
     /// `roots/list` when configured, else an error): never left waiting.
-    fn server_request(&self, method: &str, id: Value, mut message: Message, backend: &Backend) {
+    fn server_request(&self, method: &str, id: &Value, mut message: Message, backend: &Backend) {
         let refuse = |code: i64, why: &str| {
             debug!(server = %self.server, method, why, "a request of the server was answered by the bridge");
             let _ = self.outgoing.try_send(Value::Object(error_answer(Some(id.clone()), code, why)));
