@@ -105,6 +105,9 @@ async fn main() {
     let mut command = tokio::process::Command::new("python3");
     command.arg(FAKE_MCP_SERVER);
     command.env("WHO", "direct");
+    // What the server writes to stderr (the capabilities it was given) is
+    // not the benchmark's output.
+    command.stderr(std::process::Stdio::null());
     let direct = ().serve(TokioChildProcess::new(command).expect("spawn the server")).await.expect("direct client");
     for _ in 0..WARM_UP {
         call(&bridged).await;
