@@ -91,7 +91,13 @@ async fn harness_with(pool_size: usize, store: Arc<dyn Store>, found: Found, hea
     let _ = rustls::crypto::ring::default_provider().install_default();
     let (tx, launches) = mpsc::unbounded_channel();
     let provider = Arc::new(FakeProvider { launches: tx, running: Mutex::new(HashMap::new()), found });
-    let spec = Spec { workspace: Workspace::default(), mcp_servers: Vec::new(), shell: None, deadline: None };
+    let spec = Spec {
+        workspace: Workspace::default(),
+        mcp_servers: Vec::new(),
+        mcp_client_capabilities: None,
+        shell: None,
+        deadline: None,
+    };
     let mut config = ServerConfig::new(Secret::new(KEY), spec);
     config.pool_size = pool_size;
     config.heartbeat_interval = heartbeat;
@@ -105,7 +111,13 @@ async fn configured(change: impl FnOnce(&mut ServerConfig)) -> Harness {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let (tx, launches) = mpsc::unbounded_channel();
     let provider = Arc::new(FakeProvider { launches: tx, running: Mutex::new(HashMap::new()), found: Found::NoAgent });
-    let spec = Spec { workspace: Workspace::default(), mcp_servers: Vec::new(), shell: None, deadline: None };
+    let spec = Spec {
+        workspace: Workspace::default(),
+        mcp_servers: Vec::new(),
+        mcp_client_capabilities: None,
+        shell: None,
+        deadline: None,
+    };
     let mut config = ServerConfig::new(Secret::new(KEY), spec);
     config.pool_size = 1;
     change(&mut config);
@@ -535,7 +547,13 @@ async fn bounded(store: Arc<dyn Store>, bounds: RunBounds) -> Harness {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let (tx, launches) = mpsc::unbounded_channel();
     let provider = Arc::new(FakeProvider { launches: tx, running: Mutex::new(HashMap::new()), found: Found::NoAgent });
-    let spec = Spec { workspace: Workspace::default(), mcp_servers: Vec::new(), shell: None, deadline: None };
+    let spec = Spec {
+        workspace: Workspace::default(),
+        mcp_servers: Vec::new(),
+        mcp_client_capabilities: None,
+        shell: None,
+        deadline: None,
+    };
     let mut config = ServerConfig::new(Secret::new(KEY), spec);
     config.pool_size = 0;
     config.linger = Duration::from_millis(100);
