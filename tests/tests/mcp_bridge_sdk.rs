@@ -323,6 +323,7 @@ async fn a_client_that_never_answers_and_a_flood_of_requests_are_bounded() {
     // finds room again.
     for round in 1..=2 {
         let outcome = agent.watch(call(&client, "flood", json!({"count": 300, "timeout": 1}))).await;
+        eprintln!("flood round {round}, the server's outcomes: {outcome}");
         let counts: serde_json::Map<String, Value> = serde_json::from_str(&outcome).expect("counts");
         let count = |key: &str| counts.get(key).and_then(Value::as_u64).unwrap_or(0);
         let (timed_out, refused) = (count("error -32001"), count("error -32000"));
