@@ -1460,7 +1460,7 @@ http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
     }
 
     #[tokio::test]
-    async fn a_request_no_client_declared_is_answered_by_the_bridge() {
+    async fn a_request_no_client_can_take_is_answered_by_the_bridge() {
         let dir = tempfile::tempdir().expect("a workspace");
         let mut bare = stdio_server("bare");
         bare.client_capabilities = Some(Vec::new());
@@ -1488,6 +1488,12 @@ http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
         let roots = answer(probe.call(5, "ask", ask("roots/list", false)).await);
         let name = dir.path().file_name().expect("a name").to_string_lossy().into_owned();
         assert_eq!(roots, json!({"roots": [{"uri": format!("file://{}", dir.path().display()), "name": name}]}));
+
+        // One over the size limit is discarded, and refused.
+        let mut big = ask("roots/list", false);
+        big["pad"] = json!(MAX_MESSAGE_BYTES);
+        let refused = answer(probe.call(8, "ask", big).await);
+        assert_eq!(refused, json!({"code": -32000, "message": "a message over the size limit of 4194304 bytes"}));
 
         let bare = Client::connect(&listed_url(dir.path(), "bare")).await;
         let refused = answer(bare.call(6, "ask", ask("roots/list", false)).await);
@@ -1542,6 +1548,19 @@ http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
         let asking = spawn_call(&client, 4, "ask", ask("elicitation/create", false));
         assert_eq!(events.next().await["method"], "elicitation/create");
         assert_eq!(client.request(reqwest::Method::DELETE).send().await.expect("an answer").status(), 200);
+        let answer: Value =
+            serde_json::from_str(&asking.await.expect("the call task").expect("answered")).expect("JSON");
+        assert_eq!(answer, json!({"code": -32000, "message": "the client's session ended before it answered"}));
+
+        // So does one ended by the bound on sessions (the least recently
+        // used goes when a 65th begins).
+        let oldest = Client::connect_declaring(&url, json!({"elicitation": {}})).await;
+        let mut oldest_events = Events::open(&oldest).await;
+        let asking = spawn_call(&oldest, 5, "ask", ask("elicitation/create", false));
+        assert_eq!(oldest_events.next().await["method"], "elicitation/create");
+        for _ in 0..64 {
+            Client::connect(&url).await;
+        }
         let answer: Value =
             serde_json::from_str(&asking.await.expect("the call task").expect("answered")).expect("JSON");
         assert_eq!(answer, json!({"code": -32000, "message": "the client's session ended before it answered"}));

@@ -11,9 +11,9 @@
 # TypeScript servers write it), `progress` (a progress notification before
 # the answer), `notify` (a log message notification before the answer),
 # `hang` (never answers), `ask` (sends the client a request of `method` with
-# `params`, or with `deferred` just before it handles the next message it
-# reads, and answers the call with the JSON of the client's answer once it
-# arrives). Notifications, answers to no request of its own, the
+# `params`, padded with `pad` bytes when given, or with `deferred` just
+# before it handles the next message it reads; it answers the call with the
+# JSON of the client's answer once that arrives). Notifications, answers to no request of its own, the
 # capabilities it was initialized with and deferred requests are written to
 # stderr.
 import json, os, sys, time
@@ -61,6 +61,8 @@ for line in sys.stdin:
             questions += 1
             asked[question] = id
             request = {"jsonrpc": "2.0", "id": question, "method": args["method"], "params": args.get("params") or {}}
+            if args.get("pad"):
+                request["params"]["pad"] = "x" * args["pad"]
             if args.get("deferred"):
                 deferred = request
                 print("deferred", question, file=sys.stderr, flush=True)
