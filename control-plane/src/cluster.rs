@@ -135,6 +135,8 @@ impl Cluster {
         format!(
             "# HELP standby_leader Whether this replica leads (1) or not (0).\n# TYPE standby_leader gauge\n\
              standby_leader {leader}\n\
+             # HELP standby_lease_epoch The lease's epoch as this replica last read it: one more at each change of \
+             leader.\n# TYPE standby_lease_epoch gauge\nstandby_lease_epoch {}\n\
              # HELP standby_leadership_changes_total Times this replica took the lease.\n\
              # TYPE standby_leadership_changes_total counter\nstandby_leadership_changes_total {}\n\
              # HELP standby_forwarded_requests_total HTTP calls this replica forwarded to the leader.\n\
@@ -145,6 +147,7 @@ impl Cluster {
              # TYPE standby_relinks_total counter\nstandby_relinks_total {}\n\
              # HELP standby_linked_replicas Replicas linked to this one while it leads.\n\
              # TYPE standby_linked_replicas gauge\nstandby_linked_replicas {}\n",
+            self.view.borrow().epoch,
             self.stats.leadership_changes.load(Ordering::Relaxed),
             self.stats.forwarded_requests.load(Ordering::Relaxed),
             self.stats.held_agents.load(Ordering::Relaxed),

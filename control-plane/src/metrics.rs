@@ -9,7 +9,14 @@ use std::sync::atomic::Ordering;
 
 use crate::listener::ListenerStats;
 use crate::model::{RunPath, RunState};
-use crate::rules::{Histogram, MetricsSnapshot};
+use crate::rules::{Histogram, MetricsSnapshot, Phase};
+
+/// What a server without a cluster (a SQLite store) says of leadership: it
+/// decides alone, so it leads, and a rule that counts leaders across
+/// deployments reads every server the same way. A replica says it from its
+/// lease (`Cluster::render_metrics`).
+pub const LEADING_ALONE: &str = "# HELP standby_leader Whether this replica leads (1) or not (0).\n\
+                                 # TYPE standby_leader gauge\nstandby_leader 1\n";
 
 pub fn render(snapshot: &MetricsSnapshot) -> String {
     let mut out = String::new();
@@ -41,7 +48,53 @@ fn render_into(out: &mut String, snapshot: &MetricsSnapshot) -> std::fmt::Result
     writeln!(out, "standby_assignment_to_start_seconds_bucket{{le=\"+Inf\"}} {count}")?;
     writeln!(out, "standby_assignment_to_start_seconds_sum {sum}")?;
     writeln!(out, "standby_assignment_to_start_seconds_count {count}")?;
+    let submitted: u64 = snapshot.runs.values().sum();
+    writeln!(out, "# HELP standby_runs_submitted_total Runs submitted: the arrivals.")?;
+    writeln!(out, "# TYPE standby_runs_submitted_total counter")?;
+    writeln!(out, "standby_runs_submitted_total {submitted}")?;
+    let times = &snapshot.start_times;
+    writeln!(out, "# HELP standby_runs_started_total Runs started, by the path of the attempt that started them.")?;
+    writeln!(out, "# TYPE standby_runs_started_total counter")?;
+    for path in RunPath::ALL {
+        let count = times.submit_to_start.get(&path).map_or(0, Histogram::count);
+        writeln!(out, "standby_runs_started_total{{path=\"{}\"}} {count}", path.as_str())?;
+    }
+    writeln!(out, "# HELP standby_submit_to_start_seconds From a run's submission to its start, by path.")?;
+    writeln!(out, "# TYPE standby_submit_to_start_seconds histogram")?;
+    for path in RunPath::ALL {
+        let labels = format!("path=\"{}\"", path.as_str());
+        let histogram = times.submit_to_start.get(&path).cloned().unwrap_or_default();
+        write_histogram(out, "standby_submit_to_start_seconds", &labels, &histogram)?;
+    }
+    writeln!(
+        out,
+        "# HELP standby_run_phase_seconds Each phase of a started run's way to its start (the run's durations_ms), \
+         by path."
+    )?;
+    writeln!(out, "# TYPE standby_run_phase_seconds histogram")?;
+    for path in RunPath::ALL {
+        for phase in Phase::ALL {
+            let labels = format!("path=\"{}\",phase=\"{}\"", path.as_str(), phase.as_str());
+            let histogram = times.phases.get(&(path, phase)).cloned().unwrap_or_default();
+            write_histogram(out, "standby_run_phase_seconds", &labels, &histogram)?;
+        }
+    }
+    writeln!(
+        out,
+        "# HELP standby_runs_lost_total Runs failed because their sandbox was lost after delivery was confirmed, by \
+         the run's state then (confirmed: it may have started; running). Counted since the server started."
+    )?;
+    writeln!(out, "# TYPE standby_runs_lost_total counter")?;
+    writeln!(out, "standby_runs_lost_total{{state=\"confirmed\"}} {}", snapshot.lost.before_start)?;
+    writeln!(out, "standby_runs_lost_total{{state=\"running\"}} {}", snapshot.lost.after_start)?;
     let scalars = [
+        (
+            "standby_ready_standbys",
+            "gauge",
+            "Warm standbys a run could take now: ready, connected, heard from within the silence bound.",
+            snapshot.ready_standbys,
+        ),
+        ("standby_pool_target", "gauge", "Warm standbys the pool keeps (--pool-size).", snapshot.pool_target),
         (
             "standby_connected_standbys",
             "gauge",
@@ -96,6 +149,17 @@ fn render_into(out: &mut String, snapshot: &MetricsSnapshot) -> std::fmt::Result
         writeln!(out, "{name} {value}")?;
     }
     Ok(())
+}
+
+/// One histogram's series, `labels` inside each sample's braces.
+fn write_histogram(out: &mut String, name: &str, labels: &str, histogram: &Histogram) -> std::fmt::Result {
+    for (index, bound) in Histogram::BUCKETS.into_iter().enumerate() {
+        writeln!(out, "{name}_bucket{{{labels},le=\"{bound}\"}} {}", histogram.cumulative(index))?;
+    }
+    let (count, sum) = (histogram.count(), histogram.sum_ms() as f64 / 1000.0);
+    writeln!(out, "{name}_bucket{{{labels},le=\"+Inf\"}} {count}")?;
+    writeln!(out, "{name}_sum{{{labels}}} {sum}")?;
+    writeln!(out, "{name}_count{{{labels}}} {count}")
 }
 
 /// The listener's bounds and counters, and the sandbox containment: facts
@@ -182,6 +246,58 @@ mod tests {
         assert!(text.contains("standby_assignment_to_start_seconds_bucket{le=\"300\"} 2"));
         assert!(text.contains("standby_assignment_to_start_seconds_bucket{le=\"+Inf\"} 3"));
         assert!(text.contains("standby_assignment_to_start_seconds_count 3"));
+    }
+
+    #[test]
+    fn start_times_are_histograms_by_path_and_phase_and_runs_count_up() {
+        let mut snapshot = MetricsSnapshot::default();
+        snapshot.runs.insert((RunState::Exited, Some(RunPath::Warm)), 2);
+        snapshot.runs.insert((RunState::Queued, None), 1);
+        let mut warm = Histogram::default();
+        warm.observe(40);
+        warm.observe(3_000);
+        snapshot.start_times.submit_to_start.insert(RunPath::Warm, warm);
+        let mut confirm = Histogram::default();
+        confirm.observe(2);
+        snapshot.start_times.phases.insert((RunPath::Warm, Phase::AssignmentSentToDeliveryConfirmed), confirm);
+        snapshot.lost.before_start = 1;
+        let text = render(&snapshot);
+        assert!(text.contains("# TYPE standby_runs_submitted_total counter\nstandby_runs_submitted_total 3\n"));
+        assert!(text.contains("standby_runs_started_total{path=\"warm\"} 2\n"));
+        assert!(text.contains("standby_runs_started_total{path=\"cold\"} 0\n"), "every path, started or not");
+        assert!(text.contains("standby_submit_to_start_seconds_bucket{path=\"warm\",le=\"0.05\"} 1\n"));
+        assert!(text.contains("standby_submit_to_start_seconds_bucket{path=\"warm\",le=\"5\"} 2\n"));
+        assert!(text.contains("standby_submit_to_start_seconds_bucket{path=\"warm\",le=\"+Inf\"} 2\n"));
+        assert!(text.contains("standby_submit_to_start_seconds_sum{path=\"warm\"} 3.04\n"));
+        assert!(text.contains("standby_submit_to_start_seconds_count{path=\"cold\"} 0\n"));
+        let phase = "standby_run_phase_seconds_bucket{path=\"warm\",phase=\"assignment_sent_to_delivery_confirmed\"";
+        assert!(text.contains(&format!("{phase},le=\"0.001\"}} 0\n")));
+        assert!(text.contains(&format!("{phase},le=\"0.0025\"}} 1\n")));
+        assert!(text.contains("standby_run_phase_seconds_count{path=\"cold\",phase=\"queued\"} 0\n"));
+        assert!(text.contains("standby_runs_lost_total{state=\"confirmed\"} 1\n"));
+        assert!(text.contains("standby_runs_lost_total{state=\"running\"} 0\n"));
+    }
+
+    #[test]
+    fn every_sample_has_a_type_and_a_name_prometheus_accepts() {
+        let text = render(&MetricsSnapshot::default()) + LEADING_ALONE;
+        let mut typed = std::collections::HashSet::new();
+        for line in text.lines() {
+            if let Some(rest) = line.strip_prefix("# TYPE ") {
+                let name = rest.split(' ').next().unwrap_or_default();
+                assert!(typed.insert(name.to_owned()), "{name} typed twice");
+                let counter = rest.ends_with(" counter");
+                assert_eq!(counter, name.ends_with("_total"), "{name}: `_total` is for counters and only them");
+            } else if !line.starts_with('#') {
+                let name = line.split(['{', ' ']).next().unwrap_or_default();
+                let family = ["_bucket", "_sum", "_count"]
+                    .iter()
+                    .find_map(|suffix| name.strip_suffix(suffix).filter(|base| typed.contains(*base)))
+                    .unwrap_or(name);
+                assert!(typed.contains(family), "{name} has no TYPE line before it");
+                assert!(name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_'), "{name}");
+            }
+        }
     }
 
     #[test]

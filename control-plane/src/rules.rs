@@ -97,7 +97,7 @@ pub use bounds::{Evicted, MAX_EVENTS_PER_RUN, RunBounds};
 pub use idempotency::{IdempotencyKey, KeyReused, Submitted};
 pub use input::{Answer, Input, Reply};
 pub use logs::{LogError, LogLedger};
-pub use queries::{Histogram, LiveSandbox, MetricsSnapshot, SandboxPage};
+pub use queries::{Histogram, LiveSandbox, LostRuns, MetricsSnapshot, Phase, SandboxPage, StartTimes};
 pub use resume::{ResumeFailure, ResumeStart};
 pub use runs::CancelError;
 pub use threads::StalePointer;
@@ -346,6 +346,9 @@ pub struct Rules {
     logs: HashMap<String, LogLedger>,
     /// Finished runs no longer in memory, for `/metrics`.
     evicted: Evicted,
+    /// Runs failed for a sandbox lost after their delivery (since this
+    /// process started), for `/metrics`.
+    lost: LostRuns,
     draining: bool,
     /// Pool standbys in a row that ended without ever being ready.
     pool_failures: u32,
@@ -384,6 +387,7 @@ impl Rules {
             events_seen: HashMap::new(),
             logs: HashMap::new(),
             evicted: Evicted::default(),
+            lost: LostRuns::default(),
             draining: false,
             pool_failures: 0,
             pool_backoff_until: Millis(0),

@@ -247,7 +247,9 @@ pub(crate) async fn metrics(State(state): State<AppState>, headers: HeaderMap) -
         Some(cluster) => {
             crate::metrics::render(&state.engine.ask(Input::Metrics).await?) + &server + &cluster.render_metrics()
         }
-        None => crate::metrics::render(&state.engine.ask(Input::Metrics).await?) + &server,
+        None => {
+            crate::metrics::render(&state.engine.ask(Input::Metrics).await?) + &server + crate::metrics::LEADING_ALONE
+        }
     };
     Ok(([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response())
 }

@@ -9,6 +9,7 @@ pub mod harness;
 pub mod kube_fake;
 pub mod kustomize;
 pub mod postgres;
+pub mod prometheus;
 pub mod provider_runs;
 pub mod proxy;
 pub mod server;

@@ -11,7 +11,7 @@
 
 use std::time::Duration;
 
-use super::{Histogram, Rules};
+use super::{Histogram, Rules, StartTimes};
 use crate::model::{AttemptOutcome, Millis, RunPath, RunRecord, RunState};
 
 /// Distinct events a run records. An agent sends a handful per attempt;
@@ -48,11 +48,13 @@ pub struct Evicted {
     pub assignment_to_start: Histogram,
     pub requeues: u64,
     pub resume_fallbacks: u64,
+    pub start_times: StartTimes,
 }
 
 impl Evicted {
     fn add(&mut self, run: &RunRecord) {
         *self.runs.entry((run.state, run.path())).or_default() += 1;
+        self.start_times.observe(run);
         for attempt in &run.attempts {
             if let (Some(sent), Some(started)) = (attempt.assignment_sent_at, attempt.started_at) {
                 self.assignment_to_start.observe(started.since(sent));

@@ -249,7 +249,7 @@ impl Rules {
             Input::Thread { thread_id } => Step::replying(Reply::Thread(self.thread(&thread_id).cloned())),
             Input::Sandbox { sandbox_id } => Step::replying(Reply::Sandbox(self.sandbox(&sandbox_id).cloned())),
             Input::Sandboxes { page } => Step::replying(Reply::Sandboxes(self.sandbox_page(now, &page))),
-            Input::Metrics => Step::replying(Reply::Metrics(self.metrics())),
+            Input::Metrics => Step::replying(Reply::Metrics(self.metrics(now))),
         }
     }
 }

@@ -61,6 +61,89 @@ pub struct MetricsSnapshot {
     pub assignment_to_start_past: Histogram,
     /// Runs held in memory (the rest are only in the store).
     pub runs_in_memory: u64,
+    /// Where the started runs' time to start went, by path and phase.
+    pub start_times: StartTimes,
+    /// Warm standbys a run could take now (what placement would pick).
+    pub ready_standbys: u64,
+    /// The pool's target: warm standbys kept ready (`pool_size`).
+    pub pool_target: u64,
+    /// Runs failed because their sandbox was lost once delivery was
+    /// confirmed (since this process started).
+    pub lost: LostRuns,
+}
+
+/// Runs failed because their sandbox was lost after their delivery was
+/// confirmed: never dispatched again (a second execution is worse than a
+/// failure), so each is a run a user lost.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LostRuns {
+    /// Before the agent reported the start: it may or may not have run.
+    pub before_start: u64,
+    /// While it ran.
+    pub after_start: u64,
+}
+
+/// A span of a run's way from submission to start: the run's
+/// `durations_ms` in the API, which add up to `submit_to_start`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Phase {
+    /// Submitted → bound to a sandbox (committed).
+    Queued,
+    CommitToAssignmentSent,
+    AssignmentSentToDeliveryConfirmed,
+    DeliveryConfirmedToStarted,
+}
+
+impl Phase {
+    pub const ALL: [Self; 4] = [
+        Self::Queued,
+        Self::CommitToAssignmentSent,
+        Self::AssignmentSentToDeliveryConfirmed,
+        Self::DeliveryConfirmedToStarted,
+    ];
+
+    /// The label value: the API's name of the duration.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Queued => "queued",
+            Self::CommitToAssignmentSent => "commit_to_assignment_sent",
+            Self::AssignmentSentToDeliveryConfirmed => "assignment_sent_to_delivery_confirmed",
+            Self::DeliveryConfirmedToStarted => "delivery_confirmed_to_started",
+        }
+    }
+}
+
+/// The started runs' times to start, folded into histograms by the path of
+/// the attempt that started them: what the machine keeps of evicted runs,
+/// and what `/metrics` renders with the runs in memory added.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StartTimes {
+    /// Submitted → started, by path; its count is the runs started.
+    pub submit_to_start: BTreeMap<RunPath, Histogram>,
+    /// Each phase of it, by path; a phase one of whose ends is unknown (a
+    /// run started before it was recorded) is left out.
+    pub phases: BTreeMap<(RunPath, Phase), Histogram>,
+}
+
+impl StartTimes {
+    /// Adds `run` if its current attempt started; a run starts at most
+    /// once, so each is counted once.
+    pub fn observe(&mut self, run: &RunRecord) {
+        let Some(attempt) = run.current() else { return };
+        let Some(started) = attempt.started_at else { return };
+        self.submit_to_start.entry(attempt.path).or_default().observe(started.since(run.submitted_at));
+        let spans = [
+            (Phase::Queued, Some(run.submitted_at), Some(attempt.committed_at)),
+            (Phase::CommitToAssignmentSent, Some(attempt.committed_at), attempt.assignment_sent_at),
+            (Phase::AssignmentSentToDeliveryConfirmed, attempt.assignment_sent_at, attempt.delivery_confirmed_at),
+            (Phase::DeliveryConfirmedToStarted, attempt.delivery_confirmed_at, Some(started)),
+        ];
+        for (phase, from, to) in spans {
+            if let (Some(from), Some(to)) = (from, to) {
+                self.phases.entry((attempt.path, phase)).or_default().observe(to.since(from));
+            }
+        }
+    }
 }
 
 /// Assignment-to-start samples folded into [`Histogram::BUCKETS`]: what
@@ -75,9 +158,10 @@ pub struct Histogram {
 }
 
 impl Histogram {
-    /// Upper bounds of the assignment-to-start histogram, in seconds: from a
-    /// warm start (tens of milliseconds) to a slow cold one (minutes).
-    pub const BUCKETS: [f64; 14] = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0];
+    /// Upper bounds of the start-time histograms, in seconds: from a phase
+    /// of a warm start (a millisecond) to a slow cold start (minutes).
+    pub const BUCKETS: [f64; 17] =
+        [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0];
 
     pub fn observe(&mut self, ms: u64) {
         let seconds = ms as f64 / 1000.0;
@@ -154,10 +238,11 @@ impl Rules {
         self.threads.get(thread_id)
     }
 
-    pub(super) fn metrics(&self) -> MetricsSnapshot {
-        let mut snapshot = MetricsSnapshot::default();
+    pub(super) fn metrics(&self, now: Millis) -> MetricsSnapshot {
+        let mut snapshot = MetricsSnapshot { start_times: self.evicted.start_times.clone(), ..Default::default() };
         for run in self.runs.values() {
             *snapshot.runs.entry((run.state, run.path())).or_default() += 1;
+            snapshot.start_times.observe(run);
             for attempt in &run.attempts {
                 if let (Some(sent), Some(started)) = (attempt.assignment_sent_at, attempt.started_at) {
                     snapshot.assignment_to_start_ms.push(started.since(sent));
@@ -181,6 +266,9 @@ impl Rules {
             if !live.exited {
                 snapshot.sandboxes_running += 1;
             }
+            if self.is_candidate(now, live) {
+                snapshot.ready_standbys += 1;
+            }
             if live.record.state == SandboxState::Parked {
                 match live.park_mode() {
                     Some(ParkMode::Running) => snapshot.parked_running += 1,
@@ -200,6 +288,8 @@ impl Rules {
         snapshot.runs_in_memory = self.runs.len() as u64;
         snapshot.running_cap = self.config.pool_policy.running_cap as u64;
         snapshot.duplicate_connections_refused = self.admissions.duplicates_refused;
+        snapshot.pool_target = self.config.pool_size as u64;
+        snapshot.lost = self.lost;
         snapshot
     }
 }

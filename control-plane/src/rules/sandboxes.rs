@@ -133,10 +133,12 @@ impl Rules {
                     "sandbox {sandbox_id} ended after delivery was confirmed, before the run was reported started \
                      (it may have started it, so it is not run again): {reason}"
                 );
+                self.lost.before_start += 1;
                 self.release(now, step, &run_id, Retry::Never, SandboxFate::WriteOff, why);
             }
             Some(RunState::Running | RunState::Cancelling) => {
                 let error = format!("sandbox {sandbox_id} ended without reporting the run's end: {reason}");
+                self.lost.after_start += 1;
                 self.end_run(now, step, &run_id, RunState::Failed, None, Some(error.clone()));
                 self.finish_attempt(now, step, &run_id, AttemptOutcome::Finished, error);
                 self.retire_sandbox(now, step, sandbox_id, Retirement::new(reason));

@@ -145,7 +145,7 @@ fn a_second_socket_on_a_live_standby_credential_is_refused_and_counted() {
         world.machine.claim_socket(world.now, 51, standby.token.expose()),
         Err(AdmissionRefusal::Duplicate { .. })
     ));
-    assert_eq!(world.machine.metrics().duplicate_connections_refused, 2);
+    assert_eq!(world.machine.metrics(world.now).duplicate_connections_refused, 2);
     // Exactly one socket gets the assignment.
     let (_, step) = world.submit(run("a"));
     let sent = assignments(&step);

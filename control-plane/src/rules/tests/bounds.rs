@@ -125,9 +125,10 @@ fn finished_runs_leave_memory_after_the_retention_window_and_stay_counted() {
     world.tick();
     assert!(world.machine.run(&run_id).is_none(), "evicted after it");
     assert_eq!(world.machine.runs_in_memory(), 0);
-    let metrics = world.machine.metrics();
+    let metrics = world.machine.metrics(world.now);
     assert_eq!(metrics.runs.get(&(RunState::Exited, Some(RunPath::Warm))), Some(&1));
     assert_eq!(metrics.runs_in_memory, 0);
+    assert_eq!(metrics.start_times.submit_to_start[&RunPath::Warm].count(), 1, "its start time stays counted");
     // Its agent's late calls are acknowledged and dropped: nothing grows.
     let late = Event::new("late", EventKind::Started);
     assert!(world.machine.event(world.now, &run_id, 1, late).is_empty());
@@ -136,7 +137,7 @@ fn finished_runs_leave_memory_after_the_retention_window_and_stay_counted() {
     // A restart loads no finished run, and counts them all the same.
     let restored = Rules::restore(config(1), Box::new(CountingMint::default()), world.snapshot(), world.now).0;
     assert_eq!(restored.runs_in_memory(), 0);
-    assert_eq!(restored.metrics().runs.get(&(RunState::Exited, Some(RunPath::Warm))), Some(&1));
+    assert_eq!(restored.metrics(world.now).runs.get(&(RunState::Exited, Some(RunPath::Warm))), Some(&1));
 }
 
 #[test]

@@ -20,6 +20,7 @@ fn a_committed_standby_that_exits_before_confirming_is_written_off_and_the_run_r
     assert_eq!(record.attempts[1].path, RunPath::Cold, "one pre-warmed attempt only, though a standby is ready");
     assert_eq!(record.state, RunState::Committed);
     assert_eq!(launches(&step).len(), 2, "the cold sandbox and the pool's replacement");
+    assert_eq!(world.machine.metrics(world.now).lost, LostRuns::default(), "requeued, not lost");
 }
 
 #[test]
@@ -39,6 +40,7 @@ fn a_sandbox_that_dies_after_confirmation_fails_its_run_rather_than_run_it_twice
         launches(&step).iter().all(|l| world.sandbox(&l.sandbox_id).kind == SandboxKind::Warm),
         "no cold sandbox for it"
     );
+    assert_eq!(world.machine.metrics(world.now).lost, LostRuns { before_start: 1, after_start: 0 }, "counted lost");
 }
 
 #[test]
@@ -51,6 +53,7 @@ fn a_run_whose_sandbox_dies_while_running_fails() {
     let record = world.run(&run_id);
     assert_eq!(record.state, RunState::Failed);
     assert_eq!(record.attempts.len(), 1, "a started run is never started again");
+    assert_eq!(world.machine.metrics(world.now).lost, LostRuns { before_start: 0, after_start: 1 }, "counted lost");
 }
 
 #[test]
@@ -69,7 +72,7 @@ fn a_restart_probes_sandboxes_and_resumes_stopped_standbys_with_a_new_credential
     let snapshot = world.snapshot();
     let (mut machine, step) = Rules::restore(config(1), Box::new(CountingMint::starting_at(1000)), snapshot, world.now);
     assert!(machine.run(&done).is_none(), "a finished run is not loaded");
-    assert_eq!(machine.metrics().runs.get(&(RunState::Exited, Some(RunPath::Warm))), Some(&1), "but counted");
+    assert_eq!(machine.metrics(world.now).runs.get(&(RunState::Exited, Some(RunPath::Warm))), Some(&1), "but counted");
     let probes: Vec<&Effect> = step.effects.iter().filter(|e| matches!(e, Effect::Probe { .. })).collect();
     assert_eq!(probes.len(), 1, "only the live standby is probed: {probes:?}");
     assert!(launches(&step).is_empty(), "the live standby still counts for the pool");
