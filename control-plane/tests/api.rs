@@ -15,7 +15,7 @@ use standby_control_plane::rules::{Input, RunBounds};
 use standby_control_plane::seal::SealKey;
 use standby_control_plane::server::{RunningServer, ServerConfig, start};
 use standby_control_plane::store::{SqliteStore, Store};
-use standby_protocol::{LogChunk, LogReceived, Secret, ServerMessage, Spec, Workspace};
+use standby_protocol::{LogChunk, LogReceived, Secret, ServerMessage, Spec};
 use tokio::sync::{mpsc, oneshot};
 use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 use tokio_tungstenite::tungstenite::{self, Message};
@@ -91,13 +91,7 @@ async fn harness_with(pool_size: usize, store: Arc<dyn Store>, found: Found, hea
     let _ = rustls::crypto::ring::default_provider().install_default();
     let (tx, launches) = mpsc::unbounded_channel();
     let provider = Arc::new(FakeProvider { launches: tx, running: Mutex::new(HashMap::new()), found });
-    let spec = Spec {
-        workspace: Workspace::default(),
-        mcp_servers: Vec::new(),
-        mcp_client_capabilities: None,
-        shell: None,
-        deadline: None,
-    };
+    let spec = Spec::default();
     let mut config = ServerConfig::new(Secret::new(KEY), spec);
     config.pool_size = pool_size;
     config.heartbeat_interval = heartbeat;
@@ -111,13 +105,7 @@ async fn configured(change: impl FnOnce(&mut ServerConfig)) -> Harness {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let (tx, launches) = mpsc::unbounded_channel();
     let provider = Arc::new(FakeProvider { launches: tx, running: Mutex::new(HashMap::new()), found: Found::NoAgent });
-    let spec = Spec {
-        workspace: Workspace::default(),
-        mcp_servers: Vec::new(),
-        mcp_client_capabilities: None,
-        shell: None,
-        deadline: None,
-    };
+    let spec = Spec::default();
     let mut config = ServerConfig::new(Secret::new(KEY), spec);
     config.pool_size = 1;
     change(&mut config);
@@ -547,13 +535,7 @@ async fn bounded(store: Arc<dyn Store>, bounds: RunBounds) -> Harness {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let (tx, launches) = mpsc::unbounded_channel();
     let provider = Arc::new(FakeProvider { launches: tx, running: Mutex::new(HashMap::new()), found: Found::NoAgent });
-    let spec = Spec {
-        workspace: Workspace::default(),
-        mcp_servers: Vec::new(),
-        mcp_client_capabilities: None,
-        shell: None,
-        deadline: None,
-    };
+    let spec = Spec::default();
     let mut config = ServerConfig::new(Secret::new(KEY), spec);
     config.pool_size = 0;
     config.linger = Duration::from_millis(100);

@@ -122,15 +122,8 @@ impl Prometheus {
     /// Polls until `check` gives a value (Prometheus scrapes and evaluates
     /// on its own clock: no event tells the test); panics with its log on
     /// timeout.
-    pub async fn until<T>(&self, what: &str, timeout: Duration, mut check: impl AsyncFnMut() -> Option<T>) -> T {
-        let deadline = tokio::time::Instant::now() + timeout;
-        loop {
-            if let Some(value) = check().await {
-                return value;
-            }
-            assert!(tokio::time::Instant::now() < deadline, "timed out waiting for {what}\n{}", self.logs());
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
+    pub async fn until<T>(&self, what: &str, timeout: Duration, check: impl AsyncFnMut() -> Option<T>) -> T {
+        crate::server_process::poll(what, timeout, Duration::from_millis(200), check, || self.logs()).await
     }
 
     /// The tail of its log, for failures.

@@ -512,15 +512,8 @@ impl ServerProcess {
 
     /// Polls until `check` gives a value (a cross-process condition raises
     /// no event here); panics with the server's log on timeout.
-    pub async fn until<T>(&self, what: &str, timeout: Duration, mut check: impl AsyncFnMut() -> Option<T>) -> T {
-        let deadline = tokio::time::Instant::now() + timeout;
-        loop {
-            if let Some(value) = check().await {
-                return value;
-            }
-            assert!(tokio::time::Instant::now() < deadline, "timed out waiting for {what}\n{}", self.logs());
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+    pub async fn until<T>(&self, what: &str, timeout: Duration, check: impl AsyncFnMut() -> Option<T>) -> T {
+        poll(what, timeout, Duration::from_millis(50), check, || self.logs()).await
     }
 
     /// SIGKILL, without waiting for anything but the process to be gone:
@@ -606,5 +599,24 @@ impl Drop for ServerProcess {
                 let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
             }
         }
+    }
+}
+
+/// Polls `check` every `every` until it gives a value; after `timeout`,
+/// panics naming `what`, with `context()` (a log) for the failure.
+pub async fn poll<T>(
+    what: &str,
+    timeout: Duration,
+    every: Duration,
+    mut check: impl AsyncFnMut() -> Option<T>,
+    context: impl Fn() -> String,
+) -> T {
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        if let Some(value) = check().await {
+            return value;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for {what}\n{}", context());
+        tokio::time::sleep(every).await;
     }
 }

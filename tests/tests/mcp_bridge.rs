@@ -15,11 +15,11 @@ use rmcp::model::CallToolRequestParams;
 use rmcp::service::{RoleClient, RunningService};
 use rmcp::transport::StreamableHttpClientTransport;
 use serde_json::{Value, json};
-use standby_e2e::harness::{FAKE_MCP_SERVER, assert_exit, event_kinds, write_json};
+use standby_e2e::harness::{FAKE_MCP_SERVER, assert_exit, event_kinds, ready_agent, write_json};
 use standby_e2e::server::ExecutionSetup;
 use standby_e2e::{AgentBuilder, AgentProcess, TestServer};
 use standby_protocol::layout::StateDir;
-use standby_protocol::{AgentState, EventKind, ExitCode};
+use standby_protocol::{EventKind, ExitCode};
 use tempfile::TempDir;
 
 /// Bound on every wait for the agent; generous because the machine is
@@ -104,14 +104,6 @@ fn run_client(dir: &Path, out: &Path, gate: Option<&Path>, calls: &Value) -> Exe
     ExecutionSetup::new(&["python3", &script, &out, &gate, &calls])
 }
 
-async fn ready_agent(server: &TestServer, token: &str, dir: &Path, spec: &Value) -> AgentProcess {
-    let path = dir.join("spec.json");
-    write_json(&path, spec);
-    let mut agent = AgentBuilder::new(&server.url(), token).spec_file(&path).heartbeat_interval("200ms").spawn();
-    agent.watch(server.wait_for_heartbeat(|heartbeat| heartbeat.state == AgentState::Ready)).await;
-    agent
-}
-
 fn mcp_config(agent: &AgentProcess) -> Value {
     let path = StateDir::of(agent.workspace()).mcp_config();
     let text = std::fs::read_to_string(&path).unwrap_or_else(|error| panic!("read {}: {error}", path.display()));
@@ -172,7 +164,7 @@ async fn a_stdio_server_keeps_its_url_and_session_and_gets_mcp_env_at_assignment
         {"name": "web", "command": ["python3", web_script.display().to_string(), web_port.to_string()],
          "transport": "http", "url": web_url},
     ]});
-    let mut agent = ready_agent(&server, &token, dir.path(), &spec).await;
+    let mut agent = ready_agent(&server, &token, dir.path(), &spec, |agent| agent).await;
 
     // In standby: mcp.json lists both servers, and the stdio one answers at
     // its URL, to the official SDK's client.
@@ -255,7 +247,7 @@ async fn a_server_that_crashes_mid_run_does_not_take_the_agent_down() {
         stdio_server("crashy", &json!({"WHO": "crashy"})),
         stdio_server("steady", &json!({"WHO": "steady"})),
     ]});
-    let mut agent = ready_agent(&server, &token, dir.path(), &spec).await;
+    let mut agent = ready_agent(&server, &token, dir.path(), &spec, |agent| agent).await;
     let out = dir.path().join("answers.json");
     let calls = json!([
         ["crashy", "env", {"name": "WHO"}],

@@ -28,11 +28,11 @@ use rmcp::transport::StreamableHttpClientTransport;
 use rmcp::{ClientHandler, ErrorData, ServiceExt};
 use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
-use standby_e2e::harness::{MCP_PY_DIR, assert_exit, event_kinds, mcp_python, write_json};
+use standby_e2e::harness::{MCP_PY_DIR, assert_exit, event_kinds, mcp_python, ready_agent};
 use standby_e2e::server::ExecutionSetup;
-use standby_e2e::{AgentBuilder, AgentProcess, TestServer};
+use standby_e2e::{AgentProcess, TestServer};
 use standby_protocol::layout::StateDir;
-use standby_protocol::{AgentState, EventKind, ExitCode};
+use standby_protocol::{EventKind, ExitCode};
 use tempfile::TempDir;
 
 /// Bound on every wait; generous because the machine is shared with
@@ -54,14 +54,6 @@ fn sdk_server(python: &Path, name: &str, extra: &Value) -> Value {
         server.extend(extra.clone());
     }
     server
-}
-
-async fn ready_agent(server: &TestServer, token: &str, dir: &Path, spec: &Value) -> AgentProcess {
-    let path = dir.join("spec.json");
-    write_json(&path, spec);
-    let mut agent = AgentBuilder::new(&server.url(), token).spec_file(&path).heartbeat_interval("200ms").spawn();
-    agent.watch(server.wait_for_heartbeat(|heartbeat| heartbeat.state == AgentState::Ready)).await;
-    agent
 }
 
 fn listed_url(agent: &AgentProcess, name: &str) -> String {
@@ -211,7 +203,7 @@ async fn sampling_roots_and_elicitation_reach_the_client_that_declared_them() {
         sdk_server(&python, "caps", &json!({})),
         sdk_server(&python, "none", &json!({"client_capabilities": [], "workspace_root": false})),
     ]});
-    let mut agent = ready_agent(&server, &token, dir.path(), &spec).await;
+    let mut agent = ready_agent(&server, &token, dir.path(), &spec, |agent| agent).await;
     let url = listed_url(&agent, "caps");
 
     // The bridge declares all three by default: a server that checks lists
@@ -313,7 +305,7 @@ async fn a_client_that_never_answers_and_a_flood_of_requests_are_bounded() {
     let dir = scratch();
     let token = server.add_standby();
     let spec = json!({"workspace": {}, "mcp_servers": [sdk_server(&python, "caps", &json!({}))]});
-    let mut agent = ready_agent(&server, &token, dir.path(), &spec).await;
+    let mut agent = ready_agent(&server, &token, dir.path(), &spec, |agent| agent).await;
     let url = listed_url(&agent, "caps");
     let silent = Harness::new("silent", Answers::Never);
     let client = agent.watch(rmcp_client(&url, silent.clone())).await;
