@@ -230,12 +230,6 @@ pub fn resolvers(resolv_conf: &str) -> Vec<Ipv4Addr> {
         .collect()
 }
 
-/// Whether `address` is public by [`NOT_PUBLIC`]: what `public` lets a
-/// sandbox reach.
-pub fn is_public(address: Ipv4Addr) -> bool {
-    !NOT_PUBLIC.iter().any(|range| range.parse::<Ipv4Net>().is_ok_and(|net| net.contains(&address)))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -243,6 +237,11 @@ mod tests {
     fn policy(egress: Egress, allow: &[&str]) -> Policy {
         let allow = allow.iter().map(|entry| entry.parse().expect("an allow entry")).collect();
         Policy { egress, allow, resolvers: vec![Ipv4Addr::new(10, 0, 0, 2)] }
+    }
+
+    /// Whether `address` lies outside every range of [`NOT_PUBLIC`].
+    fn is_public(address: Ipv4Addr) -> bool {
+        !NOT_PUBLIC.iter().any(|range| range.parse::<Ipv4Net>().is_ok_and(|net| net.contains(&address)))
     }
 
     fn joined(rules: &[Vec<String>]) -> Vec<String> {
