@@ -6,6 +6,7 @@
 //! servers and the shell, close the control socket, kill and reap anything
 //! left, exit.
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -28,6 +29,7 @@ use crate::mcp::McpSupervisor;
 use crate::reconnect::BACKOFF_CAP;
 use crate::redact::Redactor;
 use crate::shell::{IdleShell, RunGroup, ShellError};
+use crate::telemetry::{Measured, RunTrace};
 use crate::{prepare, process, reaper, time};
 
 /// Grace for stray children at exit.
@@ -114,6 +116,10 @@ struct Driver {
     install: Option<InstallTask>,
     installed: Option<Installed>,
     started: Option<Started>,
+    /// The span exporter (`STANDBY_OTLP_ENDPOINT`); `None`: nothing traced.
+    exporter: Option<standby_otlp::Exporter>,
+    /// Where the run's spans go, once assigned (only with an exporter).
+    trace: Option<RunTrace>,
 }
 
 impl Driver {
@@ -123,6 +129,13 @@ impl Driver {
         let start = Instant::now();
         let standby_deadline =
             config.deadline.map(|d| time::deadline_instant(d, start, start, std::time::SystemTime::now()));
+        // Tracing never stops an agent: a client that cannot be built is
+        // a warning and no spans.
+        let exporter = config.otlp_traces_url.as_ref().and_then(|url| {
+            crate::telemetry::exporter(url, &tls)
+                .inspect_err(|error| tracing::warn!(error, "no spans will be exported"))
+                .ok()
+        });
         let timeouts = Timeouts {
             standby_deadline,
             prepare_deadline: Some(time::after(start, config.prepare_timeout)),
@@ -144,6 +157,8 @@ impl Driver {
             install: None,
             installed: None,
             started: None,
+            exporter,
+            trace: None,
         })
     }
 
@@ -260,6 +275,12 @@ impl Driver {
         self.wind_down(report).await;
         let _ = control_stop_tx.send(true);
         let _ = control.await;
+        if let Some(exporter) = self.exporter.take() {
+            let dropped = exporter.shutdown().await;
+            if dropped > 0 {
+                tracing::warn!(dropped, "spans were not exported: the OTLP endpoint failed or did not answer in time");
+            }
+        }
         tracing::info!(exit = %exit, "standby exiting");
         exit
     }
@@ -294,6 +315,11 @@ impl Driver {
                     tracing::error!("install requested before preparation finished");
                     return None;
                 };
+                if self.exporter.is_some() {
+                    let anchor = (Instant::now(), std::time::SystemTime::now());
+                    let context = assignment.trace_context.as_ref();
+                    self.trace = Some(RunTrace::new(&assignment.execution_id, context, anchor));
+                }
                 let input = InstallInput {
                     api: self.api.clone(),
                     credential: assignment.run_credential.clone(),
@@ -364,7 +390,12 @@ impl Driver {
         let mut run = replaced.map_err(|e| InstallFailure::start_failed(&installed.argv[0], &e))?;
         let started_at = Instant::now();
         let group = run.group();
-        self.log_timing(&execution_id, &installed, started_at.duration_since(spawning), started_at);
+        let timing = self.log_timing(&execution_id, &installed, started_at.duration_since(spawning), started_at);
+        if let (Some(exporter), Some(trace)) = (&self.exporter, &self.trace) {
+            let confirm = self.assigned_at.zip(self.confirmed_at);
+            let measured = Measured { confirm, steps: &installed.steps, spawn: (spawning, started_at) };
+            trace.spans(&measured).into_iter().for_each(|span| exporter.tracer().emit(span));
+        }
 
         let redactor = Redactor::new(installed.secrets.iter().map(Secret::expose).chain([self.config.token.expose()]));
         let output = run.take_output();
@@ -384,7 +415,8 @@ impl Driver {
         let started_event = tokio::spawn({
             let (api, id, timeout) = (self.api.clone(), execution_id.clone(), self.config.event_timeout);
             async move {
-                if let Err(e) = report(&api, &credential, &id, EventKind::Started, 0, timeout).await {
+                let started = new_event(&id, EventKind::Started).with_install_timing(timing);
+                if let Err(e) = report(&api, &credential, &id, started, timeout).await {
                     tracing::warn!(execution_id = id, error = %e, "`started` was not acknowledged");
                 }
             }
@@ -396,25 +428,44 @@ impl Driver {
 
     /// One line with the duration of every install step, the confirmation,
     /// the spawn on the prepared terminal and the critical path from
-    /// assignment to start.
-    fn log_timing(&self, execution_id: &str, installed: &Installed, spawn: Duration, started_at: Instant) {
+    /// assignment to start, in milliseconds to a tenth (a warm start is a
+    /// few of them); the same, in microseconds by name, for the `started`
+    /// event (contract 1.3, `install_us`).
+    fn log_timing(
+        &self,
+        execution_id: &str,
+        installed: &Installed,
+        spawn: Duration,
+        started_at: Instant,
+    ) -> BTreeMap<String, u64> {
         let since_assignment = |at: Option<Instant>| at.zip(self.assigned_at).map(|(at, from)| at.duration_since(from));
+        let micros = |took: Duration| u64::try_from(took.as_micros()).unwrap_or(u64::MAX);
+        let mut timing: BTreeMap<String, u64> =
+            installed.steps.iter().map(|timed| (timed.stage.name().to_owned(), micros(timed.took))).collect();
+        timing.insert("spawn".to_owned(), micros(spawn));
+        if let Some(confirm) = since_assignment(self.confirmed_at) {
+            timing.insert("confirm".to_owned(), micros(confirm));
+        }
+        if let Some(critical_path) = since_assignment(Some(started_at)) {
+            timing.insert("critical_path".to_owned(), micros(critical_path));
+        }
         let steps = installed
             .steps
             .iter()
-            .map(|(name, took)| format!("{name}={}ms", took.as_millis()))
+            .map(|timed| format!("{}={}ms", timed.stage, tenths_ms(timed.took)))
             .collect::<Vec<_>>()
             .join(" ");
         tracing::info!(
             execution_id,
-            confirm_ms = since_assignment(self.confirmed_at).map(|d| d.as_millis() as u64),
-            spawn_ms = spawn.as_millis() as u64,
-            critical_path_ms = since_assignment(Some(started_at)).map(|d| d.as_millis() as u64),
+            confirm_ms = since_assignment(self.confirmed_at).map(tenths_ms),
+            spawn_ms = tenths_ms(spawn),
+            critical_path_ms = since_assignment(Some(started_at)).map(tenths_ms),
             plan = ?self.config.install_plan,
             steps,
             degraded = ?installed.degraded,
             "run started"
         );
+        timing
     }
 
     /// The common end: report, stop everything this life started.
@@ -462,7 +513,8 @@ impl Driver {
         }
         if let (Some(kind), Some((execution_id, credential))) = (report_kind, &self.run_credential) {
             let name = kind.name();
-            match report(&self.api, credential, execution_id, kind, log_lost, self.config.event_timeout).await {
+            let event = new_event(execution_id, kind).with_log_lost(log_lost);
+            match report(&self.api, credential, execution_id, event, self.config.event_timeout).await {
                 Ok(()) => tracing::info!(execution_id, event = name, "reported"),
                 Err(e) => tracing::error!(execution_id, event = name, error = %e, "report was not acknowledged"),
             }
@@ -476,22 +528,29 @@ impl Driver {
     }
 }
 
+/// A duration in milliseconds, rounded to a tenth.
+fn tenths_ms(took: Duration) -> f64 {
+    (took.as_micros() as f64 / 100.0).round() / 10.0
+}
+
 /// Posts an event until it is acknowledged, keeping its `event_id` across
 /// retries, for at most `timeout`. A final event carries `log_lost`, the
 /// bytes of the run's output the shipper gave up on (contract 1.1 note 10).
 /// A try unanswered for [`logship::ATTEMPT_BOUND`] is made again on new
 /// connections ([`Api::fresh`]), as a log chunk is: pooled connections
 /// that died silently must not hold the run's end for minutes.
+/// An event of the run with an id of its own, kept by its retries.
+fn new_event(execution_id: &str, kind: EventKind) -> Event {
+    Event::new(format!("{execution_id}-{}-{:016x}", kind.name(), rand::random::<u64>()), kind)
+}
+
 async fn report(
     api: &Api,
     credential: &Secret,
     execution_id: &str,
-    kind: EventKind,
-    log_lost: u64,
+    event: Event,
     timeout: Duration,
 ) -> Result<(), ApiError> {
-    let event = Event::new(format!("{execution_id}-{}-{:016x}", kind.name(), rand::random::<u64>()), kind)
-        .with_log_lost(log_lost);
     let path = paths::events(execution_id);
     let call = format!("POST {path}");
     let deadline = time::after(Instant::now(), timeout);
@@ -524,7 +583,9 @@ async fn prepare_all(
     };
     let _ = events.send(PrepEvent::SpecLoaded(Box::new(spec.clone()))).await;
     let root = &config.workspace;
-    let workspace = prepare::prepare(root, &spec.workspace).await.map_err(|e| PrepFailure::Failed(e.to_string()))?;
+    let workspace = prepare::prepare(root, &spec.workspace, config.snapshot.as_deref())
+        .await
+        .map_err(|e| PrepFailure::Failed(e.to_string()))?;
     let mcp = McpSupervisor::start(&spec.mcp_servers_with_defaults(), root, config.mcp_ready_timeout)
         .await
         .map_err(|e| PrepFailure::Failed(e.to_string()))?;

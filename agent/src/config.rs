@@ -81,6 +81,13 @@ pub struct Args {
           value_parser = parse_duration)]
     pub(crate) prepare_timeout: Duration,
 
+    /// The snapshot this sandbox's filesystem was made from, set by a
+    /// provider that makes sandboxes from a snapshot of a prepared one: a
+    /// workspace prepared there is refreshed once (its clones moved to
+    /// their refs' heads) instead of used as it is.
+    #[arg(long, env = vars::SNAPSHOT, value_name = "ID")]
+    pub(crate) snapshot: Option<String>,
+
     /// After a cancel or SIGTERM, how long the run has between SIGTERM and SIGKILL.
     #[arg(long, env = "STANDBY_CANCEL_GRACE", value_name = "DURATION", default_value = "10s",
           value_parser = parse_duration)]
@@ -119,6 +126,14 @@ pub struct Args {
     /// no certificate: exit 2.
     #[arg(long, env = "STANDBY_CA_FILE", value_name = "FILE")]
     pub(crate) ca_file: Option<PathBuf>,
+
+    /// An OTLP/HTTP endpoint (`http(s)://collector:4318`; `/v1/traces` is
+    /// appended unless the path ends with it): the install's spans are
+    /// exported there, joined to the server's trace of the run. Unset:
+    /// nothing is traced. Plain http is allowed anywhere: spans hold no
+    /// credential.
+    #[arg(long, env = vars::OTLP_ENDPOINT, value_name = "URL")]
+    pub(crate) otlp_endpoint: Option<String>,
 
     /// Run the install steps one after another (benchmarking only).
     #[arg(long, env = "STANDBY_INSTALL_PLAN", value_name = "PLAN", default_value = "parallel", hide = true)]
@@ -178,6 +193,8 @@ pub struct Config {
     pub(crate) confirm_timeout: Duration,
     pub(crate) install_timeout: Duration,
     pub(crate) prepare_timeout: Duration,
+    /// `STANDBY_SNAPSHOT`; an empty value counts as unset.
+    pub(crate) snapshot: Option<String>,
     pub(crate) cancel_grace: Duration,
     pub(crate) mcp_ready_timeout: Duration,
     pub(crate) event_timeout: Duration,
@@ -187,6 +204,9 @@ pub struct Config {
     pub(crate) insecure: bool,
     /// Extra trusted CA certificates (`STANDBY_CA_FILE`), loaded by [`crate::tls`].
     pub ca_file: Option<PathBuf>,
+    /// Where spans go (`STANDBY_OTLP_ENDPOINT`, as a traces URL); `None`:
+    /// no exporter is made.
+    pub(crate) otlp_traces_url: Option<Url>,
 }
 
 /// A setting that failed validation; the agent exits 2 with this message.
@@ -209,6 +229,11 @@ impl Args {
             }
         };
         let socket_url = socket_url(&server_url);
+        let otlp_traces_url =
+            self.otlp_endpoint.as_deref().map(standby_otlp::traces_url).transpose().map_err(|e| ConfigError {
+                setting: "STANDBY_OTLP_ENDPOINT (--otlp-endpoint)",
+                problem: e.to_string(),
+            })?;
         if self.heartbeat_interval.is_zero() {
             return Err(ConfigError {
                 setting: "STANDBY_HEARTBEAT_INTERVAL (--heartbeat-interval)",
@@ -226,6 +251,7 @@ impl Args {
             confirm_timeout: self.confirm_timeout,
             install_timeout: self.install_timeout,
             prepare_timeout: self.prepare_timeout,
+            snapshot: self.snapshot.filter(|id| !id.is_empty()),
             cancel_grace: self.cancel_grace,
             mcp_ready_timeout: self.mcp_ready_timeout,
             event_timeout: self.event_timeout,
@@ -233,6 +259,7 @@ impl Args {
             log_spool_max: self.log_spool_max,
             insecure: self.insecure,
             ca_file: self.ca_file,
+            otlp_traces_url,
         })
     }
 }
@@ -319,6 +346,19 @@ mod tests {
         assert_eq!(api.url(standby_protocol::SPEC_PATH), "https://cp.example/base/v1/standby/spec");
         let config = args(&["--server-url", "http://127.0.0.1:8080"]).expect("valid");
         assert_eq!(config.socket_url.as_str(), "ws://127.0.0.1:8080/ws");
+    }
+
+    /// No endpoint: no traces URL, so no exporter is ever made. One is a
+    /// traces URL (plain http allowed anywhere: spans hold no credential);
+    /// a bad one is refused naming the setting.
+    #[test]
+    fn the_otlp_endpoint_is_optional_and_checked() {
+        let base = ["--server-url", "http://127.0.0.1:1"];
+        assert_eq!(args(&base).expect("valid").otlp_traces_url, None);
+        let config = args(&[&base[..], &["--otlp-endpoint", "http://10.0.0.9:4318"]].concat()).expect("valid");
+        assert_eq!(config.otlp_traces_url.map(String::from).as_deref(), Some("http://10.0.0.9:4318/v1/traces"));
+        let error = args(&[&base[..], &["--otlp-endpoint", "udp://c:4318"]].concat()).expect_err("refused");
+        assert!(error.contains("STANDBY_OTLP_ENDPOINT") && error.contains("udp://c:4318"), "{error}");
     }
 
     #[test]

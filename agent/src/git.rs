@@ -20,6 +20,7 @@ use tokio::process::Command;
 use crate::process::{child_env, register, unregister};
 
 mod clean;
+mod watch;
 
 pub use clean::Snapshot;
 
@@ -422,6 +423,43 @@ pub async fn refresh_index(dest: &Path) -> Result<(), GitError> {
     git.run("update-index", &["update-index", "-q", "--refresh"]).await.map(drop)
 }
 
+/// Whether the checkout in `dest` is still as a preparation left it: at
+/// `sha`, with no tracked file changed (untracked files, such as a setup
+/// step's output, do not count). `git status` also brings the index's stat
+/// data up to date where it can write it, which a checkout made in another
+/// container (other inode numbers, other change times) needs anyway.
+pub async fn untouched_at(dest: &Path, sha: &str) -> Result<bool, GitError> {
+    let no_env = BTreeMap::new();
+    let git = Git { url: "the checkout", dir: dest, extra_env: &no_env };
+    let head = git.run("rev-parse", &["rev-parse", "HEAD"]).await?;
+    if git.sha("rev-parse", head)? != sha {
+        return Ok(false);
+    }
+    let status = git.run("status", &["status", "--porcelain", "--untracked-files=no"]).await?;
+    Ok(status.trim().is_empty())
+}
+
+/// The files that differ between the commits `from` and `to` of the clone
+/// in `dest`, relative to the clone (a rename lists both names): which
+/// declared setup inputs a refresh touched.
+pub async fn changed_files(dest: &Path, from: &str, to: &str) -> Result<Vec<String>, GitError> {
+    let no_env = BTreeMap::new();
+    let git = Git { url: "the checkout", dir: dest, extra_env: &no_env };
+    // NUL-separated and untrimmed: a file name may hold any other byte.
+    let output = git.output("diff", &["diff", "--name-only", "--no-renames", "-z", from, to, "--"]).await?;
+    if !output.status.success() {
+        return Err(GitError::Failed {
+            op: "diff".to_owned(),
+            url: git.redacted_url(),
+            path: dest.to_path_buf(),
+            status: describe_status(output.status),
+            stderr: git.stderr_tail(&output.stderr),
+        });
+    }
+    let names = output.stdout.split(|byte| *byte == 0).filter(|name| !name.is_empty());
+    Ok(names.map(|name| String::from_utf8_lossy(name).into_owned()).collect())
+}
+
 /// The commit checked out in `dest`.
 pub async fn head_sha(dest: &Path) -> Result<String, GitError> {
     let no_env = BTreeMap::new();
@@ -450,6 +488,23 @@ pub(crate) mod tests {
             .expect("git runs");
         assert!(output.status.success(), "git {args:?} failed: {}", String::from_utf8_lossy(&output.stderr));
         String::from_utf8_lossy(&output.stdout).trim().to_owned()
+    }
+
+    /// The files two commits differ in, both names of a rename among them;
+    /// a commit the clone does not have is an error (the snapshot's refresh
+    /// then runs every setup step again).
+    #[tokio::test]
+    async fn changed_files_lists_a_rename_by_both_names_and_fails_on_an_unknown_commit() {
+        let upstream = Upstream::new();
+        let before = upstream.commit("docs/a.md", "a");
+        git(upstream.dir.path(), &["mv", "docs/a.md", "docs/b.md"]);
+        git(upstream.dir.path(), &["commit", "--quiet", "-m", "renamed"]);
+        let after = upstream.commit("deps.lock", "pinned");
+        let mut changed = changed_files(upstream.dir.path(), &before, &after).await.expect("a diff");
+        changed.sort();
+        assert_eq!(changed, ["deps.lock", "docs/a.md", "docs/b.md"]);
+        let unknown = "0".repeat(40);
+        assert!(changed_files(upstream.dir.path(), &unknown, &after).await.is_err());
     }
 
     /// Amendment 4: a git transfer that makes no progress for 60 s fails.
@@ -483,7 +538,9 @@ pub(crate) mod tests {
 
         /// Commits `content` into `file` on the current branch; its SHA.
         pub(crate) fn commit(&self, file: &str, content: &str) -> String {
-            std::fs::write(self.dir.path().join(file), content).expect("writable");
+            let path = self.dir.path().join(file);
+            std::fs::create_dir_all(path.parent().expect("a file has a folder")).expect("writable");
+            std::fs::write(path, content).expect("writable");
             git(self.dir.path(), &["add", file]);
             git(self.dir.path(), &["commit", "--quiet", "-m", content]);
             git(self.dir.path(), &["rev-parse", "HEAD"])

@@ -21,23 +21,9 @@ use crate::paths::resolve_inside;
 /// `repos`. Best effort: a file that cannot be removed is logged (by path,
 /// never by content) and the rest are still removed.
 pub(crate) async fn remove_run_files(root: &Path, repos: &[Repo]) {
-    let state_dir = StateDir::of(root);
-    let store = state_dir.git_credentials();
-    let files = [state_dir.metadata_file(), store.clone()];
-    for file in &files {
-        match tokio::fs::remove_file(file).await {
-            Ok(()) => tracing::debug!(file = %file.display(), "run file removed"),
-            Err(e) if e.kind() == ErrorKind::NotFound => {}
-            Err(e) => tracing::warn!(file = %file.display(), error = %e, "cannot remove a run file"),
-        }
-    }
-    let dir = state_dir.attachments_dir();
-    match tokio::fs::remove_dir_all(&dir).await {
-        Ok(()) => tracing::debug!(dir = %dir.display(), "attachments removed"),
-        Err(e) if e.kind() == ErrorKind::NotFound => {}
-        Err(e) => tracing::warn!(dir = %dir.display(), error = %e, "cannot remove the attachments"),
-    }
-    let needle = store.display().to_string();
+    let owned = root.to_path_buf();
+    let _ = crate::process::off_runtime(move || remove_files(&owned)).await;
+    let needle = StateDir::of(root).git_credentials().display().to_string();
     for repo in repos {
         let Ok(dest) = resolve_inside(root, &repo.path) else {
             continue;
@@ -52,6 +38,25 @@ pub(crate) async fn remove_run_files(root: &Path, repos: &[Repo]) {
             }
             Err(e) => tracing::warn!(path = repo.path, error = %e, "cannot clean the repository's credential helpers"),
         }
+    }
+}
+
+/// The files of [`remove_run_files`], without the repos' configuration:
+/// blocking, for a caller already off the runtime.
+pub(crate) fn remove_files(root: &Path) {
+    let state_dir = StateDir::of(root);
+    for file in [state_dir.metadata_file(), state_dir.git_credentials()] {
+        match std::fs::remove_file(&file) {
+            Ok(()) => tracing::debug!(file = %file.display(), "run file removed"),
+            Err(e) if e.kind() == ErrorKind::NotFound => {}
+            Err(e) => tracing::warn!(file = %file.display(), error = %e, "cannot remove a run file"),
+        }
+    }
+    let dir = state_dir.attachments_dir();
+    match std::fs::remove_dir_all(&dir) {
+        Ok(()) => tracing::debug!(dir = %dir.display(), "attachments removed"),
+        Err(e) if e.kind() == ErrorKind::NotFound => {}
+        Err(e) => tracing::warn!(dir = %dir.display(), error = %e, "cannot remove the attachments"),
     }
 }
 

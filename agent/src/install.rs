@@ -19,6 +19,7 @@
 
 use std::collections::{BTreeMap, HashSet};
 use std::future::Future;
+use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::Duration;
@@ -36,7 +37,7 @@ use crate::config::InstallPlan;
 use crate::git::Snapshot;
 use crate::lifecycle::InstallFailure;
 use crate::mcp::McpSupervisor;
-use crate::paths::{resolve_inside, write_run_file};
+use crate::paths::{resolve_inside, write_run_file, write_run_file_now};
 use crate::shell::IdleShell;
 
 mod attachments;
@@ -78,8 +79,9 @@ pub struct Installed {
     pub env: BTreeMap<String, String>,
     /// Every secret value the run received, for redaction of its output.
     pub secrets: Vec<Secret>,
-    /// Duration of each step, in the order they finished.
-    pub steps: Vec<(Stage, Duration)>,
+    /// Each step's timing, in the order they finished: what the `run
+    /// started` line logs and the install spans are made of.
+    pub steps: Vec<Timed>,
     /// Why MCP servers failed to restart, one message each (the run is degraded).
     pub degraded: Vec<String>,
 }
@@ -93,9 +95,20 @@ struct Fetched {
     git_passwords: Vec<Secret>,
 }
 
-/// How long each step took: a step is named by the stage its failure
-/// would report.
-struct Steps(Mutex<Vec<(Stage, Duration)>>);
+/// One step's timing: a step is named by the stage its failure would
+/// report.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Timed {
+    pub stage: Stage,
+    /// When its (first) part began.
+    pub start: Instant,
+    /// How long it took: a stage timed in parts (the refresh: its clean
+    /// check, then git) is the sum of its parts.
+    pub took: Duration,
+}
+
+/// How long each step took.
+struct Steps(Mutex<Vec<Timed>>);
 
 impl Steps {
     async fn time<T>(&self, stage: Stage, step: impl Future<Output = T>) -> T {
@@ -103,16 +116,14 @@ impl Steps {
         let value = step.await;
         let took = start.elapsed();
         let mut steps = self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        // A stage timed in parts (the refresh: its clean check, then git)
-        // is reported as their sum.
-        match steps.iter_mut().find(|(timed, _)| *timed == stage) {
-            Some((_, total)) => *total += took,
-            None => steps.push((stage, took)),
+        match steps.iter_mut().find(|timed| timed.stage == stage) {
+            Some(timed) => timed.took += took,
+            None => steps.push(Timed { stage, start, took }),
         }
         value
     }
 
-    fn into_inner(self) -> Vec<(Stage, Duration)> {
+    fn into_inner(self) -> Vec<Timed> {
         self.0.into_inner().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 }
@@ -122,20 +133,14 @@ impl Steps {
 /// `kill_on_drop`), and nothing the run would do has happened.
 pub async fn install(input: &InstallInput, prepared: &mut Prepared) -> Result<Installed, InstallFailure> {
     let steps = Steps(Mutex::new(Vec::new()));
-    let state_dir = StateDir::of(&input.root);
-    // `.standby/` holds credentials; a repo checked out at the workspace
-    // root must never pick them up with `git add -A`. Written only when it
-    // is not already so (preparation left it, or an earlier turn).
-    let gitignore = state_dir.gitignore();
-    if tokio::fs::read(&gitignore).await.ok().as_deref() != Some(b"*\n".as_slice()) {
-        write_run_file(&gitignore, b"*\n", 0o644).await.map_err(|e| {
-            InstallFailure::new(Stage::Check, Cause::Sandbox, format!("writing {}: {e}", state_dir.path().display()))
+    let root = input.root.clone();
+    crate::process::off_runtime(move || state_dir_ready(&root))
+        .await
+        .unwrap_or_else(|| Err(io::Error::other("the task failed")))
+        .map_err(|e| {
+            let dir = StateDir::of(&input.root);
+            InstallFailure::new(Stage::Check, Cause::Sandbox, format!("writing {}: {e}", dir.path().display()))
         })?;
-    }
-    // A previous turn's agent may have been killed before its cleanup. Only
-    // the files, to keep git off the critical path: a helper entry left
-    // behind points at this run's store or at nothing.
-    crate::hygiene::remove_run_files(&input.root, &[]).await;
 
     let Prepared { shell, mcp, fingerprint: prepared_fingerprint, .. } = prepared;
     let mcp_restart = steps.time(Stage::Mcp, restart_mcp(mcp, &input.run.mcp_env));
@@ -191,6 +196,23 @@ pub async fn install(input: &InstallInput, prepared: &mut Prepared) -> Result<In
         steps: steps.into_inner(),
         degraded: failed_mcp,
     })
+}
+
+/// `.standby/` as a run finds it, in one trip off the runtime: ignored by
+/// git, and without an earlier run's files.
+fn state_dir_ready(root: &Path) -> io::Result<()> {
+    // `.standby/` holds credentials; a repo checked out at the workspace
+    // root must never pick them up with `git add -A`. Written only when it
+    // is not already so (preparation left it, or an earlier turn).
+    let gitignore = StateDir::of(root).gitignore();
+    if std::fs::read(&gitignore).ok().as_deref() != Some(b"*\n".as_slice()) {
+        write_run_file_now(&gitignore, b"*\n", 0o644)?;
+    }
+    // A previous turn's agent may have been killed before its cleanup. Only
+    // the files, to keep git off the critical path: a helper entry left
+    // behind points at this run's store or at nothing.
+    crate::hygiene::remove_files(root);
+    Ok(())
 }
 
 async fn restart_mcp(mcp: &mut McpSupervisor, mcp_env: &BTreeMap<String, String>) -> Vec<String> {
@@ -367,6 +389,17 @@ async fn still_clean(input: &InstallInput) -> HashSet<String> {
         let dest = resolve_inside(&input.root, &repo.path).ok()?;
         let (snapshot, path) = (snapshot.clone(), repo.path.clone());
         Some(async move {
+            // The watch armed at the end of preparation answers in constant
+            // time; only when it cannot is every tracked file read.
+            match snapshot.unchanged(&dest) {
+                Ok(()) => {
+                    tracing::debug!(path, "repo already at expected_sha and unchanged since preparation: no git");
+                    return Some(path);
+                }
+                Err(why) => {
+                    tracing::debug!(path, %why, "the watch cannot vouch for the clone: reading every tracked file")
+                }
+            }
             match tokio::task::spawn_blocking(move || snapshot.still_clean(&dest)).await {
                 Ok(Ok(())) => {
                     tracing::debug!(path, "repo already at expected_sha and clean: no git");

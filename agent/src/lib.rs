@@ -42,6 +42,7 @@ mod reaper;
 mod reconnect;
 pub mod redact;
 mod shell;
+mod telemetry;
 mod time;
 pub mod tls;
 mod urls;

@@ -307,7 +307,7 @@ impl Lifecycle {
 
     fn on_message(&mut self, now: Instant, credential: CredentialKind, message: ServerMessage) -> Vec<Action> {
         match message {
-            ServerMessage::Assignment(assignment) => self.on_assignment(now, credential, assignment),
+            ServerMessage::Assignment(assignment) => self.on_assignment(now, credential, *assignment),
             ServerMessage::Retired(retired) => match self.phase {
                 Phase::Waiting => {
                     tracing::info!(reason = retired.reason.as_deref().unwrap_or(""), "retired");
@@ -533,11 +533,12 @@ mod tests {
     }
 
     fn assignment(id: &str) -> ServerMessage {
-        ServerMessage::Assignment(Assignment {
+        ServerMessage::Assignment(Box::new(Assignment {
             execution_id: id.into(),
             run_credential: Secret::new(format!("cred-{id}")),
             run: Run { command: vec!["true".into()], ..Run::default() },
-        })
+            trace_context: None,
+        }))
     }
 
     fn server(credential: CredentialKind, message: ServerMessage) -> Input {

@@ -7,7 +7,8 @@ use std::io::{self, ErrorKind};
 use std::path::{Component, Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use tokio::io::AsyncWriteExt;
+use std::io::Write as _;
+use std::os::unix::fs::OpenOptionsExt as _;
 
 /// Why a path or file name from the server was refused.
 #[derive(Debug, thiserror::Error)]
@@ -137,6 +138,11 @@ pub async fn write_run_file(path: &Path, bytes: &[u8], mode: u32) -> io::Result<
     replace_file(path, bytes, mode, Durability::Volatile).await
 }
 
+/// [`write_run_file`], blocking: for a caller already off the runtime.
+pub fn write_run_file_now(path: &Path, bytes: &[u8], mode: u32) -> io::Result<()> {
+    replace_file_now(path, bytes, mode, Durability::Volatile)
+}
+
 /// Whether a replaced file must survive a crash of the machine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Durability {
@@ -144,7 +150,17 @@ enum Durability {
     Volatile,
 }
 
+/// One trip to the blocking pool for the whole replacement: each
+/// `tokio::fs` call is a trip of its own, and on the run's critical path
+/// five of them per file cost more than the writing.
 async fn replace_file(path: &Path, bytes: &[u8], mode: u32, durability: Durability) -> io::Result<()> {
+    let (path, bytes) = (path.to_path_buf(), bytes.to_vec());
+    tokio::task::spawn_blocking(move || replace_file_now(&path, &bytes, mode, durability))
+        .await
+        .unwrap_or_else(|error| Err(io::Error::other(format!("the task writing the file failed: {error}"))))
+}
+
+fn replace_file_now(path: &Path, bytes: &[u8], mode: u32, durability: Durability) -> io::Result<()> {
     let (dir, name) = match (path.parent(), path.file_name()) {
         (Some(dir), Some(name)) => (dir, name),
         _ => {
@@ -158,37 +174,29 @@ async fn replace_file(path: &Path, bytes: &[u8], mode: u32, durability: Durabili
         std::process::id(),
         TEMP_COUNTER.fetch_add(1, Ordering::Relaxed)
     ));
-    let result = write_then_rename(&temp, path, bytes, mode, durability).await;
+    let result = write_then_rename(&temp, path, bytes, mode, durability);
     if result.is_err() {
         // Best effort: the write already failed, and a leftover temp file
         // is harmless (its name never collides with a later one).
-        let _ = tokio::fs::remove_file(&temp).await;
+        let _ = std::fs::remove_file(&temp);
     }
     result?;
     match durability {
-        Durability::Synced => tokio::fs::File::open(dir).await?.sync_all().await,
+        Durability::Synced => std::fs::File::open(dir)?.sync_all(),
         Durability::Volatile => Ok(()),
     }
 }
 
-async fn write_then_rename(
-    temp: &Path,
-    path: &Path,
-    bytes: &[u8],
-    mode: u32,
-    durability: Durability,
-) -> io::Result<()> {
-    let mut file = tokio::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(temp).await?;
-    file.write_all(bytes).await?;
+fn write_then_rename(temp: &Path, path: &Path, bytes: &[u8], mode: u32, durability: Durability) -> io::Result<()> {
+    let mut file = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(temp)?;
+    file.write_all(bytes)?;
     // Set explicitly: the mode given at creation is reduced by the umask.
-    file.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(mode)).await?;
-    match durability {
-        Durability::Synced => file.sync_all().await?,
-        // Waits for tokio's buffered write, so the rename moves the whole file.
-        Durability::Volatile => file.flush().await?,
+    file.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(mode))?;
+    if durability == Durability::Synced {
+        file.sync_all()?;
     }
     drop(file);
-    tokio::fs::rename(temp, path).await
+    std::fs::rename(temp, path)
 }
 
 #[cfg(test)]

@@ -16,7 +16,7 @@ use nix::sys::signal::{Signal, killpg};
 use nix::unistd::Pid;
 use serde::{Deserialize, Serialize};
 use standby_protocol::layout::StateDir;
-use standby_protocol::{Fingerprint, SetupStep, Workspace, fingerprint};
+use standby_protocol::{Fingerprint, Repo, SetupStep, Workspace, fingerprint};
 use tokio::io::AsyncWriteExt;
 use tokio::process::Command;
 use tracing::{info, warn};
@@ -78,6 +78,11 @@ struct State {
     prepared_at_unix_ms: u64,
     repos: Vec<RepoState>,
     status: Status,
+    /// The snapshot (`STANDBY_SNAPSHOT`) this workspace was last refreshed
+    /// for: a sandbox made from a snapshot of a prepared one refreshes its
+    /// workspace once, and its later agents use it as it is.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    snapshot: Option<String>,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -97,8 +102,15 @@ enum Status {
 
 /// Prepares `workspace` under `root`: clones every repo, runs every setup
 /// step, records the result. Skips both when `root` already holds a
-/// completed preparation of the same fingerprint.
-pub async fn prepare(root: &Path, workspace: &Workspace) -> Result<PreparedWorkspace, PrepareError> {
+/// completed preparation of the same fingerprint; when that preparation
+/// came with the sandbox's filesystem from `snapshot` (`STANDBY_SNAPSHOT`)
+/// and was not refreshed for it yet, refreshes it instead
+/// ([`refresh_snapshot`]).
+pub async fn prepare(
+    root: &Path,
+    workspace: &Workspace,
+    snapshot: Option<&str>,
+) -> Result<PreparedWorkspace, PrepareError> {
     let fingerprint = fingerprint(workspace);
     let state_dir = StateDir::of(root);
     tokio::fs::create_dir_all(state_dir.path()).await.map_err(PrepareError::io("cannot create", state_dir.path()))?;
@@ -107,6 +119,9 @@ pub async fn prepare(root: &Path, workspace: &Workspace) -> Result<PreparedWorks
     if let Some(state) = read_state(&state_path).await {
         if state.fingerprint == fingerprint {
             if clones_present(root, workspace).await {
+                if let Some(snapshot) = snapshot.filter(|id| state.snapshot.as_deref() != Some(*id)) {
+                    return refresh_snapshot(root, workspace, state, snapshot, &state_path).await;
+                }
                 info!(%fingerprint, "workspace already prepared: clone and setup are skipped");
                 return Ok(PreparedWorkspace { fingerprint, skipped: true, checkouts: BTreeMap::new() });
             }
@@ -143,20 +158,104 @@ pub async fn prepare(root: &Path, workspace: &Workspace) -> Result<PreparedWorks
         run_step(root, step, &log).await?;
     }
     refresh_indexes(root, workspace, cloned_at).await;
-    let checkouts = snapshots(root, workspace);
+    // Last: setup has written what it writes. A full check per clone, so off the runtime.
+    let checkouts = {
+        let (root, workspace) = (root.to_path_buf(), workspace.clone());
+        crate::process::off_runtime(move || snapshots(&root, &workspace)).await.unwrap_or_default()
+    };
 
     let state = State {
         fingerprint: fingerprint.clone(),
         prepared_at_unix_ms: unix_ms(SystemTime::now()),
         repos,
         status: Status::Prepared,
+        snapshot: snapshot.map(str::to_owned),
     };
-    let record_error = PrepareError::io("cannot write the preparation record", &state_path);
-    let bytes = serde_json::to_vec_pretty(&state).map_err(|e| record_error(io::Error::other(e)))?;
-    write_atomic(&state_path, &bytes, 0o644)
-        .await
-        .map_err(PrepareError::io("cannot write the preparation record", &state_path))?;
+    write_state(&state_path, &state).await?;
     Ok(PreparedWorkspace { fingerprint, skipped: false, checkouts })
+}
+
+/// A workspace prepared in another sandbox, whose filesystem this one was
+/// made from (a provider's snapshot): every clone still as its preparation
+/// left it is fetched and moved to the head of its ref, so the pool serves
+/// today's commit and not the snapshot's; when a commit changed, the setup
+/// steps run again (their output may depend on any file). A clone that was
+/// changed since is left as it is: it is no longer the snapshot's.
+async fn refresh_snapshot(
+    root: &Path,
+    workspace: &Workspace,
+    mut state: State,
+    snapshot: &str,
+    state_path: &Path,
+) -> Result<PreparedWorkspace, PrepareError> {
+    info!(snapshot, "workspace prepared in a snapshot of another sandbox: refreshing it instead of cloning");
+    let started = Instant::now();
+    let no_env = BTreeMap::new();
+    let mut moved = false;
+    // What the moves changed, workspace-relative; `None` once a diff failed
+    // (every step then runs again).
+    let mut changed = Some(Vec::new());
+    for repo in &workspace.repos {
+        let url = redact_url(&repo.url);
+        let dest = resolve_inside(root, &repo.path)
+            .map_err(|source| PrepareError::Path { what: format!("path of repo {url}"), source })?;
+        let Some(recorded) = state.repos.iter_mut().find(|r| r.path == repo.path) else { continue };
+        if !git::untouched_at(&dest, &recorded.sha).await? {
+            info!(path = repo.path, "a clone changed since the snapshot: left as it is");
+            continue;
+        }
+        let head = Repo { expected_sha: None, ..repo.clone() };
+        let sha = git::refresh(&head, &dest, &no_env).await?;
+        if sha != recorded.sha {
+            info!(path = repo.path, from = recorded.sha, to = sha, "clone moved to its ref's head");
+            match git::changed_files(&dest, &recorded.sha, &sha).await {
+                Ok(files) => {
+                    let prefix = repo.path.trim_end_matches('/');
+                    let in_workspace = |file: String| {
+                        if prefix.is_empty() || prefix == "." { file } else { format!("{prefix}/{file}") }
+                    };
+                    if let Some(changed) = changed.as_mut() {
+                        changed.extend(files.into_iter().map(in_workspace));
+                    }
+                }
+                Err(error) => {
+                    warn!(path = repo.path, %error, "cannot list what the move changed: every setup step runs again");
+                    changed = None;
+                }
+            }
+            recorded.sha = sha;
+            moved = true;
+        }
+    }
+    let setup_from = Instant::now();
+    let mut steps_again = 0;
+    if moved {
+        let log = StateDir::of(root).setup_log();
+        for step in &workspace.setup {
+            if step.runs_again_after_a_move(changed.as_deref()) {
+                run_step(root, step, &log).await?;
+                steps_again += 1;
+            } else {
+                info!(step = step.name, "none of the step's declared inputs changed: not run again");
+            }
+        }
+    }
+    refresh_indexes(root, workspace, setup_from).await;
+    let checkouts = {
+        let (root, workspace) = (root.to_path_buf(), workspace.clone());
+        crate::process::off_runtime(move || snapshots(&root, &workspace)).await.unwrap_or_default()
+    };
+    state.snapshot = Some(snapshot.to_owned());
+    state.prepared_at_unix_ms = unix_ms(SystemTime::now());
+    write_state(state_path, &state).await?;
+    info!(snapshot, steps_again, "workspace refreshed from the snapshot in {:.1?}", started.elapsed());
+    Ok(PreparedWorkspace { fingerprint: state.fingerprint, skipped: false, checkouts })
+}
+
+async fn write_state(path: &Path, state: &State) -> Result<(), PrepareError> {
+    let record_error = PrepareError::io("cannot write the preparation record", path);
+    let bytes = serde_json::to_vec_pretty(state).map_err(|e| record_error(io::Error::other(e)))?;
+    write_atomic(path, &bytes, 0o644).await.map_err(PrepareError::io("cannot write the preparation record", path))
 }
 
 /// Refreshes every clone's index (see [`git::refresh_index`]) if the clock
@@ -178,14 +277,15 @@ async fn refresh_indexes(root: &Path, workspace: &Workspace, cloned_at: Instant)
     }
 }
 
-/// Every clone of `workspace` that [`git::Snapshot::take`] can record.
+/// Every clone of `workspace` that [`git::Snapshot::take`] can record,
+/// watched from now on where it can be ([`git::Snapshot::watched`]).
 fn snapshots(root: &Path, workspace: &Workspace) -> BTreeMap<String, git::Snapshot> {
     workspace
         .repos
         .iter()
         .filter_map(|repo| {
             let dest = resolve_inside(root, &repo.path).ok()?;
-            Some((repo.path.clone(), git::Snapshot::take(&dest)?))
+            Some((repo.path.clone(), git::Snapshot::watched(&dest)?))
         })
         .collect()
 }
@@ -369,6 +469,7 @@ mod tests {
             command: vec!["sh".to_owned(), "-c".to_owned(), script.to_owned()],
             cwd: None,
             timeout_s: None,
+            inputs: None,
         }
     }
 
@@ -390,7 +491,7 @@ mod tests {
         first.timeout_s = Some(60);
         let ws = workspace(vec![upstream.repo("app", Some("main"))], vec![first, second]);
 
-        let prepared = prepare(root.path(), &ws).await.expect("prepared");
+        let prepared = prepare(root.path(), &ws, None).await.expect("prepared");
         assert!(!prepared.skipped);
         assert_eq!(prepared.fingerprint, fingerprint(&ws));
         assert_eq!(read(&root.path().join("app/order")), "first\nsecond\n");
@@ -423,13 +524,14 @@ mod tests {
         let upstream = Upstream::new();
         let root = tempfile::tempdir().expect("a temporary directory");
         let ws = workspace(vec![upstream.repo("app", Some("main"))], vec![step("slow", "sleep 1.2")]);
-        let prepared = prepare(root.path(), &ws).await.expect("prepared");
+        let prepared = prepare(root.path(), &ws, None).await.expect("prepared");
         let app = root.path().join("app");
         let index = std::fs::metadata(app.join(".git/index")).expect("an index").mtime();
         let readme = std::fs::metadata(app.join("README")).expect("a tracked file").mtime();
         assert!(index > readme, "index written at {index}, README at {readme}: racy");
         let snapshot = prepared.checkouts.get("app").expect("the fresh clone is recorded");
         assert_eq!(snapshot.still_clean(&app), Ok(()), "the run's refresh needs no git");
+        assert_eq!(snapshot.unchanged(&app), Ok(()), "watched since preparation: no file is read either");
     }
 
     #[tokio::test]
@@ -437,8 +539,8 @@ mod tests {
         let upstream = Upstream::new();
         let root = tempfile::tempdir().expect("a temporary directory");
         let ws = workspace(vec![upstream.repo("app", None)], vec![step("count", "echo run >> runs")]);
-        assert!(!prepare(root.path(), &ws).await.expect("first").skipped);
-        let again = prepare(root.path(), &ws).await.expect("second");
+        assert!(!prepare(root.path(), &ws, None).await.expect("first").skipped);
+        let again = prepare(root.path(), &ws, None).await.expect("second");
         assert!(again.skipped);
         assert!(again.checkouts.is_empty(), "an earlier turn may have staged changes: git decides");
         assert_eq!(again.fingerprint, fingerprint(&ws));
@@ -450,21 +552,107 @@ mod tests {
         let upstream = Upstream::new();
         let root = tempfile::tempdir().expect("a temporary directory");
         let ws = workspace(vec![upstream.repo("app", None)], vec![step("count", "echo run >> runs")]);
-        prepare(root.path(), &ws).await.expect("first");
+        prepare(root.path(), &ws, None).await.expect("first");
         std::fs::remove_dir_all(root.path().join("app")).expect("removable");
-        assert!(!prepare(root.path(), &ws).await.expect("second").skipped);
+        assert!(!prepare(root.path(), &ws, None).await.expect("second").skipped);
         assert_eq!(read(&root.path().join("runs")), "run\nrun\n");
+    }
+
+    /// A sandbox made from a snapshot of a prepared one: its clone moves to
+    /// the ref's head once, with the setup again since a commit changed;
+    /// its later agents skip as before.
+    #[tokio::test]
+    async fn a_workspace_from_a_snapshot_is_refreshed_once() {
+        let upstream = Upstream::new();
+        let root = tempfile::tempdir().expect("a temporary directory");
+        let ws = workspace(vec![upstream.repo("app", Some("main"))], vec![step("count", "echo run >> runs")]);
+        prepare(root.path(), &ws, None).await.expect("prepared in the snapshot's sandbox");
+        let newer = upstream.commit("NEWS", "since the snapshot");
+
+        let refreshed = prepare(root.path(), &ws, Some("snap-1")).await.expect("refreshed");
+        assert!(!refreshed.skipped);
+        assert_eq!(crate::git::tests::git(&root.path().join("app"), &["rev-parse", "HEAD"]), newer);
+        assert_eq!(read(&root.path().join("runs")), "run\nrun\n", "the setup ran again for the new commit");
+        let state: serde_json::Value =
+            serde_json::from_str(&read(&root.path().join(".standby/state.json"))).expect("JSON");
+        assert_eq!(state["snapshot"], "snap-1");
+        assert_eq!(state["repos"][0]["sha"], newer.as_str());
+        let snapshot = refreshed.checkouts.get("app").expect("the refreshed clone is recorded");
+        assert_eq!(snapshot.sha(), newer);
+
+        assert!(prepare(root.path(), &ws, Some("snap-1")).await.expect("a later agent").skipped);
+        assert!(prepare(root.path(), &ws, None).await.expect("a later agent").skipped);
+        assert_eq!(read(&root.path().join("runs")), "run\nrun\n");
+    }
+
+    #[tokio::test]
+    async fn a_snapshot_at_the_ref_s_head_runs_no_setup_again() {
+        let upstream = Upstream::new();
+        let root = tempfile::tempdir().expect("a temporary directory");
+        let ws = workspace(vec![upstream.repo("app", None)], vec![step("count", "echo run >> runs")]);
+        prepare(root.path(), &ws, None).await.expect("prepared in the snapshot's sandbox");
+        let refreshed = prepare(root.path(), &ws, Some("snap-1")).await.expect("refreshed");
+        assert!(!refreshed.skipped);
+        assert_eq!(read(&root.path().join("runs")), "run\n");
+        let head = crate::git::tests::git(&root.path().join("app"), &["rev-parse", "HEAD"]);
+        assert_eq!(refreshed.checkouts.get("app").map(|s| s.sha().to_owned()), Some(head), "recorded for the run");
+    }
+
+    /// (1.3) A step that declares its inputs runs again only when the move
+    /// changed one of them; a step that declares none runs on any move.
+    #[tokio::test]
+    async fn a_snapshot_runs_again_only_the_steps_whose_inputs_changed() {
+        let upstream = Upstream::new();
+        let root = tempfile::tempdir().expect("a temporary directory");
+        let with_inputs = |name: &str, inputs: &[&str]| SetupStep {
+            inputs: Some(inputs.iter().map(|input| (*input).to_owned()).collect()),
+            ..step(name, &format!("echo {name} >> runs"))
+        };
+        let ws = workspace(
+            vec![upstream.repo("app", Some("main"))],
+            vec![
+                with_inputs("deps", &["app/deps.lock"]),
+                with_inputs("docs", &["./app/docs/"]),
+                step("any", "echo any >> runs"),
+            ],
+        );
+        prepare(root.path(), &ws, None).await.expect("prepared in the snapshot's sandbox");
+        assert_eq!(read(&root.path().join("runs")), "deps\ndocs\nany\n");
+
+        upstream.commit("docs/guide.md", "a new page");
+        prepare(root.path(), &ws, Some("snap-1")).await.expect("refreshed");
+        assert_eq!(read(&root.path().join("runs")), "deps\ndocs\nany\ndocs\nany\n", "deps.lock did not change");
+
+        upstream.commit("deps.lock", "pinned");
+        prepare(root.path(), &ws, Some("snap-2")).await.expect("refreshed again");
+        assert_eq!(read(&root.path().join("runs")), "deps\ndocs\nany\ndocs\nany\ndeps\nany\n");
+    }
+
+    #[tokio::test]
+    async fn a_clone_changed_since_the_snapshot_is_left_as_it_is() {
+        let upstream = Upstream::new();
+        let root = tempfile::tempdir().expect("a temporary directory");
+        let ws = workspace(vec![upstream.repo("app", None)], vec![step("count", "echo run >> runs")]);
+        prepare(root.path(), &ws, None).await.expect("prepared");
+        let app = root.path().join("app");
+        let before = crate::git::tests::git(&app, &["rev-parse", "HEAD"]);
+        std::fs::write(app.join("README"), "a turn's change").expect("writable");
+        upstream.commit("NEWS", "since the snapshot");
+        prepare(root.path(), &ws, Some("snap-1")).await.expect("refreshed");
+        assert_eq!(crate::git::tests::git(&app, &["rev-parse", "HEAD"]), before);
+        assert_eq!(read(&app.join("README")), "a turn's change");
+        assert_eq!(read(&root.path().join("runs")), "run\n");
     }
 
     #[tokio::test]
     async fn a_stale_record_is_removed_before_preparing() {
         let root = tempfile::tempdir().expect("a temporary directory");
         let old = workspace(vec![], vec![step("old", "true")]);
-        prepare(root.path(), &old).await.expect("first");
+        prepare(root.path(), &old, None).await.expect("first");
         assert_eq!(recorded_fingerprint(root.path()), Some(fingerprint(&old)));
 
         let checking = workspace(vec![], vec![step("new", "test ! -e .standby/state.json")]);
-        prepare(root.path(), &checking).await.expect("the record is gone while setup runs");
+        prepare(root.path(), &checking, None).await.expect("the record is gone while setup runs");
         assert_eq!(recorded_fingerprint(root.path()), Some(fingerprint(&checking)));
 
         let state = root.path().join(".standby/state.json");
@@ -473,12 +661,12 @@ mod tests {
         assert_eq!(recorded_fingerprint(root.path()), None);
         let count = workspace(vec![], vec![step("count", "echo run >> runs")]);
         std::fs::write(&state, "not JSON").expect("writable");
-        assert!(!prepare(root.path(), &count).await.expect("an unreadable record").skipped);
-        assert!(prepare(root.path(), &count).await.expect("recorded again").skipped);
+        assert!(!prepare(root.path(), &count, None).await.expect("an unreadable record").skipped);
+        assert!(prepare(root.path(), &count, None).await.expect("recorded again").skipped);
         assert_eq!(read(&root.path().join("runs")), "run\n");
 
         let broken = workspace(vec![], vec![step("broken", "exit 1")]);
-        prepare(root.path(), &broken).await.expect_err("fails");
+        prepare(root.path(), &broken, None).await.expect_err("fails");
         assert_eq!(recorded_fingerprint(root.path()), None);
         assert!(!root.path().join(".standby/state.json").exists());
     }
@@ -487,7 +675,7 @@ mod tests {
     async fn a_failed_step_is_named_with_its_status() {
         let root = tempfile::tempdir().expect("a temporary directory");
         let ws = workspace(vec![], vec![step("deps", "exit 3"), step("never", "touch never")]);
-        let error = prepare(root.path(), &ws).await.expect_err("fails");
+        let error = prepare(root.path(), &ws, None).await.expect_err("fails");
         assert!(
             matches!(&error, PrepareError::SetupFailed { name, status, .. }
                 if name == "deps" && status == "exit status 3"),
@@ -498,7 +686,7 @@ mod tests {
         assert!(!root.path().join("never").exists());
 
         let ws = workspace(vec![], vec![step("signalled", "kill -9 $$")]);
-        let error = prepare(root.path(), &ws).await.expect_err("killed");
+        let error = prepare(root.path(), &ws, None).await.expect_err("killed");
         assert!(error.to_string().contains("killed by signal 9"), "{error}");
     }
 
@@ -510,7 +698,7 @@ mod tests {
         // Bounded so that a regression (the step's group left alive, the
         // wait never returning) fails instead of hanging the suite.
         let ws = workspace(vec![], vec![slow]);
-        let error = tokio::time::timeout(Duration::from_secs(30), prepare(root.path(), &ws))
+        let error = tokio::time::timeout(Duration::from_secs(30), prepare(root.path(), &ws, None))
             .await
             .expect("prepare returns once the group is killed")
             .expect_err("times out");
@@ -543,16 +731,17 @@ mod tests {
                 command: vec!["/nonexistent/standby-setup".to_owned()],
                 cwd: None,
                 timeout_s: None,
+                inputs: None,
             }],
         );
-        let error = prepare(root.path(), &ws).await.expect_err("no such program");
+        let error = prepare(root.path(), &ws, None).await.expect_err("no such program");
         let message = error.to_string();
         assert!(matches!(error, PrepareError::SetupSpawn { .. }), "{message}");
         assert!(message.contains("/nonexistent/standby-setup"), "{message}");
 
         let mut empty = step("empty", "");
         empty.command.clear();
-        let error = prepare(root.path(), &workspace(vec![], vec![empty])).await.expect_err("an empty command");
+        let error = prepare(root.path(), &workspace(vec![], vec![empty]), None).await.expect_err("an empty command");
         assert!(matches!(error, PrepareError::SetupEmpty { .. }), "{error}");
     }
 
@@ -560,7 +749,7 @@ mod tests {
     async fn paths_leaving_the_workspace_are_refused() {
         let upstream = Upstream::new();
         let root = tempfile::tempdir().expect("a temporary directory");
-        let error = prepare(root.path(), &workspace(vec![upstream.repo("../x", None)], vec![]))
+        let error = prepare(root.path(), &workspace(vec![upstream.repo("../x", None)], vec![]), None)
             .await
             .expect_err("a repo outside");
         assert!(matches!(error, PrepareError::Path { .. }), "{error}");
@@ -568,13 +757,13 @@ mod tests {
 
         let mut outside = step("outside", "true");
         outside.cwd = Some("/etc".to_owned());
-        let error = prepare(root.path(), &workspace(vec![], vec![outside])).await.expect_err("a cwd outside");
+        let error = prepare(root.path(), &workspace(vec![], vec![outside]), None).await.expect_err("a cwd outside");
         assert!(matches!(error, PrepareError::Path { .. }), "{error}");
         assert!(error.to_string().contains("\"outside\""), "{error}");
 
         let mut missing = step("missing-cwd", "true");
         missing.cwd = Some("nowhere".to_owned());
-        let error = prepare(root.path(), &workspace(vec![], vec![missing])).await.expect_err("a missing cwd");
+        let error = prepare(root.path(), &workspace(vec![], vec![missing]), None).await.expect_err("a missing cwd");
         assert!(matches!(error, PrepareError::Io { .. }), "{error}");
         assert!(error.to_string().contains("nowhere"), "{error}");
     }

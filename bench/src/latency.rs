@@ -420,7 +420,7 @@ async fn iterate(
 /// A run's install steps with the rest of its critical path: the
 /// delivery confirmation, the spawn, and the git chain (credentials, then
 /// the refresh that needs them).
-fn critical_parts(sample: &Sample) -> BTreeMap<String, f64> {
+pub fn critical_parts(sample: &Sample) -> BTreeMap<String, f64> {
     let mut parts = sample.steps.clone();
     if let Some(confirm) = sample.confirm_ms {
         parts.insert("confirm".into(), confirm);

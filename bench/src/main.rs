@@ -55,6 +55,10 @@ struct Cli {
     /// (e.g. a build of `main`), for `--only compare`.
     #[arg(long, value_name = "DIR")]
     baseline_bin_dir: Option<PathBuf>,
+    /// `--only compare` on the warm parallel path alone: no cold runs, no
+    /// follow-up turns (a change to the warm start, measured in minutes).
+    #[arg(long)]
+    compare_warm_only: bool,
     /// Run only these parts (comma-separated); `compare` (needs
     /// `--baseline-bin-dir`) is never run unless named.
     #[arg(long, value_delimiter = ',', value_name = "PART")]
@@ -257,7 +261,8 @@ async fn run(cli: Cli) -> Result<()> {
             baseline_bin_dir: dir,
         };
         say(&format!("side by side with {}", dir.display()));
-        results.compare = Some(compare::run(&options, &builds, &work, FOLLOW_UP_LATENCY_MS).await?);
+        let follow_ups = (!cli.compare_warm_only).then_some(FOLLOW_UP_LATENCY_MS);
+        results.compare = Some(compare::run(&options, &builds, &work, follow_ups).await?);
     }
     if parts.contains(&Part::Burst) {
         let options = burst::BurstOptions {

@@ -561,5 +561,35 @@ fn compare_table(out: &mut String, compare: &CompareResults) {
             or_dash(row.ratio.map(|r| format!("{r:.2}×"))),
         );
     }
+    let _ = writeln!(
+        out,
+        "\n### Warm parallel by step (medians)\n\nThe agents' timing lines: model = the plan's critical path \
+         from the steps; rest = critical path − model − spawn, what no step accounts for.\n\n\
+         | build | injected | critical path | model | rest | confirm | check | secrets | attachments | metadata | cloud | git creds | refresh | terminal | mcp | spawn |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    );
+    for row in &compare.steps {
+        let step = |name: &str| or_dash(row.medians.get(name).map(|v| ms(*v)));
+        let _ = writeln!(
+            out,
+            "| {} | {} ms | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+            row.build,
+            row.latency_ms,
+            step("critical_path"),
+            step("model"),
+            step("rest"),
+            step("confirm"),
+            step("check"),
+            step("secrets"),
+            step("attachments"),
+            step("metadata"),
+            step("cloud_credentials"),
+            step("git_credentials"),
+            step("refresh"),
+            step("terminal"),
+            step("mcp"),
+            step("spawn"),
+        );
+    }
     out.push('\n');
 }

@@ -30,6 +30,9 @@ pub(crate) struct AppState {
     pub idle_timeout: Duration,
     /// The listener's bounds and counters (`/metrics`, the upgrade bound).
     pub listener: Arc<ListenerStats>,
+    /// Where spans go, when traces are exported (`/metrics` counts the
+    /// dropped ones).
+    pub tracer: Option<standby_otlp::Tracer>,
     /// How the provider contains a sandbox's processes (`/metrics`).
     pub containment: &'static str,
     /// The replicated deployment, when the store is shared.

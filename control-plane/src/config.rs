@@ -28,6 +28,7 @@ use crate::containment::ContainmentChoice;
 use crate::listener::ListenerLimits;
 use crate::policy::AutoStop;
 use crate::policy::PoolPolicy;
+use crate::provider::docker::snapshot::Retention;
 use crate::provider::docker::{Allow, DockerOptions, Egress, Limits, OnStop};
 use crate::provider::kubernetes::pod::{default_template, load_template};
 use crate::provider::kubernetes::{KubernetesApi, KubernetesOptions};
@@ -123,6 +124,7 @@ pub struct DockerConfig {
     pub egress: Egress,
     pub egress_allow: Vec<Allow>,
     pub runtime: Option<String>,
+    pub snapshots: Retention,
 }
 
 /// The `kubernetes` provider.
@@ -183,6 +185,7 @@ impl Config {
         server.inject_latency = args.inject_latency;
         server.pool_policy = PoolPolicy {
             running_cap: pool.running_cap,
+            max_preparing: pool.max_preparing,
             standby_ttl: pool.standby_ttl,
             warm_idle: pool.warm_idle,
             park_stopped: pool.park_stopped,
@@ -195,6 +198,12 @@ impl Config {
             idempotency_window: args.bounds.idempotency_window,
         };
         server.listener = listener_limits(args)?;
+        if let Some(endpoint) = &args.telemetry.otlp_endpoint {
+            if let Err(error) = standby_otlp::traces_url(endpoint) {
+                return invalid(format!("--otlp-endpoint: {error}"));
+            }
+            server.otlp_endpoint = Some(endpoint.trim().to_owned());
+        }
         Ok(Self {
             data_dir: args.data_dir.clone(),
             store,
@@ -236,6 +245,7 @@ impl Config {
             egress: docker.egress,
             egress_allow: docker.egress_allow.clone(),
             runtime: docker.runtime.clone(),
+            snapshots: docker.snapshots,
         }
     }
 
@@ -381,6 +391,7 @@ fn provider(args: &Serve) -> Result<ProviderConfig, ConfigError> {
                 egress: docker.sandbox_egress,
                 egress_allow: docker.sandbox_egress_allow.clone(),
                 runtime: docker.sandbox_runtime.clone().filter(|runtime| !runtime.is_empty()),
+                snapshots: Retention { keep: docker.snapshot_keep, max_age: docker.snapshot_max_age },
             })
         }
         ProviderKind::Kubernetes => {

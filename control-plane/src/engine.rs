@@ -148,6 +148,10 @@ pub struct EngineConfig {
     pub clock: Clock,
     /// Whether this process leads, and the fence its writes run under.
     pub leadership: Leadership,
+    /// Where a started run's spans go (`--otlp-endpoint`); `None`: nowhere.
+    pub tracer: Option<standby_otlp::Tracer>,
+    /// `STANDBY_OTLP_ENDPOINT` of the agents, when traces are exported.
+    pub agent_otlp_endpoint: Option<String>,
 }
 
 /// Why the engine stopped on its own.
@@ -440,6 +444,7 @@ impl<P: SandboxProvider> Engine<P> {
             token,
             heartbeat_interval: self.config.heartbeat_interval,
             log_filter: self.config.agent_log.clone(),
+            otlp_endpoint: self.config.agent_otlp_endpoint.clone(),
         }
     }
 
@@ -483,14 +488,14 @@ impl<P: SandboxProvider> Engine<P> {
                     writer.send(Outbound::Close);
                 }
             }
-            Effect::Launch { sandbox_id, credential_id, token, provision, auto_stop } => {
+            Effect::Launch { sandbox_id, credential_id, token, provision, auto_stop, fingerprint } => {
                 let provider = Arc::clone(&self.provider);
                 let handle = self.handle.clone();
                 let launch = self.agent_launch(token);
                 let id = sandbox_id.clone();
                 self.queue(&id, async move {
                     let prepared = match provision {
-                        Provision::Create => provider.create(&sandbox_id).await,
+                        Provision::Create => provider.create_for(&sandbox_id, &fingerprint).await,
                         Provision::Start => provider.start(&sandbox_id).await,
                     };
                     if prepared.is_ok() && provision == Provision::Create {
@@ -543,6 +548,15 @@ impl<P: SandboxProvider> Engine<P> {
                     set_auto_stop(provider.as_ref(), &sandbox_id, auto_stop).await;
                 });
             }
+            Effect::Snapshot { sandbox_id, fingerprint } => {
+                let provider = Arc::clone(&self.provider);
+                let handle = self.handle.clone();
+                let id = sandbox_id.clone();
+                self.queue(&id, async move {
+                    let outcome = provider.snapshot(&sandbox_id, &fingerprint).await.map_err(|error| error.to_string());
+                    handle.tell(Input::SnapshotTaken { sandbox_id, fingerprint, outcome }).await;
+                });
+            }
             Effect::Stop { sandbox_id } => {
                 let provider = Arc::clone(&self.provider);
                 let id = sandbox_id.clone();
@@ -551,6 +565,11 @@ impl<P: SandboxProvider> Engine<P> {
                 });
             }
             Effect::Touch { sandbox_id } => self.provider.touch(&sandbox_id),
+            Effect::Traced(run) => {
+                if let Some(tracer) = &self.config.tracer {
+                    crate::telemetry::run_spans(&run).into_iter().for_each(|span| tracer.emit(span));
+                }
+            }
             Effect::Retire { sandbox_id, linger } => {
                 let provider = Arc::clone(&self.provider);
                 let id = sandbox_id.clone();

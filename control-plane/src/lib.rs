@@ -15,8 +15,11 @@
 //! - `app`: what every handler shares (state, error answer, store reads).
 //! - `agent_api`: the agent-facing contract's handlers.
 //! - `user_api`: the user API's handlers; `problem`: its error shape.
+//! - `ui`: the operators' status page at `/ui` (its assets compiled in),
+//!   behind a session signed in with the API key.
 //! - [`api_bounds`]: what one request may carry and one answer hold (pure).
 //! - `metrics`: the Prometheus text of `/metrics`.
+//! - `telemetry`: traces: the OTLP exporter and a started run's spans.
 //! - [`listener`]: the accept loop: header timeout, connection cap.
 //! - [`cluster`]: replicas on one PostgreSQL store: the lease, forwarding
 //!   to the leader, the agents' sockets relayed.
@@ -56,4 +59,6 @@ pub mod rules;
 pub mod seal;
 pub mod server;
 pub mod store;
+mod telemetry;
+mod ui;
 mod user_api;

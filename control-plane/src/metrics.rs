@@ -162,16 +162,22 @@ fn write_histogram(out: &mut String, name: &str, labels: &str, histogram: &Histo
     writeln!(out, "{name}_count{{{labels}}} {count}")
 }
 
-/// The listener's bounds and counters, and the sandbox containment: facts
-/// of this process, not of the records.
-pub fn render_server(listener: &ListenerStats, containment: &str) -> String {
+/// The listener's bounds and counters, the sandbox containment and the
+/// spans dropped (`dropped_spans`, 0 when nothing is traced): facts of
+/// this process, not of the records.
+pub fn render_server(listener: &ListenerStats, containment: &str, dropped_spans: u64) -> String {
     let mut out = String::new();
     // Writing to a String cannot fail.
-    let _ = render_server_into(&mut out, listener, containment);
+    let _ = render_server_into(&mut out, listener, containment, dropped_spans);
     out
 }
 
-fn render_server_into(out: &mut String, listener: &ListenerStats, containment: &str) -> std::fmt::Result {
+fn render_server_into(
+    out: &mut String,
+    listener: &ListenerStats,
+    containment: &str,
+    dropped_spans: u64,
+) -> std::fmt::Result {
     let limits = listener.limits;
     let values = [
         ("standby_http_connections", "gauge", "Client connections open, control sockets included.", {
@@ -215,6 +221,12 @@ fn render_server_into(out: &mut String, listener: &ListenerStats, containment: &
             "counter",
             "Control-socket upgrade requests answered 429: too many were being authenticated.",
             listener.upgrades_refused.load(Ordering::Relaxed),
+        ),
+        (
+            "standby_trace_spans_dropped_total",
+            "counter",
+            "Spans not exported (--otlp-endpoint): the bounded queue was full, or their batch failed or timed out.",
+            dropped_spans,
         ),
     ];
     for (name, kind, help, value) in values {

@@ -192,6 +192,10 @@ pub struct Attempt {
     pub outcome: Option<AttemptOutcome>,
     /// Why it ended, in words (the agent's message, "sandbox exited"...).
     pub reason: Option<String>,
+    /// The agent's own timing of the start, microseconds by step
+    /// (contract 1.3, `install_us` of `started`), for the status page.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub install_us: Option<std::collections::BTreeMap<String, u64>>,
 }
 
 /// A run as the server tracks it. Secrets are not here: they stay in the
@@ -255,6 +259,27 @@ pub struct Resume {
 }
 
 impl RunRecord {
+    /// A run just submitted: queued, nothing tried, its fingerprint that of
+    /// the workspace it names.
+    pub fn queued(id: String, submitted_at: Millis, run: Run, thread_id: Option<String>) -> Self {
+        Self {
+            id,
+            submitted_at,
+            state: RunState::Queued,
+            fingerprint: run.workspace.as_ref().map(standby_protocol::fingerprint),
+            run,
+            attempts: Vec::new(),
+            exit_code: None,
+            error: None,
+            ended_at: None,
+            thread_id,
+            thread_generation: None,
+            wait: None,
+            resume: None,
+            log_lost: None,
+        }
+    }
+
     pub fn current(&self) -> Option<&Attempt> {
         self.attempts.last()
     }

@@ -21,6 +21,9 @@ use crate::model::Millis;
 pub struct PoolPolicy {
     /// Most sandboxes costing compute at once; `0`: no cap.
     pub running_cap: usize,
+    /// Most pool standbys preparing at once (launched, never ready yet);
+    /// `0`: no bound.
+    pub max_preparing: usize,
     /// A standby is replaced within this; zero: never.
     pub standby_ttl: Duration,
     /// Tier 2: how long a thread's sandbox stays running after a turn;
@@ -39,6 +42,7 @@ impl Default for PoolPolicy {
     fn default() -> Self {
         Self {
             running_cap: 0,
+            max_preparing: 0,
             standby_ttl: Duration::ZERO,
             warm_idle: Duration::from_secs(300),
             park_stopped: true,

@@ -31,7 +31,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 use std::time::Duration;
 
-use standby_protocol::Secret;
+use standby_protocol::{Fingerprint, Secret};
 use tokio::sync::{oneshot, watch};
 
 use self::timers::{IdleStop, Timers};
@@ -108,6 +108,9 @@ pub struct AgentLaunch {
     pub heartbeat_interval: Duration,
     /// `STANDBY_LOG`.
     pub log_filter: String,
+    /// `STANDBY_OTLP_ENDPOINT`, when the server exports traces: where the
+    /// agent's spans go.
+    pub otlp_endpoint: Option<String>,
 }
 
 impl AgentLaunch {
@@ -119,6 +122,7 @@ impl AgentLaunch {
             token: Secret::new("sby_x_y"),
             heartbeat_interval: Duration::from_millis(500),
             log_filter: "info".into(),
+            otlp_endpoint: None,
         }
     }
 }
@@ -143,6 +147,35 @@ pub struct Details {
 pub trait SandboxProvider: Send + Sync + 'static {
     /// Allocates a new sandbox.
     fn create(&self, sandbox_id: &str) -> impl Future<Output = Result<(), ProviderError>> + Send;
+    /// Allocates a new sandbox that prepares a workspace of `fingerprint`:
+    /// from the snapshot of that fingerprint where the provider keeps one
+    /// ([`SandboxProvider::snapshot`]), so its agent finds the workspace
+    /// prepared; else as [`SandboxProvider::create`].
+    fn create_for(
+        &self,
+        sandbox_id: &str,
+        fingerprint: &Fingerprint,
+    ) -> impl Future<Output = Result<(), ProviderError>> + Send {
+        let _ = fingerprint;
+        self.create(sandbox_id)
+    }
+    /// Whether this provider keeps snapshots of prepared sandboxes
+    /// ([`SandboxProvider::snapshot`]); the machine asks for one only then.
+    fn snapshots(&self) -> bool {
+        false
+    }
+    /// Keeps the filesystem of the prepared sandbox as the snapshot of
+    /// `fingerprint`, from which [`SandboxProvider::create_for`] makes
+    /// later sandboxes; a snapshot of that fingerprint already kept is
+    /// kept as it is. The sandbox holds no run meanwhile.
+    fn snapshot(
+        &self,
+        sandbox_id: &str,
+        fingerprint: &Fingerprint,
+    ) -> impl Future<Output = Result<(), ProviderError>> + Send {
+        let _ = (sandbox_id, fingerprint);
+        std::future::ready(Ok(()))
+    }
     /// Makes an existing sandbox runnable again (resuming a stopped one,
     /// unpacking an archived one).
     fn start(&self, sandbox_id: &str) -> impl Future<Output = Result<(), ProviderError>> + Send;

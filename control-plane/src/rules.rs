@@ -76,8 +76,10 @@ mod queries;
 mod resume;
 mod runs;
 mod sandboxes;
+pub mod snapshots;
 mod threads;
 mod ticks;
+pub(crate) mod trace;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::time::Duration;
@@ -97,7 +99,7 @@ pub use bounds::{Evicted, MAX_EVENTS_PER_RUN, RunBounds};
 pub use idempotency::{IdempotencyKey, KeyReused, Submitted};
 pub use input::{Answer, Input, Reply};
 pub use logs::{LogError, LogLedger};
-pub use queries::{Histogram, LiveSandbox, LostRuns, MetricsSnapshot, Phase, SandboxPage, StartTimes};
+pub use queries::{Histogram, LiveSandbox, LostRuns, MetricsSnapshot, Phase, SandboxCounts, SandboxPage, StartTimes};
 pub use resume::{ResumeFailure, ResumeStart};
 pub use runs::CancelError;
 pub use threads::StalePointer;
@@ -136,6 +138,14 @@ pub struct RulesConfig {
     pub pool_policy: PoolPolicy,
     /// What one run may cost: its log cap, its time in memory once finished.
     pub bounds: RunBounds,
+    /// The provider makes sandboxes from snapshots of prepared ones
+    /// ([`snapshots`]): the first ready standby of a fingerprint is
+    /// snapshotted.
+    pub snapshots: bool,
+    /// Whether runs are traced (`--otlp-endpoint`): assignments carry a
+    /// trace context and a started run is handed over as
+    /// [`Effect::Traced`]. Off, neither is made.
+    pub trace: bool,
 }
 
 impl RulesConfig {
@@ -187,7 +197,20 @@ pub enum Effect {
     /// provider auto-stop `auto_stop`, in provider minutes, when created).
     /// Its exit is reported with `credential_id` (the token's), so that a
     /// late notice of an earlier agent is told from this one's.
-    Launch { sandbox_id: String, credential_id: String, token: Secret, provision: Provision, auto_stop: u32 },
+    /// `fingerprint` is what the sandbox prepares: a provider with a
+    /// snapshot of it creates the sandbox from that.
+    Launch {
+        sandbox_id: String,
+        credential_id: String,
+        token: Secret,
+        provision: Provision,
+        auto_stop: u32,
+        fingerprint: Fingerprint,
+    },
+    /// Keep the prepared sandbox's filesystem as the snapshot of
+    /// `fingerprint` ([`snapshots`]); the answer comes back as
+    /// [`Input::SnapshotTaken`]. The sandbox is placed nowhere meanwhile.
+    Snapshot { sandbox_id: String, fingerprint: Fingerprint },
     /// Let the sandbox exit on its own for up to `linger`, then stop it and
     /// delete it.
     Retire { sandbox_id: String, linger: Duration },
@@ -211,6 +234,10 @@ pub enum Effect {
     /// The sandbox is busy (preparing, installing or running): the
     /// provider's idle auto-stop clock starts over.
     Touch { sandbox_id: String },
+    /// The run started (its current attempt's `started_at` was just
+    /// recorded): its spans are built from this record and exported. Only
+    /// when [`RulesConfig::trace`] is on.
+    Traced(Box<RunRecord>),
 }
 
 /// What the provider does before an agent is launched in a sandbox.
@@ -278,6 +305,8 @@ struct Live {
     /// costs no compute.
     exited: bool,
     ever_ready: bool,
+    /// Its filesystem is being kept as a snapshot: no run is placed on it.
+    snapshotting: bool,
     /// Start it again ([`Effect::Resume`]) once its current agent exits.
     resume_after_exit: bool,
     /// Its agent fetched its spec (with the standby credential).
@@ -299,6 +328,7 @@ impl Live {
             launched_at: now,
             exited: agent == Agent::Exited,
             ever_ready: false,
+            snapshotting: false,
             resume_after_exit: false,
             spec_served: false,
             assignment_withheld: false,
@@ -361,6 +391,7 @@ pub struct Rules {
     admissions: admission::Admissions,
     /// `Idempotency-Key`s of submissions within the window, by key.
     idempotency: HashMap<String, IdempotencyRecord>,
+    snapshots: snapshots::Snapshots,
 }
 
 impl std::fmt::Debug for Rules {
@@ -396,6 +427,7 @@ impl Rules {
             blocked_cold: 0,
             admissions: admission::Admissions::default(),
             idempotency: HashMap::new(),
+            snapshots: snapshots::Snapshots::default(),
         }
     }
 

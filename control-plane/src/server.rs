@@ -75,6 +75,9 @@ pub struct ServerConfig {
     pub bounds: RunBounds,
     /// Header timeout, connection cap, upgrades in flight.
     pub listener: ListenerLimits,
+    /// Where traces go (`--otlp-endpoint`, checked by
+    /// `standby_otlp::traces_url`); `None`: nothing is traced.
+    pub otlp_endpoint: Option<String>,
 }
 
 impl ServerConfig {
@@ -96,6 +99,7 @@ impl ServerConfig {
             pool_policy: PoolPolicy::default(),
             bounds: RunBounds::default(),
             listener: ListenerLimits::for_open_files(crate::listener::open_files_limit()),
+            otlp_endpoint: None,
         }
     }
 }
@@ -126,7 +130,8 @@ async fn restore_auto_stops<P: SandboxProvider>(provider: &P, records: &[crate::
     }
 }
 
-fn router(state: AppState) -> Router {
+fn router(state: AppState, public_url: Option<&str>) -> Router {
+    let ui = crate::ui::routes(state.clone(), public_url);
     let link = state.link.clone().map(|link| {
         let route = crate::link::leader::LinkRoute { engine: state.engine.clone(), link };
         Router::new().route(crate::link::LINK_PATH, get(crate::link::leader::link)).with_state(route)
@@ -153,7 +158,8 @@ fn router(state: AppState) -> Router {
         .route("/v1/threads/{id}", get(user_api::thread))
         .route("/metrics", get(user_api::metrics))
         .route("/openapi.json", get(user_api::openapi::openapi_json))
-        .with_state(state);
+        .with_state(state)
+        .merge(ui);
     match link {
         Some(link) => app.merge(link),
         None => app,
@@ -216,6 +222,8 @@ pub struct RunningServer<P> {
     engine_task: JoinHandle<()>,
     cluster: Option<Cluster>,
     leadership: Leadership,
+    /// The trace exporter, when `--otlp-endpoint` is set.
+    exporter: Option<standby_otlp::Exporter>,
 }
 
 /// A replica of a replicated deployment: what it is called and proves
@@ -258,6 +266,9 @@ async fn start_with<P: SandboxProvider>(
         crate::listener::bind(config.listen).map_err(|source| ServerError::Bind { addr: config.listen, source })?;
     let addr = listener.local_addr().map_err(|source| ServerError::Bind { addr: config.listen, source })?;
     provider.serving(addr).await?;
+    let exporter = crate::telemetry::exporter(config.otlp_endpoint.as_deref())
+        .map_err(|error| ServerError::Failed(error.to_string()))?;
+    let tracer = exporter.as_ref().map(|exporter| exporter.tracer().clone());
     let url = config.public_url.clone().map(|url| url.trim_end_matches('/').to_owned()).unwrap_or_else(|| {
         // Agents in containers reach the server at the provider's address
         // for it (their network's gateway), on the port bound here.
@@ -288,6 +299,7 @@ async fn start_with<P: SandboxProvider>(
         store: Arc::clone(&store),
         provider: Arc::clone(&provider),
         leadership: leadership.clone(),
+        tracer: tracer.clone(),
     };
     let engine_task = match &cluster {
         None => {
@@ -315,8 +327,9 @@ async fn start_with<P: SandboxProvider>(
         containment: provider.containment(),
         cluster: cluster.clone(),
         link,
+        tracer,
     };
-    let mut app = router(state);
+    let mut app = router(state, config.public_url.as_deref());
     if !config.inject_latency.is_zero() {
         app = app.layer(axum::middleware::from_fn_with_state(config.inject_latency, delay_execution_calls));
     }
@@ -345,6 +358,7 @@ async fn start_with<P: SandboxProvider>(
         engine_task,
         cluster,
         leadership,
+        exporter,
     })
 }
 
@@ -391,13 +405,14 @@ struct EngineStart<P> {
     store: Arc<dyn Store>,
     provider: Arc<P>,
     leadership: Leadership,
+    tracer: Option<standby_otlp::Tracer>,
 }
 
 impl<P: SandboxProvider> EngineStart<P> {
     /// Loads the store, adopts the sandboxes it knows and restores the
     /// machine: the engine and its first step.
     async fn engine(self, mailbox: Mailbox) -> Result<(Engine<P>, crate::rules::Step), ServerError> {
-        let Self { config, url, store, provider, leadership } = self;
+        let Self { config, url, store, provider, leadership, tracer } = self;
         let loader = Arc::clone(&store);
         let snapshot = tokio::task::spawn_blocking(move || loader.load())
             .await
@@ -421,6 +436,8 @@ impl<P: SandboxProvider> EngineStart<P> {
             pool_fingerprint: fingerprint(&config.spec.workspace),
             pool_policy: config.pool_policy.clone(),
             bounds: config.bounds,
+            snapshots: provider.snapshots(),
+            trace: tracer.is_some(),
         };
         let clock = Clock::system();
         let (machine, initial) = Rules::restore(rules_config, Box::new(RandomMint), snapshot, clock.now());
@@ -432,6 +449,8 @@ impl<P: SandboxProvider> EngineStart<P> {
             resume_timeout: config.pool_policy.resume_timeout,
             clock,
             leadership,
+            agent_otlp_endpoint: tracer.as_ref().and(config.otlp_endpoint.clone()),
+            tracer,
         };
         Ok((Engine::new(mailbox, machine, store, provider, engine_config), initial))
     }
@@ -518,6 +537,10 @@ impl<P: SandboxProvider> RunningServer<P> {
         let _ = self.stop_serving.send(true);
         self.engine.stop().await;
         let _ = self.engine_task.await;
+        if let Some(exporter) = self.exporter {
+            let dropped = exporter.shutdown().await;
+            tracing::info!(dropped, "trace exporter stopped (spans dropped in all)");
+        }
         match tokio::time::timeout(Duration::from_secs(5), self.serve).await {
             Ok(Ok(Ok(()))) | Err(_) => {}
             Ok(Ok(Err(error))) => return Err(ServerError::Failed(format!("serving failed: {error}"))),

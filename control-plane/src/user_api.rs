@@ -240,7 +240,8 @@ pub(crate) async fn thread(
 )]
 pub(crate) async fn metrics(State(state): State<AppState>, headers: HeaderMap) -> Result<Response, Problem> {
     authorize(&state, &headers)?;
-    let server = crate::metrics::render_server(&state.listener, state.containment);
+    let dropped_spans = state.tracer.as_ref().map_or(0, standby_otlp::Tracer::dropped);
+    let server = crate::metrics::render_server(&state.listener, state.containment, dropped_spans);
     let text = match &state.cluster {
         // A follower runs no engine: its own gauges only.
         Some(cluster) if !cluster.leading() => server + &cluster.render_metrics(),

@@ -3,14 +3,12 @@
 //! `Idempotency-Key` of a submission, the lists' filters. The server runs
 //! the `spool` provider: sandboxes are credential files, nothing launches.
 
-use std::sync::Arc;
-
 use reqwest::Method;
 use serde_json::{Value, json};
 use standby_control_plane::provider::spool::SpoolProvider;
-use standby_control_plane::server::{RunningServer, ServerConfig, start};
-use standby_control_plane::store::SqliteStore;
-use standby_protocol::{Secret, Spec};
+use standby_control_plane::server::RunningServer;
+
+mod support;
 
 const KEY: &str = "test-api-key";
 const PROBLEM: &str = "application/problem+json";
@@ -29,13 +27,7 @@ struct Answer {
 }
 
 async fn harness(pool_size: usize) -> Harness {
-    let _ = rustls::crypto::ring::default_provider().install_default();
-    let spool = tempfile::tempdir().expect("a spool dir");
-    let mut config = ServerConfig::new(Secret::new(KEY), Spec::default());
-    config.pool_size = pool_size;
-    let store = Arc::new(SqliteStore::in_memory().expect("a store"));
-    let provider = Arc::new(SpoolProvider::new(spool.path().to_owned()));
-    let server = start(config, store, provider).await.expect("the server starts");
+    let (server, spool) = support::spool_server(KEY, pool_size).await;
     Harness { server, http: reqwest::Client::new(), _spool: spool }
 }
 

@@ -63,6 +63,7 @@ mod tests {
                 command: vec!["make".into()],
                 cwd: Some("app".into()),
                 timeout_s: Some(60),
+                inputs: None,
             }],
         }
     }
@@ -77,6 +78,16 @@ mod tests {
         let mut other = workspace(None);
         other.setup[0].timeout_s = Some(61);
         assert_ne!(fingerprint(&workspace(None)), fingerprint(&other));
+    }
+
+    #[test]
+    fn declared_inputs_count_only_when_present() {
+        let mut declared = workspace(None);
+        declared.setup[0].inputs = Some(vec!["app/Makefile".into()]);
+        assert_ne!(fingerprint(&workspace(None)), fingerprint(&declared));
+        let mut other = declared.clone();
+        other.setup[0].inputs = Some(vec!["app/Makefile.lock".into()]);
+        assert_ne!(fingerprint(&declared), fingerprint(&other));
     }
 
     #[test]

@@ -65,12 +65,46 @@ pub struct Event {
     /// output was: without it a log cut short looks like a short log.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub log_lost: Option<u64>,
+    /// **(1.3)** On `started`: the agent's own timing of the start, in
+    /// microseconds, by name: each install step it ran (the `stage` names
+    /// of `install_failed`: `check`, `secrets`, `refresh`, …), `confirm`
+    /// (assignment to delivery confirmed), `spawn` (the run started on the
+    /// prepared terminal) and `critical_path` (assignment to start). The
+    /// steps run in parallel, each from the assignment's arrival. For
+    /// display only: a server ignores it on other events, and one past
+    /// [`INSTALL_TIMING_MAX`] entries (or with a longer name) is ignored.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub install_us: Option<BTreeMap<String, u64>>,
 }
+
+/// Most entries of an event's [`Event::install_us`] a server keeps, and
+/// the longest name.
+pub const INSTALL_TIMING_MAX: usize = 32;
+/// Longest name in [`Event::install_us`].
+pub const INSTALL_TIMING_NAME_MAX: usize = 32;
 
 impl Event {
     /// An event that says nothing of the log.
     pub fn new(event_id: impl Into<String>, kind: EventKind) -> Self {
-        Self { event_id: event_id.into(), kind, log_lost: None }
+        Self { event_id: event_id.into(), kind, log_lost: None, install_us: None }
+    }
+
+    /// The `started` event carrying the agent's timing of the start
+    /// ([`Event::install_us`]); any other event is left as it is.
+    #[must_use]
+    pub fn with_install_timing(self, timing: BTreeMap<String, u64>) -> Self {
+        let carries = matches!(self.kind, EventKind::Started) && !timing.is_empty();
+        Self { install_us: carries.then_some(timing), ..self }
+    }
+
+    /// The start's timing a server keeps: only on `started`, only within
+    /// [`INSTALL_TIMING_MAX`] entries of names up to
+    /// [`INSTALL_TIMING_NAME_MAX`] characters.
+    pub fn install_timing(&self) -> Option<&BTreeMap<String, u64>> {
+        let timing = self.install_us.as_ref().filter(|_| matches!(self.kind, EventKind::Started))?;
+        let bounded = timing.len() <= INSTALL_TIMING_MAX
+            && timing.keys().all(|name| !name.is_empty() && name.len() <= INSTALL_TIMING_NAME_MAX);
+        bounded.then_some(timing)
     }
 
     /// The event carrying `lost` bytes of the run's output given up on,
@@ -211,6 +245,23 @@ pub struct ErrorBody {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_a_started_event_carries_a_bounded_install_timing() {
+        let timing = BTreeMap::from([("secrets".to_owned(), 3_000), ("critical_path".to_owned(), 7_000)]);
+        let started = Event::new("s", EventKind::Started).with_install_timing(timing.clone());
+        assert_eq!(started.install_timing(), Some(&timing));
+        let exited = Event::new("e", EventKind::Exited { code: 0 }).with_install_timing(timing.clone());
+        assert_eq!(exited.install_us, None);
+        let forged = Event { install_us: Some(timing), ..Event::new("e", EventKind::Exited { code: 0 }) };
+        assert_eq!(forged.install_timing(), None, "a server ignores it on other events");
+
+        let many = (0..=INSTALL_TIMING_MAX).map(|i| (format!("step{i}"), 1)).collect();
+        let too_many = Event { install_us: Some(many), ..Event::new("s", EventKind::Started) };
+        assert_eq!(too_many.install_timing(), None);
+        let long = BTreeMap::from([("x".repeat(INSTALL_TIMING_NAME_MAX + 1), 1)]);
+        assert_eq!(Event { install_us: Some(long), ..Event::new("s", EventKind::Started) }.install_timing(), None);
+    }
 
     #[test]
     fn a_run_reports_in_the_contracts_order() {

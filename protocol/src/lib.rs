@@ -15,6 +15,7 @@ mod message;
 mod refusal;
 mod secret;
 mod spec;
+mod trace;
 pub mod vars;
 
 pub use endpoint::{Endpoint, Method};
@@ -29,6 +30,7 @@ pub use message::{AgentMessage, AgentState, Assignment, Cancel, DecodeError, Ret
 pub use refusal::{Answer, CredentialKind, Purpose, Refusal, Standing};
 pub use secret::Secret;
 pub use spec::{McpClientCapability, McpServer, McpTransport, Repo, SetupStep, Spec, Workspace};
+pub use trace::{TRACESTATE_MAX, TRACESTATE_MEMBERS_MAX, TraceContext, TraceError, TraceParent};
 
 /// Describes a JSON error without quoting the input: serde_json's own
 /// messages echo offending values ("invalid type: string \"…\""), and the

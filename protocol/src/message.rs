@@ -3,7 +3,7 @@ use std::collections::BTreeMap;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::{Attachment, Secret, Workspace};
+use crate::{Attachment, Secret, TraceContext, Workspace};
 
 /// The agent's lifecycle state, as reported in every heartbeat.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
@@ -37,7 +37,8 @@ impl AgentMessage {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum ServerMessage {
-    Assignment(Assignment),
+    // Boxed: an assignment is many times the size of the other messages.
+    Assignment(Box<Assignment>),
     Retired(Retired),
     Cancel(Cancel),
     /// A message of a type this version does not know; never encoded.
@@ -92,6 +93,12 @@ pub struct Assignment {
     pub execution_id: String,
     pub run_credential: Secret,
     pub run: Run,
+    /// The server's trace of this run's start (1.3): the agent's spans are
+    /// children of its `traceparent`. Absent when the server traces
+    /// nothing; a value of another shape decodes as absent, and a
+    /// malformed `traceparent` is ignored ([`TraceContext::parent`]).
+    #[serde(default, deserialize_with = "crate::trace::lenient", skip_serializing_if = "Option::is_none")]
+    pub trace_context: Option<TraceContext>,
 }
 
 /// What to run and with what.

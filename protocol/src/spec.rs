@@ -78,6 +78,43 @@ pub struct SetupStep {
     #[serde(default, deserialize_with = "whole_seconds")]
     #[schemars(range(max = u64::MAX))]
     pub timeout_s: Option<u64>,
+    /// **(1.3)** Paths, relative to the workspace, that the step's result
+    /// depends on (a lock file, a directory of them). On a sandbox made from
+    /// a snapshot whose clones moved, the step runs again only when a file
+    /// at or under one of them changed; absent, it runs again on any move.
+    /// Left out of the canonical form when absent, so the fingerprints of
+    /// specs written before 1.3 are unchanged.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub inputs: Option<Vec<String>>,
+}
+
+impl SetupStep {
+    /// Whether the step runs again after a refresh moved a clone: `changed`
+    /// lists the workspace-relative paths of the files that changed, `None`
+    /// when they could not be listed. A step that declares no inputs, or
+    /// whose changes are unknown, runs again; one that declares inputs runs
+    /// again only when a changed file is one of them or lies under one.
+    pub fn runs_again_after_a_move(&self, changed: Option<&[String]>) -> bool {
+        let (Some(inputs), Some(changed)) = (&self.inputs, changed) else { return true };
+        inputs.iter().any(|input| changed.iter().any(|path| input_covers(input, path)))
+    }
+}
+
+/// Whether the declared input `input` (a file or a directory, `.` or empty
+/// for the whole workspace) covers the changed file `path`. Both are
+/// workspace-relative; `./` prefixes and trailing slashes do not matter.
+fn input_covers(input: &str, path: &str) -> bool {
+    let input = normalize(input);
+    let path = normalize(path);
+    input.is_empty() || path == input || path.strip_prefix(input).is_some_and(|rest| rest.starts_with('/'))
+}
+
+fn normalize(path: &str) -> &str {
+    let mut path = path.trim_end_matches('/');
+    while let Some(rest) = path.strip_prefix("./") {
+        path = rest;
+    }
+    if path == "." { "" } else { path }
 }
 
 /// An optional non-negative integer, written as an integer or as a number
@@ -183,6 +220,39 @@ mod tests {
     fn timeout(json: &str) -> Result<Option<u64>, String> {
         let step = format!(r#"{{"name":"deps","command":["true"]{json}}}"#);
         serde_json::from_str::<SetupStep>(&step).map(|step| step.timeout_s).map_err(|error| error.to_string())
+    }
+
+    fn step_with(inputs: Option<&[&str]>) -> SetupStep {
+        SetupStep {
+            name: "deps".into(),
+            command: vec!["make".into()],
+            cwd: None,
+            timeout_s: None,
+            inputs: inputs.map(|inputs| inputs.iter().map(|input| (*input).to_owned()).collect()),
+        }
+    }
+
+    #[test]
+    fn a_step_runs_again_only_when_a_declared_input_changed() {
+        let changed = |paths: &[&str]| paths.iter().map(|path| (*path).to_owned()).collect::<Vec<_>>();
+        let lock = step_with(Some(&["app/package-lock.json", "./app/patches/"]));
+        assert!(lock.runs_again_after_a_move(Some(&changed(&["app/package-lock.json"]))));
+        assert!(lock.runs_again_after_a_move(Some(&changed(&["README.md", "app/patches/a.diff"]))));
+        assert!(!lock.runs_again_after_a_move(Some(&changed(&["app/src/main.js", "app/package-lock.json.bak"]))));
+        assert!(!lock.runs_again_after_a_move(Some(&changed(&["app/patchesX/a.diff"]))));
+        assert!(!lock.runs_again_after_a_move(Some(&[])));
+        assert!(lock.runs_again_after_a_move(None), "unknown changes run the step");
+        assert!(step_with(None).runs_again_after_a_move(Some(&[])), "no inputs: any move runs the step");
+        assert!(!step_with(Some(&[])).runs_again_after_a_move(Some(&changed(&["a"]))), "no inputs declared");
+        assert!(step_with(Some(&["."])).runs_again_after_a_move(Some(&changed(&["a/b"]))), "the whole workspace");
+    }
+
+    #[test]
+    fn absent_inputs_stay_out_of_the_wire_form() {
+        let json = serde_json::to_value(step_with(None)).expect("a step serialises");
+        assert!(json.get("inputs").is_none(), "{json}");
+        let json = serde_json::to_value(step_with(Some(&["a"]))).expect("a step serialises");
+        assert_eq!(json["inputs"], serde_json::json!(["a"]));
     }
 
     #[test]

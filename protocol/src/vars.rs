@@ -24,10 +24,15 @@ pub const CONFIRM_TIMEOUT: &str = "STANDBY_CONFIRM_TIMEOUT";
 pub const INSTALL_TIMEOUT: &str = "STANDBY_INSTALL_TIMEOUT";
 /// Bound on the whole preparation (amendment 4).
 pub const PREPARE_TIMEOUT: &str = "STANDBY_PREPARE_TIMEOUT";
+/// (1.3) The snapshot a sandbox's filesystem was made from, set by a
+/// provider that makes sandboxes from a snapshot of a prepared one.
+pub const SNAPSHOT: &str = "STANDBY_SNAPSHOT";
 /// The agent's log filter.
 pub const LOG: &str = "STANDBY_LOG";
 /// The agent's log format, `text` or `json`.
 pub const LOG_FORMAT: &str = "STANDBY_LOG_FORMAT";
+/// The OTLP/HTTP endpoint the agent's spans go to (1.3); unset: none.
+pub const OTLP_ENDPOINT: &str = "STANDBY_OTLP_ENDPOINT";
 
 /// Set for the run: its execution id.
 pub const EXECUTION_ID: &str = "STANDBY_EXECUTION_ID";

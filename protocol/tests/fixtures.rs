@@ -36,6 +36,8 @@ fn every_fixture_round_trips() {
     round_trip::<GitCredentialsResponse>("git_credentials_response.json");
     round_trip::<CloudCredentialsResponse>("cloud_credentials_response.json");
     round_trip::<Event>("event_started.json");
+    let timed = round_trip::<Event>("event_started_timed.json");
+    assert_eq!(timed.install_timing().and_then(|timing| timing.get("critical_path")), Some(&7400));
     round_trip::<Event>("event_exited.json");
     let lost = round_trip::<Event>("event_exited_log_lost.json");
     assert_eq!((lost.log_lost, lost.log_outcome()), (Some(4096), Some(4096)));
@@ -52,12 +54,41 @@ fn every_fixture_round_trips() {
 
 #[test]
 fn server_message_fixtures_decode_through_the_codec() {
-    for name in ["assignment.json", "assignment_inline_attachments.json", "retired.json", "cancel.json"] {
+    for name in [
+        "assignment.json",
+        "assignment_inline_attachments.json",
+        "assignment_trace_context.json",
+        "retired.json",
+        "cancel.json",
+    ] {
         let original = read_fixture(name);
         let message = ServerMessage::decode(&original.to_string()).unwrap_or_else(|e| panic!("{name}: {e}"));
         assert!(!matches!(message, ServerMessage::Unknown { .. }), "{name}");
         let encoded: Value = serde_json::from_str(&message.encode().expect("known")).expect("json");
         assert_eq!(encoded, original, "{name}");
+    }
+}
+
+/// The 1.3 trace context: the fixture's `traceparent` is well formed, and
+/// an assignment whose context is malformed or of another shape still
+/// decodes (tracing never fails a run).
+#[test]
+fn the_trace_context_never_fails_an_assignment() {
+    let text = read_fixture("assignment_trace_context.json").to_string();
+    let ServerMessage::Assignment(assignment) = ServerMessage::decode(&text).expect("decodes") else {
+        panic!("not an assignment");
+    };
+    let context = assignment.trace_context.expect("carried");
+    let parent = context.parent().expect("well formed");
+    assert_eq!(parent.to_string(), context.traceparent);
+    assert_eq!(context.valid_tracestate(), Some("standby=run"));
+    for odd in [serde_json::json!("00-zz"), serde_json::json!(7), serde_json::json!({"traceparent": "nonsense"})] {
+        let mut value = read_fixture("assignment_trace_context.json");
+        value["trace_context"] = odd.clone();
+        let ServerMessage::Assignment(assignment) = ServerMessage::decode(&value.to_string()).expect("decodes") else {
+            panic!("not an assignment");
+        };
+        assert!(assignment.trace_context.is_none_or(|context| context.parent().is_err()), "{odd}");
     }
 }
 

@@ -282,9 +282,17 @@ impl Server {
 
     /// A server whose sandboxes are containers of `image`, built already.
     pub async fn start_on(image: &str, args: &[&str]) -> Self {
+        Self::start_with_spec(image, &counting_spec(), args).await
+    }
+
+    /// A server whose sandboxes are containers of `image` preparing `spec`.
+    /// Prepared snapshots are off unless `args` set `--snapshot-keep`: the
+    /// suites' servers share one image and one spec, and a snapshot of one
+    /// would be another's.
+    pub async fn start_with_spec(image: &str, spec: &serde_json::Value, args: &[&str]) -> Self {
         let dir = tempfile::Builder::new().prefix("standby-docker-e2e-").tempdir().expect("a temp dir");
         let spec_path = dir.path().join("spec.json");
-        write_json(&spec_path, &counting_spec());
+        write_json(&spec_path, spec);
         let tag = format!("{:012x}", RandomState::new().hash_one((std::process::id(), dir.path())) >> 16);
         let network = format!("standby-e2e-{tag}");
         let data = dir.path().join("data");
@@ -306,7 +314,8 @@ impl Server {
             "--spec",
             &spec_path.display().to_string(),
         ]);
-        let builder = builder.args_over_defaults(&QUICK, args);
+        let defaults: Vec<(&str, &str)> = QUICK.iter().copied().chain([("--snapshot-keep", "0")]).collect();
+        let builder = builder.args_over_defaults(&defaults, args);
         let process = builder.start().await;
         Self { process: Some(process), builder, cleanup, dir }
     }

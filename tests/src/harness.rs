@@ -59,6 +59,24 @@ pub fn mcp_python(test: &str) -> Option<PathBuf> {
     python
 }
 
+/// A program of a Debian package a test needs: `name` on `PATH` (or
+/// `/usr/bin`, where Debian puts it). `None`, after a loud line, when it is
+/// missing and the test is to be skipped; under `CI=true`, where `.ci/run`
+/// installs `package`, a missing one fails the test instead.
+pub fn system_tool(name: &str, package: &str, test: &str) -> Option<PathBuf> {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    let found = std::env::split_paths(&path)
+        .chain([PathBuf::from("/usr/bin")])
+        .map(|dir| dir.join(name))
+        .find(|candidate| candidate.is_file());
+    if found.is_none() {
+        let why = format!("no `{name}` on PATH (Debian: apt-get install {package})");
+        assert!(!std::env::var("CI").is_ok_and(|value| value == "true"), "{test}: {why} (CI=true: it must run)");
+        eprintln!("*** {test}: SKIPPED: {why} ***");
+    }
+    found
+}
+
 /// The `standby` binary under test: `$STANDBY_BIN`, else `standby` next to
 /// the test executable's `deps/` directory (`target/<profile>/standby`).
 pub fn standby_bin() -> PathBuf {

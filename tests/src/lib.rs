@@ -3,11 +3,13 @@
 //! protocol crate's rules, and [`harness`], which runs the real binary
 //! against it with real processes, git repos and sockets.
 
+pub mod browser;
 pub mod cluster;
 pub mod docker;
 pub mod harness;
 pub mod kube_fake;
 pub mod kustomize;
+pub mod otlp;
 pub mod postgres;
 pub mod prometheus;
 pub mod provider_runs;

@@ -28,17 +28,7 @@ pub fn rules_file() -> PathBuf {
 /// loud line, when the test is to be skipped. Panics under `CI=true`
 /// instead of skipping.
 pub fn tool(name: &str, test: &str) -> Option<PathBuf> {
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    let found = std::env::split_paths(&path)
-        .chain([PathBuf::from("/usr/bin")])
-        .map(|dir| dir.join(name))
-        .find(|candidate| candidate.is_file());
-    if found.is_none() {
-        let why = format!("no `{name}` on PATH (Debian: apt-get install prometheus)");
-        assert!(!std::env::var("CI").is_ok_and(|value| value == "true"), "{test}: {why} (CI=true: it must run)");
-        eprintln!("*** {test}: SKIPPED: {why} ***");
-    }
-    found
+    crate::harness::system_tool(name, "prometheus", test)
 }
 
 /// A Prometheus process scraping one target every second and evaluating

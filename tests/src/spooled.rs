@@ -218,7 +218,7 @@ pub async fn next_assignment_frame(socket: &mut Socket) -> standby_protocol::Ass
             if let Ok(Message::Text(text)) = frame
                 && let Ok(ServerMessage::Assignment(assignment)) = ServerMessage::decode(text.as_str())
             {
-                return assignment;
+                return *assignment;
             }
         }
         panic!("the connection closed before an assignment")

@@ -687,15 +687,31 @@ fn app_repo(origin: &GitRepo, sha: Option<&str>) -> Value {
 }
 
 async fn cloned_standby() -> ClonedStandby {
+    cloned_standby_with(json!([]), |agent| agent).await
+}
+
+/// A setup step that outlasts git's racy second, so preparation rewrites
+/// the index, the clone is known clean and the agent watches it.
+fn settling_setup() -> Value {
+    json!([{"name": "settle", "command": ["sleep", "1.1"]}])
+}
+
+/// `workspace` with `setup`.
+fn with_setup(mut workspace: Value, setup: &Value) -> Value {
+    workspace["setup"] = setup.clone();
+    workspace
+}
+
+async fn cloned_standby_with(setup: Value, configure: impl FnOnce(AgentBuilder) -> AgentBuilder) -> ClonedStandby {
     let server = TestServer::start().await;
     let dir = scratch();
     let ws = dir.path().join("workspace");
     std::fs::create_dir(&ws).expect("create the workspace");
-    let origin = GitRepo::new(&[("README.md", "hello\n")]);
+    let origin = GitRepo::new(&[("README.md", "hello\n"), ("src/lib.py", "x = 1\n")]);
     let cloned = origin.head();
     let token = server.add_standby();
-    let spec = json!({"workspace": app_repo(&origin, None)});
-    let agent = ready_agent(&server, &token, dir.path(), &spec, |agent| agent.workspace(&ws)).await;
+    let spec = json!({"workspace": with_setup(app_repo(&origin, None), &setup)});
+    let agent = ready_agent(&server, &token, dir.path(), &spec, |agent| configure(agent.workspace(&ws))).await;
     ClonedStandby { server, dir, ws, origin, cloned, token, agent }
 }
 
@@ -811,6 +827,39 @@ async fn a_clone_changed_after_preparation_is_checked_out_again_at_the_prepared_
     assert_eq!(read(&out.join("head")).trim(), cloned, "the repo is at expected_sha");
     assert_eq!(read(&out.join("readme")), "hello\n", "the changed file is the commit's again");
     server.assert_no_violations();
+}
+
+/// The same with the clone watched since preparation: an untouched clone
+/// is vouched for by the watch alone, a tracked file changed in a
+/// subdirectory sends the refresh to reading the files, and then to git.
+#[tokio::test]
+async fn a_watched_clone_is_vouched_for_by_its_watch_until_a_tracked_file_changes() {
+    for change in [false, true] {
+        let debug = |agent: AgentBuilder| agent.env("STANDBY_LOG", "standby_agent::install=debug,info");
+        let ClonedStandby { server, dir: _dir, ws, origin, cloned, token, mut agent } =
+            cloned_standby_with(settling_setup(), debug).await;
+        if change {
+            std::fs::write(ws.join("app/src/lib.py"), "x = 2\n").expect("change a tracked file");
+        }
+        let out = ws.join("findings");
+        let script = format!(
+            r#"out='{out}'; mkdir -p "$out"; cat src/lib.py > "$out/lib"; git rev-parse HEAD > "$out/head""#,
+            out = out.display()
+        );
+        let workspace_value = with_setup(app_repo(&origin, Some(&cloned)), &settling_setup());
+        let execution = setup(&script).cwd("app").workspace(workspace(&workspace_value));
+        let execution_id = server.assign(&token, execution);
+        let code = agent.wait_exit(EXIT).await;
+        assert_exit(&agent, code, ExitCode::Success, "the run finished");
+        assert_eq!(event_kinds(&server, &execution_id), [EventKind::Started, EventKind::Exited { code: 0 }]);
+        assert_eq!(read(&out.join("head")).trim(), cloned, "the repo is at expected_sha");
+        assert_eq!(read(&out.join("lib")), "x = 1\n", "the file is the commit's");
+        let output = agent.output();
+        let vouched = output.contains("unchanged since preparation: no git");
+        let read_files = output.contains("the watch cannot vouch for the clone");
+        assert_eq!((vouched, read_files), (!change, change), "changed: {change}\n{}", agent.output_tail());
+        server.assert_no_violations();
+    }
 }
 
 // ---- redaction -----------------------------------------------------------

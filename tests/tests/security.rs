@@ -446,6 +446,10 @@ async fn path_escapes_are_refused_at_submission_naming_the_field() {
             json!({"command": ["ls"], "workspace": {"setup": [{"name": "s", "command": ["true"], "cwd": "../up"}]}}),
             "workspace.setup[0].cwd",
         ),
+        (
+            json!({"command": ["ls"], "workspace": {"setup": [{"name": "s", "command": ["true"], "inputs": ["a.lock", "/etc/passwd"]}]}}),
+            "workspace.setup[0].inputs[1]",
+        ),
     ];
     for (body, field) in cases {
         let (status, answer) = spooled.server.call(reqwest::Method::POST, "/v1/runs", Some(API_KEY), Some(&body)).await;

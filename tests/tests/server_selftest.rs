@@ -66,7 +66,7 @@ async fn next_message(ws: &mut Ws) -> ServerMessage {
 
 async fn next_assignment(ws: &mut Ws) -> Assignment {
     match next_message(ws).await {
-        ServerMessage::Assignment(assignment) => assignment,
+        ServerMessage::Assignment(assignment) => *assignment,
         other => panic!("expected an assignment, got {other:?}"),
     }
 }

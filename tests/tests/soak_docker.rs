@@ -4,8 +4,14 @@
 //! from the test only; the server never shells out):
 //!
 //! - a container killed (`docker kill`: its PID 1 and every agent die);
-//! - a container frozen (`docker pause`) for longer than the silence
-//!   limit, then thawed (`docker unpause`): its agent comes back late;
+//! - a container frozen for longer than the silence limit, then thawed:
+//!   every process in it but its PID 1 stopped (`SIGSTOP`, sent from a
+//!   `docker exec`), then continued: its agent comes back late. Not
+//!   `docker pause`: on this Engine (docker.io 20.10.24) an exec into a
+//!   container the cgroup freezer holds never returns, and the unpause
+//!   then waits behind it, so the server's agent launch racing a pause
+//!   hung that container's every Engine call (seen here: a local CI run
+//!   hung until the stuck `runc exec` was killed);
 //! - a container cut from its network (`docker network disconnect`), then
 //!   connected again;
 //! - the server SIGKILLed and restarted on the same store: it adopts its
@@ -45,23 +51,34 @@ use soak_shared::{
 const RUNS: usize = 36;
 const SUBMIT_OVER: Duration = Duration::from_secs(30);
 const RESTARTS: usize = 2;
-/// Faults injected in turn: kill, pause, disconnect.
-const FAULTS: [&str; 3] = ["kill", "pause", "disconnect"];
+/// Faults injected in turn: kill, freeze, disconnect.
+const FAULTS: [&str; 3] = ["kill", "freeze", "disconnect"];
 const FAULT_BUDGET: usize = 12;
 const HEARTBEAT: Duration = Duration::from_millis(300);
-/// How long a container stays paused or disconnected: past the silence
+/// How long a container stays frozen or disconnected: past the silence
 /// limit (three heartbeat intervals).
 const HOLD: Duration = Duration::from_millis(2500);
 const SETTLE: Duration = Duration::from_secs(60);
 const LINES: usize = 12;
 const CANCEL_CHANCE: f64 = 0.05;
 
-/// A docker CLI call off the runtime's threads; its stdout when it worked.
+/// How long one docker CLI call of the injector may take: an Engine that
+/// does not answer must not hold the soak past its harness bound.
+const CLI_BOUND: Duration = Duration::from_secs(30);
+
+/// A docker CLI call; its stdout when it worked within [`CLI_BOUND`]. One
+/// that did not is killed, named on stderr and counted as not done.
 async fn docker_cli(args: Vec<String>) -> Option<String> {
-    tokio::task::spawn_blocking(move || docker::docker(&args.iter().map(String::as_str).collect::<Vec<_>>()))
-        .await
-        .ok()
-        .flatten()
+    let mut command = tokio::process::Command::new("docker");
+    command.args(&args).kill_on_drop(true).stdin(std::process::Stdio::null());
+    match tokio::time::timeout(CLI_BOUND, command.output()).await {
+        Ok(Ok(output)) if output.status.success() => Some(String::from_utf8_lossy(&output.stdout).trim().to_owned()),
+        Ok(_) => None,
+        Err(_) => {
+            eprintln!("soak-docker: `docker {}` did not return in {CLI_BOUND:?}: killed", args.join(" "));
+            None
+        }
+    }
 }
 
 /// Accepts the runs' marker lines: one line per connection, kept, then
@@ -104,7 +121,7 @@ fn run_command(host: &str, port: u16) -> Vec<String> {
     vec!["bash".into(), "-c".into(), script]
 }
 
-/// Injects one fault after another (kill, pause, disconnect in turn) into
+/// Injects one fault after another (kill, freeze, disconnect in turn) into
 /// a random container of the server's: one with a run when there is one
 /// (three times in four), else a standby.
 async fn injector(server: Current, network: String, journal: Arc<Mutex<Journal>>, mut rng: Rng, stop: Arc<AtomicBool>) {
@@ -132,20 +149,25 @@ async fn injector(server: Current, network: String, journal: Arc<Mutex<Journal>>
         let cli = |args: &[&str]| docker_cli(args.iter().map(|arg| (*arg).to_owned()).collect());
         let done = match kind {
             "kill" => cli(&["kill", &container]).await.is_some(),
-            "pause" => {
-                let paused = cli(&["pause", &container]).await.is_some();
-                if paused {
+            "freeze" => {
+                // `kill -1` from the exec's shell (bash: dash's `kill`
+                // takes no -1): every process of the container but its
+                // PID 1 and that shell.
+                let frozen = cli(&["exec", &container, "bash", "-c", "kill -STOP -1"]).await.is_some();
+                if frozen {
                     tokio::time::sleep(HOLD).await;
-                    cli(&["unpause", &container]).await;
                 }
-                paused
+                // Also after a freeze that failed: one killed past its
+                // bound may still take effect in the Engine.
+                cli(&["exec", &container, "bash", "-c", "kill -CONT -1"]).await;
+                frozen
             }
             _ => {
                 let cut = cli(&["network", "disconnect", &network, &container]).await.is_some();
                 if cut {
                     tokio::time::sleep(HOLD).await;
-                    cli(&["network", "connect", &network, &container]).await;
                 }
+                cli(&["network", "connect", &network, &container]).await;
                 cut
             }
         };
@@ -169,6 +191,12 @@ impl Drop for KillOnDrop {
     }
 }
 
+/// The server log's lines naming `sandbox`, each ending in a newline.
+fn lines_naming(log: &std::path::Path, sandbox: &str) -> String {
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    text.lines().filter(|line| line.contains(sandbox)).map(|line| format!("{line}\n")).collect()
+}
+
 /// The server log's lines naming a run of a violation or its sandboxes.
 fn lines_about(log: &std::path::Path, verdict: &soak_shared::Verdict) -> String {
     let text = std::fs::read_to_string(log).unwrap_or_default();
@@ -186,7 +214,7 @@ fn lines_about(log: &std::path::Path, verdict: &soak_shared::Verdict) -> String 
 
 /// The soak in Docker mode. Run one seed again with `STANDBY_SOAK_SEED`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn soak_on_docker_with_killed_paused_and_disconnected_containers_and_restarts_loses_nothing() {
+async fn soak_on_docker_with_killed_frozen_and_disconnected_containers_and_restarts_loses_nothing() {
     if !docker::available("soak-docker") {
         return;
     }
@@ -231,7 +259,12 @@ async fn soak_on_docker_with_killed_paused_and_disconnected_containers_and_resta
             "--agent-log",
             "info",
         ]);
+    // Each phase's time since the start goes to stderr: a slow machine's
+    // log then shows where the time went.
+    let began = std::time::Instant::now();
+    let phase = |what: &str| eprintln!("soak-docker: [{:5.1} s] {what}", began.elapsed().as_secs_f64());
     let server: Current = Arc::new(Mutex::new(Some(Arc::new(builder.start().await))));
+    phase("the server is up");
     let _kill = KillOnDrop(Arc::clone(&server));
 
     let journal = Arc::new(Mutex::new(Journal::default()));
@@ -257,6 +290,7 @@ async fn soak_on_docker_with_killed_paused_and_disconnected_containers_and_resta
             assert!(wait_bindable(listen, Duration::from_secs(30)).await, "port {listen} still taken after the crash");
             *lock(&server) = Some(Arc::new(builder.start().await));
             lock(&journal).restarts += 1;
+            phase("the server was SIGKILLed and is up again");
         }
         let body = json!({"command": command, "env": {"SOAK_RUN": label.to_string()}});
         let id = current(&server).expect("a server").submit(&body).await;
@@ -265,12 +299,15 @@ async fn soak_on_docker_with_killed_paused_and_disconnected_containers_and_resta
         tokio::time::sleep(rng.duration(gap / 2, gap * 3 / 2)).await;
     }
     while cancels.join_next().await.is_some() {}
+    phase("every run is submitted");
 
     let server_now = current(&server).expect("a server");
     let settled = settle(&server_now, &journal, SETTLE).await;
     stop.store(true, Ordering::Relaxed);
     let _ = injector.await;
+    phase("the fault injector stopped");
     let _ = watcher.await;
+    phase("the watcher stopped");
 
     // ---- invariants --------------------------------------------------------
     let journal = lock(&journal).clone();
@@ -279,15 +316,31 @@ async fn soak_on_docker_with_killed_paused_and_disconnected_containers_and_resta
     drop(server_now);
     let final_server = lock(&server).take().expect("a server");
     let final_server = Arc::try_unwrap(final_server).expect("no other holder of the server");
+    phase("the runs are checked; stopping the server");
     let status = final_server.stop(Signal::SIGTERM).await;
+    phase("the server stopped");
     assert!(status.success(), "standby-server exited {status} on SIGTERM");
     marker_task.abort();
     let requeues = check_credentials(&mut verdict, &sqlite_credentials(&data.join("standby.db")));
     // A clean stop leaves none of the server's containers running.
     let filter = format!("label=standby.instance={}", cleanup.instance());
     let running = docker::docker(&["ps", "-q", "--filter", &filter]).unwrap_or_default();
-    if !running.is_empty() {
-        verdict.problems.push(format!("containers still running after the server stopped: {running}"));
+    let mut about_containers = String::new();
+    for id in running.lines() {
+        let format = "{{.Name}} {{index .Config.Labels \"standby.sandbox\"}} {{.State.Status}} paused={{.State.Paused}} \
+                      created={{.Created}} started={{.State.StartedAt}}";
+        let state = docker::docker(&["inspect", "--format", format, id]).unwrap_or_default();
+        verdict.problems.push(format!("a container still running after the server stopped: {id} ({state})"));
+        if let Some(sandbox) = state.split_whitespace().nth(1) {
+            about_containers.push_str(&lines_naming(&dir.path().join("server.log"), sandbox));
+        }
+    }
+
+    // A fault that always failed would leave the soak claiming it.
+    for kind in FAULTS {
+        if !journal.faults.contains_key(kind) {
+            verdict.problems.push(format!("no `{kind}` fault was injected"));
+        }
     }
 
     // ---- summary -----------------------------------------------------------
@@ -304,9 +357,10 @@ async fn soak_on_docker_with_killed_paused_and_disconnected_containers_and_resta
     eprintln!("soak-docker: marker lines: {}; invariant violations: {}", verdict.marker_lines, verdict.problems.len());
     assert!(
         verdict.problems.is_empty(),
-        "{} invariant violations (seed {seed}):\n{}\n--- the server's lines about them ---\n{}",
+        "{} invariant violations (seed {seed}):\n{}\n--- the server's lines about them ---\n{}\n{}",
         verdict.problems.len(),
         verdict.problems.join("\n"),
-        lines_about(&dir.path().join("server.log"), &verdict)
+        lines_about(&dir.path().join("server.log"), &verdict),
+        about_containers
     );
 }

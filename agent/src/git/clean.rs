@@ -19,6 +19,9 @@
 use std::fs::Metadata;
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
+use std::sync::Arc;
+
+use super::watch::{FullCheck, Tracked, TreeWatch};
 
 /// The index format's fixed part of an entry before the object id: ten
 /// 32-bit stat fields.
@@ -182,11 +185,15 @@ impl FileIdentity {
     }
 }
 
-/// A clone as preparation left it: detached at `sha`, its index untouched.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// A clone as preparation left it: detached at `sha`, its index untouched,
+/// and, when it could be armed, a watch of it since then.
+#[derive(Debug, Clone)]
 pub struct Snapshot {
     sha: String,
     index: FileIdentity,
+    /// Armed before the full check that vouched for the clone (see
+    /// [`Snapshot::watched`]).
+    watch: Option<Arc<TreeWatch>>,
 }
 
 impl Snapshot {
@@ -196,7 +203,33 @@ impl Snapshot {
         let git_dir = dest.join(".git");
         let sha = detached_head(&git_dir)?;
         let index = FileIdentity::of(&std::fs::metadata(git_dir.join("index")).ok()?);
-        Some(Self { sha, index })
+        Some(Self { sha, index, watch: None })
+    }
+
+    /// Records the clone as [`Snapshot::take`] does, then watches it: the
+    /// watch is armed first and the full check made after, so the clone is
+    /// known clean when the check passes and every change from then on is
+    /// an event. Without a watch (too many directories, the user's inotify
+    /// limit, a clone not known clean) the snapshot is `take`'s, and why is
+    /// logged.
+    pub fn watched(dest: &Path) -> Option<Self> {
+        let mut snapshot = Self::take(dest)?;
+        let armed = snapshot
+            .entries(dest)
+            .map_err(|why| why.to_string())
+            .and_then(|(entries, _)| {
+                TreeWatch::arm(dest, Tracked::new(entries.iter().map(|e| e.path.as_str()))).map_err(|e| e.to_string())
+            })
+            .and_then(|watch| snapshot.still_clean(dest).map(|()| watch).map_err(|why| why.to_string()));
+        match armed {
+            Ok(watch) => snapshot.watch = Some(Arc::new(watch)),
+            Err(why) => tracing::info!(
+                dest = %dest.display(),
+                why,
+                "the clone is not watched: the run's clean check will read every tracked file"
+            ),
+        }
+        Some(snapshot)
     }
 
     /// The commit the clone was detached at.
@@ -204,10 +237,38 @@ impl Snapshot {
         &self.sha
     }
 
+    /// Whether the clone in `dest` is known unchanged since it was
+    /// watched, in constant time: the watch saw nothing that counts, and
+    /// `HEAD` and the index file are as recorded. An error says why the
+    /// full check ([`Snapshot::still_clean`]) must decide.
+    pub(crate) fn unchanged(&self, dest: &Path) -> Result<(), FullCheck> {
+        self.watch.as_deref().ok_or(FullCheck::Unwatched)?.unchanged(dest)?;
+        let git_dir = dest.join(".git");
+        let index = std::fs::metadata(git_dir.join("index")).map(|meta| FileIdentity::of(&meta));
+        if detached_head(&git_dir).as_deref() != Some(self.sha.as_str()) || index.ok() != Some(self.index) {
+            return Err(FullCheck::Changed);
+        }
+        Ok(())
+    }
+
     /// Whether the clone in `dest` is still detached at the recorded
     /// commit with every tracked file as the index recorded it. Reads
     /// `HEAD`, the index and one `lstat` per tracked file: no process.
     pub fn still_clean(&self, dest: &Path) -> Result<(), NotClean> {
+        let (entries, index_mtime) = self.entries(dest)?;
+        for entry in &entries {
+            let file =
+                std::fs::symlink_metadata(dest.join(&entry.path)).map_err(|_| NotClean::File(entry.path.clone()))?;
+            if !matches(&entry.stat, &Stat::of(&file), index_mtime) {
+                return Err(NotClean::File(entry.path.clone()));
+            }
+        }
+        Ok(())
+    }
+
+    /// The index's entries and its mtime, if `HEAD` and the index file are
+    /// as recorded.
+    fn entries(&self, dest: &Path) -> Result<(Vec<Entry>, (u32, u32)), NotClean> {
         let git_dir = dest.join(".git");
         if detached_head(&git_dir).as_deref() != Some(self.sha.as_str()) {
             return Err(NotClean::Head);
@@ -222,14 +283,7 @@ impl Snapshot {
         // A SHA-256 repository names its commits with 64 hex digits.
         let oid_len = self.sha.len() / 2;
         let entries = parse_index(&bytes, oid_len).map_err(NotClean::Unjudgeable)?;
-        for entry in &entries {
-            let file =
-                std::fs::symlink_metadata(dest.join(&entry.path)).map_err(|_| NotClean::File(entry.path.clone()))?;
-            if !matches(&entry.stat, &Stat::of(&file), index_mtime) {
-                return Err(NotClean::File(entry.path.clone()));
-            }
-        }
-        Ok(())
+        Ok((entries, index_mtime))
     }
 }
 
@@ -260,6 +314,7 @@ mod tests {
 
     use super::*;
     use crate::git::tests::{Upstream, git};
+    use crate::git::watch::MAX_WATCHED_DIRS;
     use crate::git::{clone, refresh_index};
 
     fn stat(mtime: u32) -> Stat {
@@ -385,10 +440,102 @@ mod tests {
         assert_eq!(snapshot.still_clean(&dest), Err(NotClean::Head));
     }
 
+    /// A tracked file changed after the watch was armed: the watch sends
+    /// the check to the full one, which finds what changed.
+    async fn after(change: impl FnOnce(&Path)) -> (Result<(), FullCheck>, Result<(), NotClean>) {
+        let (_upstream, _work, dest) = prepared_clone().await;
+        let snapshot = Snapshot::watched(&dest).expect("a detached clone");
+        assert_eq!(snapshot.unchanged(&dest), Ok(()), "armed, and nothing happened");
+        change(&dest);
+        (snapshot.unchanged(&dest), snapshot.still_clean(&dest))
+    }
+
+    #[tokio::test]
+    async fn a_watched_clone_is_known_unchanged_without_reading_its_files() {
+        let (_upstream, _work, dest) = prepared_clone().await;
+        assert_eq!(Snapshot::take(&dest).expect("a detached clone").unchanged(&dest), Err(FullCheck::Unwatched));
+        let snapshot = Snapshot::watched(&dest).expect("a detached clone");
+        assert_eq!(snapshot.unchanged(&dest), Ok(()));
+        // What the full check ignores, the watch ignores too.
+        std::fs::write(dest.join("src/untracked.txt"), "setup output").expect("writable");
+        std::fs::create_dir(dest.join("src/__pycache__")).expect("writable");
+        std::fs::write(dest.join("src/__pycache__/lib.pyc"), "bytecode").expect("writable");
+        std::fs::create_dir_all(dest.join(".standby")).expect("writable");
+        std::fs::write(dest.join(".standby/metadata.json"), "{}").expect("writable");
+        let _ = std::fs::read(dest.join("src/lib.py")).expect("readable");
+        assert_eq!(snapshot.unchanged(&dest), Ok(()), "untracked files and reads do not count");
+        assert_eq!(snapshot.still_clean(&dest), Ok(()));
+        assert_eq!(snapshot.clone().unchanged(&dest), Ok(()), "a clone of the snapshot shares the watch");
+    }
+
+    #[tokio::test]
+    async fn a_tracked_file_modified_removed_replaced_or_chmodded_falls_back_to_the_full_check() {
+        let changed = |path: &str| Err(NotClean::File(path.into()));
+        let (watch, full) = after(|dest| std::fs::write(dest.join("src/lib.py"), "x = 2\n").expect("writable")).await;
+        assert_eq!((watch, full), (Err(FullCheck::Changed), changed("src/lib.py")));
+
+        let (watch, full) = after(|dest| std::fs::remove_file(dest.join("src/lib.py")).expect("removable")).await;
+        assert_eq!((watch, full), (Err(FullCheck::Changed), changed("src/lib.py")));
+
+        let replace = |dest: &Path| {
+            std::fs::write(dest.join("src/new.py"), "x = 1\n").expect("writable");
+            std::fs::rename(dest.join("src/new.py"), dest.join("src/lib.py")).expect("renamable");
+        };
+        let (watch, full) = after(replace).await;
+        assert_eq!((watch, full), (Err(FullCheck::Changed), changed("src/lib.py")), "same content, another file");
+
+        let chmod = |dest: &Path| {
+            use std::os::unix::fs::PermissionsExt as _;
+            let path = dest.join("src/lib.py");
+            std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+        };
+        let (watch, full) = after(chmod).await;
+        assert_eq!((watch, full), (Err(FullCheck::Changed), changed("src/lib.py")));
+
+        let (watch, full) = after(|dest| {
+            std::fs::rename(dest.join("src"), dest.join("elsewhere")).expect("renamable");
+            std::fs::create_dir(dest.join("src")).expect("writable");
+        })
+        .await;
+        assert_eq!((watch, full), (Err(FullCheck::Lost), changed("src/lib.py")), "a tracked directory moved away");
+    }
+
+    #[tokio::test]
+    async fn head_the_index_or_the_clone_itself_changing_falls_back_to_the_full_check() {
+        let (watch, full) =
+            after(|dest| drop(git(dest, &["checkout", "--quiet", "--force", "--detach", "HEAD"]))).await;
+        assert_eq!((watch, full), (Err(FullCheck::Changed), Err(NotClean::Index)), "git rewrote the index");
+
+        let (watch, full) = after(|dest| drop(git(dest, &["checkout", "--quiet", "-B", "work"]))).await;
+        assert_eq!((watch, full), (Err(FullCheck::Changed), Err(NotClean::Head)));
+
+        let (watch, _) = after(|dest| std::fs::rename(dest, dest.with_file_name("moved")).expect("renamable")).await;
+        assert_eq!(watch, Err(FullCheck::Lost), "the clone itself moved away");
+
+        // A parent moved: the path names another clone, and no event
+        // reaches the old one's watch.
+        let (upstream, work, dest) = prepared_clone().await;
+        let snapshot = Snapshot::watched(&dest).expect("a detached clone");
+        let moved = work.path().with_extension("moved");
+        std::fs::rename(work.path(), &moved).expect("renamable");
+        std::fs::create_dir(work.path()).expect("writable");
+        clone(&upstream.repo("app", None), &dest).await.expect("clone");
+        assert_eq!(snapshot.unchanged(&dest), Err(FullCheck::Moved));
+        std::fs::remove_dir_all(moved).expect("removable");
+    }
+
+    #[test]
+    fn a_repository_with_too_many_directories_is_not_watched() {
+        let paths: Vec<String> = (0..=MAX_WATCHED_DIRS).map(|i| format!("d{i}/f")).collect();
+        let tracked = Tracked::new(paths.iter().map(String::as_str));
+        let why = TreeWatch::arm(Path::new("/nonexistent"), tracked).expect_err("too many");
+        assert!(matches!(why, super::super::watch::Unwatched::TooManyDirs(n) if n == MAX_WATCHED_DIRS + 2), "{why}");
+    }
+
     #[tokio::test]
     async fn a_clone_on_a_branch_has_no_snapshot() {
         let (_upstream, _work, dest) = prepared_clone().await;
         git(&dest, &["checkout", "--quiet", "-B", "work"]);
-        assert_eq!(Snapshot::take(&dest), None);
+        assert!(Snapshot::take(&dest).is_none());
     }
 }

@@ -52,9 +52,12 @@ pub async fn attachments(input: &InstallInput) -> Result<(), InstallFailure> {
         targets.push(target);
     }
     let dir = StateDir::of(&input.root).attachments_dir();
-    tokio::fs::create_dir_all(&dir)
-        .await
-        .map_err(|e| InstallFailure::new(STAGE, Cause::Sandbox, format!("creating {}: {e}", dir.display())))?;
+    if listed.is_empty() {
+        // The run is told where its attachments are: there is none.
+        tokio::fs::create_dir_all(&dir)
+            .await
+            .map_err(|e| InstallFailure::new(STAGE, Cause::Sandbox, format!("creating {}: {e}", dir.display())))?;
+    }
     let downloads = listed.iter().zip(&targets).map(|(attachment, target)| download(input, &dir, attachment, target));
     futures::future::try_join_all(downloads).await?;
     Ok(())
@@ -111,13 +114,21 @@ async fn stream_to(
     call: &str,
     temp: &Path,
 ) -> Result<Result<String, String>, ApiError> {
-    let mut response = input.api.send(Method::GET, &input.credential, target.as_str(), None).await?;
+    let io = |e: std::io::Error| format!("writing {}: {e}", temp.display());
+    // The file is made while the request is under way: each `tokio::fs`
+    // call is a trip to the blocking pool, and these need no answer.
+    let open = async {
+        if let Some(dir) = temp.parent() {
+            tokio::fs::create_dir_all(dir).await?;
+        }
+        tokio::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(temp).await
+    };
+    let (response, file) = tokio::join!(input.api.send(Method::GET, &input.credential, target.as_str(), None), open);
+    let mut response = response?;
     let too_large = || ApiError::TooLarge { call: call.to_owned(), cap: MAX_ATTACHMENT_BYTES };
     if response.content_length().is_some_and(|length| length > MAX_ATTACHMENT_BYTES) {
         return Err(too_large());
     }
-    let io = |e: std::io::Error| format!("writing {}: {e}", temp.display());
-    let file = tokio::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(temp).await;
     let mut file = match file {
         Ok(file) => file,
         Err(e) => return Ok(Err(io(e))),

@@ -56,6 +56,8 @@ pub struct FileConfig {
     pub listener: ListenerTable,
     #[serde(default)]
     pub replica: ReplicaTable,
+    #[serde(default)]
+    pub telemetry: TelemetryTable,
 }
 
 /// `[sandbox]`.
@@ -77,6 +79,7 @@ pub struct SandboxTable {
 pub struct PoolTable {
     pub pool_size: Value<usize>,
     pub running_cap: Value<usize>,
+    pub max_preparing: Value<usize>,
     pub standby_ttl: Value<HumanDuration>,
     pub warm_idle: Value<HumanDuration>,
     pub park_stopped: Value<bool>,
@@ -108,6 +111,8 @@ pub struct DockerTable {
     pub sandbox_egress: Value<Choice<Egress>>,
     pub sandbox_egress_allow: Value<AllowList>,
     pub sandbox_runtime: Value<String>,
+    pub snapshot_keep: Value<usize>,
+    pub snapshot_max_age: Value<HumanDuration>,
 }
 
 /// `[kubernetes]`.
@@ -158,6 +163,13 @@ pub struct ReplicaTable {
     pub replica_id: Value<String>,
     pub advertise_url: Value<String>,
     pub cluster_secret_file: Value<PathBuf>,
+}
+
+/// `[telemetry]`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TelemetryTable {
+    pub otlp_endpoint: Value<String>,
 }
 
 /// A duration written as the flags take it (`"15s"`, `"2m"`).

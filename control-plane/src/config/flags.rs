@@ -97,6 +97,8 @@ pub struct Serve {
     pub listener: ListenerArgs,
     #[command(flatten)]
     pub replica: ReplicaArgs,
+    #[command(flatten)]
+    pub telemetry: TelemetryArgs,
 }
 
 /// How agents are launched and timed, whatever the provider (`[sandbox]`).
@@ -140,6 +142,11 @@ pub struct PoolArgs {
     /// running); runs beyond it wait in order. `0`: no cap.
     #[arg(long, env = "STANDBY_SERVER_RUNNING_CAP", default_value_t = 16, value_name = "N")]
     pub running_cap: usize,
+    /// Most pool standbys preparing at once (cloning, setting up): a pool
+    /// that fills from nothing on a small machine prepares this many at a
+    /// time instead of all at once. `0`: no bound.
+    #[arg(long, env = "STANDBY_SERVER_MAX_PREPARING", default_value_t = 0, value_name = "N")]
+    pub max_preparing: usize,
     /// A standby is replaced within this (jittered); `0s`: never.
     #[arg(long, env = "STANDBY_SERVER_STANDBY_TTL", default_value = "1h", value_parser = parse_duration, value_name = "DURATION")]
     pub standby_ttl: Duration,
@@ -246,6 +253,17 @@ pub struct DockerArgs {
     /// start, naming the ones the Engine knows.
     #[arg(long, env = "STANDBY_SERVER_SANDBOX_RUNTIME", value_name = "RUNTIME")]
     pub sandbox_runtime: Option<String>,
+    /// Prepared snapshots kept on the Engine (docs/deploy.md, "Prepared
+    /// snapshots"): the first standby of a workspace that is ready is
+    /// committed to an image, and later standbys and cold sandboxes of that
+    /// workspace start from it prepared. The newest N are kept; `0` makes
+    /// none and every sandbox clones and sets up from nothing.
+    #[arg(long, env = "STANDBY_SERVER_SNAPSHOT_KEEP", default_value_t = 4, value_name = "N")]
+    pub snapshot_keep: usize,
+    /// A snapshot older than this is removed (`0s`: no age limit); a
+    /// workspace whose snapshot went is snapshotted again.
+    #[arg(long, env = "STANDBY_SERVER_SNAPSHOT_MAX_AGE", default_value = "7d", value_parser = parse_duration, value_name = "DURATION")]
+    pub snapshot_max_age: Duration,
 }
 
 /// The `kubernetes` provider (docs/deploy.md, "Kubernetes";
@@ -372,6 +390,19 @@ pub struct ReplicaArgs {
     /// Required with a PostgreSQL store.
     #[arg(long, env = "STANDBY_SERVER_CLUSTER_SECRET_FILE", value_name = "FILE")]
     pub cluster_secret_file: Option<PathBuf>,
+}
+
+/// Traces (`docs/operations.md`, "Traces"; `[telemetry]`).
+#[derive(Debug, Clone, clap::Args)]
+#[command(next_help_heading = "Traces ([telemetry])")]
+pub struct TelemetryArgs {
+    /// An OTLP/HTTP endpoint (`http(s)://collector:4318`; `/v1/traces` is
+    /// appended unless the path ends with it): one trace per run start is
+    /// exported there, and the agents are given it as
+    /// STANDBY_OTLP_ENDPOINT (it must be reachable from the sandboxes).
+    /// Unset: nothing is traced.
+    #[arg(long, env = "STANDBY_SERVER_OTLP_ENDPOINT", value_name = "URL")]
+    pub otlp_endpoint: Option<String>,
 }
 
 /// `--store` as given: a SQLite path (any bytes) or a PostgreSQL URL,

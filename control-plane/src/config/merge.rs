@@ -116,6 +116,7 @@ impl Settings {
         let (t, f) = (&mut s.pool, v.pool);
         merge.value("pool", "pool_size", &mut t.pool_size, f.pool_size);
         merge.value("pool", "running_cap", &mut t.running_cap, f.running_cap);
+        merge.value("pool", "max_preparing", &mut t.max_preparing, f.max_preparing);
         merge.value("pool", "standby_ttl", &mut t.standby_ttl, f.standby_ttl);
         merge.value("pool", "warm_idle", &mut t.warm_idle, f.warm_idle);
         merge.value("pool", "park_stopped", &mut t.park_stopped, f.park_stopped);
@@ -137,6 +138,8 @@ impl Settings {
         merge.value("docker", "sandbox_egress", &mut t.sandbox_egress, f.sandbox_egress);
         merge.value("docker", "sandbox_egress_allow", &mut t.sandbox_egress_allow, f.sandbox_egress_allow);
         merge.option("docker", "sandbox_runtime", &mut t.sandbox_runtime, f.sandbox_runtime);
+        merge.value("docker", "snapshot_keep", &mut t.snapshot_keep, f.snapshot_keep);
+        merge.value("docker", "snapshot_max_age", &mut t.snapshot_max_age, f.snapshot_max_age);
         let (t, f) = (&mut s.kubernetes, v.kubernetes);
         merge.option("kubernetes", "kubernetes_namespace", &mut t.kubernetes_namespace, f.kubernetes_namespace);
         merge.option(
@@ -176,6 +179,10 @@ impl Settings {
         merge.option("replica", "replica_id", &mut t.replica_id, f.replica_id);
         merge.option("replica", "advertise_url", &mut t.advertise_url, f.advertise_url);
         merge.option("replica", "cluster_secret_file", &mut t.cluster_secret_file, f.cluster_secret_file);
+        let (t, f) = (&mut s.telemetry, v.telemetry);
+        merge.masked("telemetry", "otlp_endpoint", &mut t.otlp_endpoint, f.otlp_endpoint, |url| {
+            quote(&mask_userinfo(url))
+        });
         Ok(Self { log: log_value, serve, entries: merge.entries })
     }
 }
@@ -306,6 +313,19 @@ impl Merge<'_> {
 }
 
 /// The store as `config` shows it: a PostgreSQL URL without its password.
+/// A URL shown without the password of its userinfo.
+fn mask_userinfo(text: &str) -> String {
+    let Some((scheme, rest)) = text.split_once("://") else { return text.to_owned() };
+    let (authority, tail) = rest.split_at(rest.find(['/', '?', '#']).unwrap_or(rest.len()));
+    match authority.rsplit_once('@') {
+        Some((userinfo, host)) if userinfo.contains(':') => {
+            let user = userinfo.split(':').next().unwrap_or_default();
+            format!("{scheme}://{user}:{MASK}@{host}{tail}")
+        }
+        _ => text.to_owned(),
+    }
+}
+
 fn mask_store(store: &StoreArg) -> String {
     quote(&StoreArg::location(Some(store), std::path::Path::new("")).describe())
 }

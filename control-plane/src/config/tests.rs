@@ -149,6 +149,7 @@ agent_log = "debug"
 [pool]
 pool_size = 9
 running_cap = 9
+max_preparing = 3
 standby_ttl = "1s"
 warm_idle = "1s"
 park_stopped = false
@@ -170,6 +171,8 @@ on_stop = "remove"
 sandbox_egress = "none"
 sandbox_egress_allow = ["10.0.0.5:5432", "192.168.7.0/24"]
 sandbox_runtime = "runsc"
+snapshot_keep = 2
+snapshot_max_age = "1d"
 [kubernetes]
 kubernetes_namespace = "sandboxes"
 kubernetes_pod_template = "/srv/pod.yaml"
@@ -195,6 +198,8 @@ renew_deadline = "800ms"
 replica_id = "r"
 advertise_url = "http://r"
 cluster_secret_file = "/srv/cluster"
+[telemetry]
+otlp_endpoint = "http://collector:4318"
 "#;
     let merged = with_file(text, &[]).expect("merged");
     let not_from_file: Vec<_> = merged
@@ -211,6 +216,9 @@ cluster_secret_file = "/srv/cluster"
     let allow: Vec<String> = merged.serve.docker.sandbox_egress_allow.iter().map(ToString::to_string).collect();
     assert_eq!(allow, ["10.0.0.5/32:5432", "192.168.7.0/24"]);
     assert_eq!(merged.serve.docker.sandbox_runtime.as_deref(), Some("runsc"));
+    assert_eq!(merged.serve.docker.snapshot_keep, 2);
+    assert_eq!(merged.serve.docker.snapshot_max_age, Duration::from_secs(86_400));
+    assert_eq!(merged.serve.pool.max_preparing, 3);
     assert_eq!(merged.serve.local.sandbox_containment, crate::containment::ContainmentChoice::ProcessGroup);
     assert!(!merged.serve.pool.park_stopped);
     // What `config` prints is itself a file that gives the same values.
@@ -493,4 +501,20 @@ fn the_egress_allow_list_comes_from_repeated_flags_a_comma_list_or_the_file_and_
     assert!(message.contains("`10.0.0.5:http` is not an allow entry"), "{message}");
     let message = refusal(with_file("[docker]\nsandbox_egress = \"open\"\n", &[]));
     assert!(message.contains("`open` is not one of `public`, `none`, `unfiltered`"), "{message}");
+}
+
+/// `--otlp-endpoint`: checked by the exporter's own rule (the refusal
+/// names the flag and the value, without a password), kept as given, and
+/// shown by `config` without the password of its userinfo.
+#[test]
+fn the_otlp_endpoint_is_checked_kept_and_shown_masked() {
+    assert_eq!(validate(&[]).expect("valid").server.otlp_endpoint, None, "unset: nothing traced");
+    let config = validate(&["--otlp-endpoint", "http://collector:4318"]).expect("valid");
+    assert_eq!(config.server.otlp_endpoint.as_deref(), Some("http://collector:4318"));
+    let refused = validate(&["--otlp-endpoint", "grpc://u:hunter2@collector:4317"]).expect_err("not http").to_string();
+    assert!(refused.contains("--otlp-endpoint") && refused.contains("grpc://"), "{refused}");
+    assert!(!refused.contains("hunter2"), "{refused}");
+    let shown = settings(&["--otlp-endpoint", "http://u:hunter2@collector:4318/otlp"]).expect("merged");
+    let entry = shown.entries.iter().find(|entry| entry.key == "otlp_endpoint").expect("shown");
+    assert_eq!(entry.value.as_deref(), Some("\"http://u:[REDACTED]@collector:4318/otlp\""));
 }

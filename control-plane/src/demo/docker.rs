@@ -19,6 +19,7 @@ use axum::http::{StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use bollard::Docker;
 use bollard::query_parameters::{ListContainersOptions, ListNetworksOptions, RemoveContainerOptions};
+use standby_control_plane::provider::docker::snapshot::Retention;
 use standby_control_plane::provider::docker::{
     Allow, DockerOptions, DockerProvider, Egress, INSTANCE_LABEL, Limits, OnStop, remove_network,
 };
@@ -71,6 +72,9 @@ async fn demo(
         egress: Egress::Public,
         egress_allow: Vec::new(),
         runtime: None,
+        // The demo leaves no image behind: every sandbox starts from the
+        // image, and its cold run shows the path from nothing.
+        snapshots: Retention { keep: 0, max_age: Duration::ZERO },
     };
     let gateway = IpAddr::V4(DockerProvider::connect(options_for_docker.clone()).await?.gateway());
     let repo = RepoServer::start(scene, gateway).await?;

@@ -159,6 +159,7 @@ pub(super) fn sample(dir: &Path, setup_cost: Duration, in_container: bool) -> Re
                 command: vec!["sh".into(), "setup.sh".into()],
                 cwd: Some("app".into()),
                 timeout_s: Some(120),
+                inputs: None,
             }],
         },
         mcp_servers,

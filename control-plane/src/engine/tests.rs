@@ -120,6 +120,8 @@ fn setup(held: bool, fail: bool) -> Setup {
         pool_fingerprint: fingerprint(&Workspace::default()),
         pool_policy: PoolPolicy::default(),
         bounds: RunBounds::default(),
+        snapshots: false,
+        trace: false,
     };
     let machine = Rules::new(config, Box::new(RandomMint));
     let provider = Arc::new(SpoolProvider::new(dir.path().join("spool")));
@@ -131,6 +133,8 @@ fn setup(held: bool, fail: bool) -> Setup {
         resume_timeout: Duration::from_secs(10),
         clock: Clock::system(),
         leadership: Leadership::sole(),
+        tracer: None,
+        agent_otlp_endpoint: None,
     };
     let (handle, mailbox) = EngineHandle::mailbox();
     let engine = Engine::new(mailbox, machine, Arc::clone(&store) as Arc<dyn Store>, provider, engine_config);

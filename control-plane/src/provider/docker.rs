@@ -17,8 +17,9 @@
 //!   in `provider/timers.rs`, shared with `local`) stops idle containers, archives long-stopped ones to
 //!   images (`archive.rs`; a resume makes the container again from its
 //!   image) and removes them by age;
-//! - **a clean stop** ([`SandboxProvider::stop_all`]) stops the running
-//!   containers, and with `--on-stop remove` removes every container and
+//! - **a clean stop** ([`SandboxProvider::stop_all`]) waits for the
+//!   creates, starts and snapshot commits under way, then stops the
+//!   running and paused containers, and with `--on-stop remove` removes every container and
 //!   archive image of this instance and the network it made
 //!   (`cleanup.rs` decides what goes; `prune.rs` does the same for an old
 //!   instance, `standby-server prune`).
@@ -38,6 +39,7 @@ pub mod firewall;
 mod netfilter;
 mod network;
 pub mod prune;
+pub mod snapshot;
 mod sweeper;
 
 use std::collections::{HashMap, HashSet};
@@ -54,10 +56,15 @@ pub use exec::AGENT_PATH;
 use firewall::Policy;
 pub use firewall::{Allow, Egress};
 pub use netfilter::NetfilterError;
+use standby_protocol::Fingerprint;
 use tokio::sync::watch;
 
 use super::timers::Timers;
 use super::{AgentLaunch, Details, Found, Launched, ProviderError, SandboxProvider, ensure_sweeper, lock, wait_done};
+
+/// How many times a clean stop lists this instance's containers and stops
+/// the live ones before it gives up (each round waits out the stop grace).
+const STOP_ROUNDS: u32 = 3;
 
 /// How the Docker provider makes and times its sandboxes.
 #[derive(Debug, Clone)]
@@ -90,6 +97,8 @@ pub struct DockerOptions {
     /// The OCI runtime of the sandbox containers (`--sandbox-runtime`,
     /// such as gVisor's `runsc`); the Engine's default when `None`.
     pub runtime: Option<String>,
+    /// Prepared snapshots kept (`--snapshot-keep`, `--snapshot-max-age`).
+    pub snapshots: snapshot::Retention,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -152,10 +161,18 @@ struct DockerInner {
     /// Idle auto-stop and retention; its lock keeps a start from a
     /// container being committed or removed under it.
     timers: Arc<Timers>,
+    /// The id of `--image`: the snapshots grown from it are this server's.
+    base_image: String,
+    /// The snapshot tag of each fingerprint, grown from `base_image`.
+    snapshots: Mutex<HashMap<String, String>>,
+    /// One commit at a time: a commit pauses a container and writes a
+    /// layer as large as its workspace.
+    committing: tokio::sync::Mutex<()>,
     /// `true` once [`SandboxProvider::stop_all`] began. Held for reading by
-    /// every create and start, for writing by `stop_all`: it waits for the
-    /// containers being started, then no new one starts, so a clean stop
-    /// leaves no container of this server running. A provider serves one
+    /// every create, start and snapshot, for writing by `stop_all`: it
+    /// waits for the containers being started or committed, then no new
+    /// one starts, so a clean stop leaves no container of this server
+    /// running. A provider serves one
     /// server's life: a server started after it connects its own.
     closed: tokio::sync::RwLock<bool>,
 }
@@ -166,10 +183,12 @@ impl DockerProvider {
     pub async fn connect(options: DockerOptions) -> Result<Self, DockerError> {
         let docker = Docker::connect_with_unix_defaults().map_err(DockerError::Connect)?;
         docker.ping().await.map_err(DockerError::Connect)?;
-        docker
+        let base_image = docker
             .inspect_image(&options.image)
             .await
-            .map_err(|source| DockerError::Image { image: options.image.clone(), source })?;
+            .map_err(|source| DockerError::Image { image: options.image.clone(), source })?
+            .id
+            .unwrap_or_default();
         if let Some(runtime) = &options.runtime {
             check_runtime(&docker, runtime).await?;
         }
@@ -186,6 +205,10 @@ impl DockerProvider {
             "docker provider ready"
         );
         let timers = Timers::new(options.minute, options.auto_archive, options.auto_delete);
+        // With --snapshot-keep 0 no sandbox starts from a snapshot, even
+        // one another server left on the Engine.
+        let snapshots =
+            if options.snapshots.keep > 0 { known_snapshots(&docker, &base_image).await } else { HashMap::new() };
         Ok(Self {
             inner: Arc::new(DockerInner {
                 docker,
@@ -194,6 +217,9 @@ impl DockerProvider {
                 guarded: Mutex::new(None),
                 agents: Mutex::new(HashMap::new()),
                 timers,
+                base_image,
+                snapshots: Mutex::new(snapshots),
+                committing: tokio::sync::Mutex::new(()),
                 closed: tokio::sync::RwLock::new(false),
             }),
         })
@@ -220,6 +246,18 @@ impl DockerProvider {
     fn policy(&self) -> Policy {
         let options = &self.inner.options;
         Policy { egress: options.egress, allow: options.egress_allow.clone(), resolvers: host_resolvers() }
+    }
+
+    /// Creates and starts the sandbox's container from `image`.
+    async fn create_from(&self, sandbox_id: &str, image: &str) -> Result<(), ProviderError> {
+        self.ensure_sweeper();
+        let closed = self.inner.closed.read().await;
+        if *closed {
+            return Err(ProviderError::Stopping { sandbox: sandbox_id.to_owned() });
+        }
+        let body = container::spec(image, sandbox_id, self.shape());
+        container::create(&self.inner.docker, sandbox_id, body).await?;
+        container::start(&self.inner.docker, sandbox_id).await
     }
 
     fn agent(&self, sandbox_id: &str) -> Option<Agent> {
@@ -264,15 +302,53 @@ impl DockerProvider {
 
 impl SandboxProvider for DockerProvider {
     async fn create(&self, sandbox_id: &str) -> Result<(), ProviderError> {
-        self.ensure_sweeper();
+        self.create_from(sandbox_id, &self.inner.options.image).await
+    }
+
+    /// From the snapshot of `fingerprint` when one is kept; a snapshot
+    /// removed behind this server's back is forgotten and the sandbox made
+    /// from `--image`.
+    async fn create_for(&self, sandbox_id: &str, fingerprint: &Fingerprint) -> Result<(), ProviderError> {
+        let tag = lock(&self.inner.snapshots).get(fingerprint.as_str()).cloned();
+        let Some(tag) = tag else { return self.create(sandbox_id).await };
+        match self.create_from(sandbox_id, &snapshot::image(&tag)).await {
+            Err(ProviderError::Docker { source, .. }) if container::not_found(&source) => {
+                tracing::warn!(sandbox_id, tag, "the snapshot is gone: the sandbox is made from --image");
+                lock(&self.inner.snapshots).remove(fingerprint.as_str());
+                self.create(sandbox_id).await
+            }
+            created => {
+                tracing::debug!(sandbox_id, tag, "sandbox made from its workspace's snapshot");
+                created
+            }
+        }
+    }
+
+    fn snapshots(&self) -> bool {
+        self.inner.options.snapshots.keep > 0
+    }
+
+    async fn snapshot(&self, sandbox_id: &str, fingerprint: &Fingerprint) -> Result<(), ProviderError> {
+        if !self.snapshots() {
+            return Ok(());
+        }
+        // A commit pauses the container: a clean stop waits for it to end
+        // and no commit begins after the stop.
         let closed = self.inner.closed.read().await;
         if *closed {
             return Err(ProviderError::Stopping { sandbox: sandbox_id.to_owned() });
         }
-        let options = &self.inner.options;
-        let body = container::spec(&options.image, sandbox_id, self.shape());
-        container::create(&self.inner.docker, sandbox_id, body).await?;
-        container::start(&self.inner.docker, sandbox_id).await
+        let _one_at_a_time = self.inner.committing.lock().await;
+        if lock(&self.inner.snapshots).contains_key(fingerprint.as_str()) {
+            return Ok(());
+        }
+        let started = Instant::now();
+        let tag = snapshot::tag(fingerprint, &self.inner.base_image);
+        snapshot::commit(&self.inner.docker, sandbox_id, fingerprint, &self.inner.base_image, &tag).await?;
+        lock(&self.inner.snapshots).insert(fingerprint.to_string(), tag.clone());
+        tracing::info!(sandbox_id, tag, elapsed_ms = started.elapsed().as_millis(), "prepared snapshot kept");
+        snapshot::prune(&self.inner.docker, self.inner.options.snapshots).await;
+        Ok(())
     }
 
     async fn start(&self, sandbox_id: &str) -> Result<(), ProviderError> {
@@ -383,15 +459,27 @@ impl SandboxProvider for DockerProvider {
         })
     }
 
-    /// Stops every running container of this instance (the stop grace
-    /// each); with `--on-stop remove`, then removes every container and
-    /// archive image of this instance, and the network when this server
+    /// Stops every running or paused container of this instance (the stop
+    /// grace each); with `--on-stop remove`, then removes every container
+    /// and archive image of this instance, and the network when this server
     /// made it and no container is left on it.
     async fn stop_all(&self) {
         *self.inner.closed.write().await = true;
-        let ids = sweeper::own_containers(&self.inner).await.into_iter().filter(|c| c.running).map(|c| c.sandbox_id);
-        let ids: Vec<String> = ids.collect();
-        futures::future::join_all(ids.iter().map(|id| self.stop(id))).await;
+        // Listed again after each round: a container unpaused or started
+        // behind this server's back (a commit ending, a start a killed
+        // predecessor sent) between the listing and the stops is stopped
+        // too, so a clean stop leaves none running.
+        for round in 1..=STOP_ROUNDS {
+            let own = sweeper::own_containers(&self.inner).await;
+            let ids: Vec<String> = own.into_iter().filter(|c| c.live).map(|c| c.sandbox_id).collect();
+            if ids.is_empty() {
+                break;
+            }
+            if round > 1 {
+                tracing::warn!(?ids, round, "containers still running after a round of stops: stopping them again");
+            }
+            futures::future::join_all(ids.iter().map(|id| self.stop(id))).await;
+        }
         let guarded = lock(&self.inner.guarded).take();
         if let Some(port) = guarded {
             let (bridge, allow) = (self.inner.network.bridge.clone(), self.inner.options.egress_allow.clone());
@@ -485,6 +573,27 @@ fn host_resolvers() -> Vec<Ipv4Addr> {
     let read = |path| std::fs::read_to_string(path).map(|text| firewall::resolvers(&text)).unwrap_or_default();
     let resolvers = read("/etc/resolv.conf");
     if resolvers.is_empty() { read("/run/systemd/resolve/resolv.conf") } else { resolvers }
+}
+
+/// The snapshots on the Engine grown from `base_image`, the newest of
+/// each fingerprint.
+async fn known_snapshots(docker: &Docker, base_image: &str) -> HashMap<String, String> {
+    let mut listed = match snapshot::list(docker).await {
+        Ok(listed) => listed,
+        Err(error) => {
+            tracing::warn!(%error, "listing the snapshot images failed: sandboxes start from --image");
+            return HashMap::new();
+        }
+    };
+    listed.sort_by_key(|snapshot| snapshot.made_at_ms);
+    listed
+        .into_iter()
+        .filter(|snapshot| snapshot.base == base_image)
+        .filter_map(|snapshot| {
+            let tag = snapshot.image.split_once(':')?.1.to_owned();
+            Some((snapshot.fingerprint, tag))
+        })
+        .collect()
 }
 
 /// Whether the Engine knows `runtime` (its `docker info` runtimes).

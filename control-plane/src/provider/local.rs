@@ -405,6 +405,7 @@ impl SandboxProvider for LocalProvider {
             .env(vars::WORKSPACE, dir.join("workspace"))
             .env(vars::HEARTBEAT_INTERVAL, humantime::format_duration(launch.heartbeat_interval).to_string())
             .env(vars::LOG, &launch.log_filter)
+            .envs(launch.otlp_endpoint.as_ref().map(|endpoint| (vars::OTLP_ENDPOINT, endpoint)))
             .env(SANDBOX_MARK, sandbox_id)
             .current_dir(&dir)
             .stdin(Stdio::null())

@@ -177,6 +177,7 @@ mod tests {
             token: Secret::new("sby_a_b"),
             heartbeat_interval: Duration::from_secs(10),
             log_filter: "info".into(),
+            otlp_endpoint: None,
         }
     }
 

@@ -127,7 +127,13 @@ impl Rules {
                 .and_then(|live| live.record.workspace.clone());
             run.workspace = Some(prepared.unwrap_or_else(|| self.config.pool_workspace.clone()));
         }
-        Some(ServerMessage::Assignment(Assignment { execution_id: run_id.to_owned(), run_credential, run }))
+        let trace_context = record.current().and_then(|attempt| self.trace_context(run_id, attempt.number));
+        Some(ServerMessage::Assignment(Box::new(Assignment {
+            execution_id: run_id.to_owned(),
+            run_credential,
+            run,
+            trace_context,
+        })))
     }
 
     fn rotate_run_credential(&mut self, step: &mut Step, run_id: &str, sandbox_id: &str) -> Secret {
@@ -234,11 +240,15 @@ impl Rules {
             return step;
         };
         if state == AgentState::Ready {
+            let first_ready = !live.ever_ready;
             live.ever_ready = true;
             let (kind, sandbox_state) = (live.record.kind, live.record.state);
             drop(live);
             if kind == SandboxKind::Warm && sandbox_state == SandboxState::Standby {
                 self.pool_failures = 0;
+                if first_ready {
+                    self.snapshot_if_first(now, &mut step, &sandbox_id);
+                }
             }
             match sandbox_state {
                 SandboxState::Standby => {

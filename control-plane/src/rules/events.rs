@@ -52,16 +52,24 @@ impl Rules {
             tracing::debug!(run_id, attempt, "event for a finished run or a past attempt recorded only");
             return step;
         }
+        let install_us = event.install_timing().cloned();
         match event.kind {
             EventKind::Started => {
+                let first = self.runs.get(run_id).and_then(|run| run.current()).is_some_and(|a| a.started_at.is_none());
                 self.update_run(&mut step, run_id, |run| {
                     if run.state.is_pre_start() {
                         run.state = RunState::Running;
                     }
                     if let Some(attempt) = run.current_mut() {
                         attempt.started_at.get_or_insert(now);
+                        if attempt.install_us.is_none() {
+                            attempt.install_us = install_us;
+                        }
                     }
                 });
+                if first {
+                    self.trace_start(&mut step, run_id);
+                }
             }
             EventKind::Exited { code } => {
                 self.record_log_lost(run_id, log_lost);

@@ -9,7 +9,7 @@
 //! kind of [`Reply`] (`the_reply_of_each_input_is_its_answer` checks every
 //! input), and a caller names the answer it expects.
 
-use standby_protocol::{AgentState, Event, Run, Secret};
+use standby_protocol::{AgentState, Event, Fingerprint, Run, Secret};
 
 use super::{
     Admission, AdmissionRefusal, Call, CancelError, ConnId, IdempotencyKey, KeyReused, LiveSandbox, LogError,
@@ -103,6 +103,13 @@ pub enum Input {
     ResumeFailed {
         sandbox_id: String,
         failure: ResumeFailure,
+    },
+    /// The provider's answer to [`Effect::Snapshot`](super::Effect::Snapshot)
+    /// (the error as its message).
+    SnapshotTaken {
+        sandbox_id: String,
+        fingerprint: Fingerprint,
+        outcome: Result<(), String>,
     },
     /// What the provider found of a sandbox the machine asked about.
     Probed {
@@ -240,6 +247,9 @@ impl Rules {
             Input::LaunchFailed { sandbox_id, error } => self.launch_failed(now, &sandbox_id, &error),
             Input::ResumeFailed { sandbox_id, failure } => self.resume_failed(now, &sandbox_id, &failure),
             Input::Probed { sandbox_id, found } => self.probed(now, &sandbox_id, found),
+            Input::SnapshotTaken { sandbox_id, fingerprint, outcome } => {
+                self.snapshot_taken(now, &sandbox_id, fingerprint, outcome)
+            }
             Input::Tick => self.tick(now),
             Input::Drain => {
                 self.shutdown();

@@ -50,6 +50,7 @@ impl Rules {
         live.record.kind == SandboxKind::Warm
             && live.record.state == SandboxState::Standby
             && !live.exited
+            && !live.snapshotting
             && live
                 .heartbeat
                 .as_ref()
@@ -182,6 +183,7 @@ impl Rules {
                 ended_at: None,
                 outcome: None,
                 reason: None,
+                install_us: None,
             });
         });
         self.update_sandbox(step, sandbox_id, |record| {
@@ -202,7 +204,7 @@ impl Rules {
         let workspace = run.run.workspace.clone();
         let fingerprint = run.fingerprint.clone().unwrap_or_else(|| self.config.pool_fingerprint.clone());
         let (sandbox_id, credential_id, token) =
-            self.create_sandbox(now, step, SandboxKind::Cold, workspace, fingerprint);
+            self.create_sandbox(now, step, SandboxKind::Cold, workspace, fingerprint.clone());
         let auto_stop = self.config.pool_policy.auto_stop.minutes;
         self.update_sandbox(step, &sandbox_id, |record| record.auto_stop_minutes = Some(auto_stop));
         self.commit(now, step, run_id, &sandbox_id, RunPath::Cold);
@@ -212,6 +214,7 @@ impl Rules {
             token,
             provision: Provision::Create,
             auto_stop,
+            fingerprint,
         };
         step.effects.push(launch);
         Some(sandbox_id)

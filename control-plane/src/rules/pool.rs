@@ -50,10 +50,14 @@ impl Rules {
         let live = self.sandboxes.standbys_unexpired(now);
         let cap = self.config.pool_policy.running_cap;
         let room = if cap == 0 { usize::MAX } else { cap.saturating_sub(self.running_count()) };
-        for _ in 0..self.config.pool_size.saturating_sub(live).min(room).min(TOP_UP_BATCH) {
+        let preparing_room = match self.config.pool_policy.max_preparing {
+            0 => usize::MAX,
+            most => most.saturating_sub(self.preparing_count()),
+        };
+        for _ in 0..self.config.pool_size.saturating_sub(live).min(room).min(preparing_room).min(TOP_UP_BATCH) {
             let fingerprint = self.config.pool_fingerprint.clone();
             let (sandbox_id, credential_id, token) =
-                self.create_sandbox(now, step, SandboxKind::Warm, None, fingerprint);
+                self.create_sandbox(now, step, SandboxKind::Warm, None, fingerprint.clone());
             let schedule = ttl_schedule(&sandbox_id, now, self.config.pool_policy.standby_ttl);
             self.update_sandbox(step, &sandbox_id, |record| {
                 record.expires_at = schedule.map(|s| s.expires_at);
@@ -66,8 +70,17 @@ impl Rules {
                 token,
                 provision: Provision::Create,
                 auto_stop: 0,
+                fingerprint,
             });
         }
+    }
+
+    /// Pool standbys launched whose agent was never ready: preparing.
+    fn preparing_count(&self) -> usize {
+        self.sandboxes
+            .standbys()
+            .filter(|live| live.record.kind == SandboxKind::Warm && !live.exited && !live.ever_ready)
+            .count()
     }
 
     pub(super) fn pool_failed(&mut self, now: Millis) {

@@ -70,6 +70,32 @@ pub struct MetricsSnapshot {
     /// Runs failed because their sandbox was lost once delivery was
     /// confirmed (since this process started).
     pub lost: LostRuns,
+    /// Sandboxes in memory by their state (the status page's pool).
+    pub sandbox_states: SandboxCounts,
+}
+
+/// Sandboxes in memory by [`SandboxState`], retired ones included (they
+/// stay in memory for the API until evicted).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SandboxCounts {
+    pub standby: u64,
+    pub assigned: u64,
+    pub parked: u64,
+    pub resuming: u64,
+    pub retired: u64,
+}
+
+impl SandboxCounts {
+    fn add(&mut self, state: SandboxState) {
+        let slot = match state {
+            SandboxState::Standby => &mut self.standby,
+            SandboxState::Assigned => &mut self.assigned,
+            SandboxState::Parked => &mut self.parked,
+            SandboxState::Resuming => &mut self.resuming,
+            SandboxState::Retired => &mut self.retired,
+        };
+        *slot += 1;
+    }
 }
 
 /// Runs failed because their sandbox was lost after their delivery was
@@ -258,6 +284,7 @@ impl Rules {
         }
         snapshot.connected_standbys = standbys.len() as u64;
         for live in self.sandboxes.values() {
+            snapshot.sandbox_states.add(live.record.state);
             snapshot.reconnects += u64::from(live.record.connections.saturating_sub(1));
             snapshot.reconnects += u64::from(live.record.run_connections.saturating_sub(1));
             if live.record.state != SandboxState::Retired {

@@ -2,7 +2,7 @@
 //! run cancelled, and how a run's attempt ends: fenced, released from a
 //! sandbox that did not start it, or ended with the run.
 
-use standby_protocol::{Cancel, Run, ServerMessage, fingerprint};
+use standby_protocol::{Cancel, Run, ServerMessage};
 
 use super::sandboxes::Retirement;
 use super::{ConnId, Effect, Rules, Step, Write};
@@ -79,22 +79,7 @@ impl Rules {
         // hashes and URLs only: the contents stay sealed with the request.
         let mut run = run;
         run.attachments = Some(request.attachments.iter().map(|stored| stored.listed(&id)).collect());
-        let record = RunRecord {
-            id: id.clone(),
-            submitted_at: now,
-            state: RunState::Queued,
-            fingerprint: run.workspace.as_ref().map(fingerprint),
-            run,
-            attempts: Vec::new(),
-            exit_code: None,
-            error: None,
-            ended_at: None,
-            thread_id,
-            thread_generation: None,
-            wait: None,
-            resume: None,
-            log_lost: None,
-        };
+        let record = RunRecord::queued(id.clone(), now, run, thread_id);
         step.writes.push(Write::NewRun(Box::new(record.clone()), Box::new(request)));
         self.runs.insert(id.clone(), record);
         self.queue.push_back(id.clone());

@@ -191,6 +191,7 @@ impl Rules {
             .deadline
             .is_some_and(|deadline| now >= crate::policy::retire_at(live.record.created_at, deadline));
         let (resume_after_exit, old) = (live.resume_after_exit, live.record.standby_credential_id.clone());
+        let live_fingerprint = live.record.fingerprint.clone();
         match (found, state) {
             (_, SandboxState::Retired) => {}
             (Found::Running, SandboxState::Parked | SandboxState::Resuming) => {
@@ -219,9 +220,17 @@ impl Rules {
                     live.launched_at = now;
                     live.exited = false;
                 }
+                let fingerprint = live_fingerprint;
                 let sandbox_id = sandbox_id.to_owned();
                 let provision = Provision::Start;
-                step.effects.push(Effect::Launch { sandbox_id, credential_id, token, provision, auto_stop: 0 });
+                step.effects.push(Effect::Launch {
+                    sandbox_id,
+                    credential_id,
+                    token,
+                    provision,
+                    auto_stop: 0,
+                    fingerprint,
+                });
             }
             (Found::NoAgent | Found::Archived | Found::Missing, _) => {
                 let reason = match found {

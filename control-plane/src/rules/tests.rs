@@ -26,6 +26,8 @@ fn config(pool_size: usize) -> RulesConfig {
         pool_fingerprint: fingerprint(&Workspace::default()),
         pool_policy: PoolPolicy::default(),
         bounds: RunBounds::default(),
+        snapshots: false,
+        trace: false,
     }
 }
 
@@ -66,7 +68,9 @@ fn assignments(step: &Step) -> Vec<(ConnId, Assignment)> {
     step.effects
         .iter()
         .filter_map(|effect| match effect {
-            Effect::Send { conn, message: ServerMessage::Assignment(assignment) } => Some((*conn, assignment.clone())),
+            Effect::Send { conn, message: ServerMessage::Assignment(assignment) } => {
+                Some((*conn, Assignment::clone(assignment)))
+            }
             _ => None,
         })
         .collect()
@@ -285,6 +289,7 @@ fn policy(pool_size: usize, running_cap: usize) -> RulesConfig {
     let mut config = config(pool_size);
     config.pool_policy = PoolPolicy {
         running_cap,
+        max_preparing: 0,
         standby_ttl: Duration::ZERO,
         warm_idle: MINUTE,
         park_stopped: true,
@@ -411,6 +416,7 @@ mod queries;
 mod resume;
 mod runs;
 mod sandboxes;
+mod snapshots;
 mod threads;
 mod ticks;
 

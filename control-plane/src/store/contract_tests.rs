@@ -144,11 +144,10 @@ contract!(
 );
 
 pub(super) fn run(id: &str) -> RunRecord {
-    RunRecord {
-        id: id.into(),
-        submitted_at: Millis(5),
-        state: RunState::Queued,
-        run: Run {
+    RunRecord::queued(
+        id.into(),
+        Millis(5),
+        Run {
             command: vec!["true".into()],
             cwd: None,
             env: BTreeMap::new(),
@@ -157,17 +156,8 @@ pub(super) fn run(id: &str) -> RunRecord {
             strict_mcp: true,
             attachments: None,
         },
-        fingerprint: Some(fingerprint(&Workspace::default())),
-        attempts: Vec::new(),
-        exit_code: None,
-        error: None,
-        ended_at: None,
-        thread_id: None,
-        thread_generation: None,
-        wait: None,
-        resume: None,
-        log_lost: None,
-    }
+        None,
+    )
 }
 
 fn attempt(path: RunPath) -> Attempt {
@@ -183,6 +173,7 @@ fn attempt(path: RunPath) -> Attempt {
         ended_at: Some(Millis(10)),
         outcome: Some(AttemptOutcome::Finished),
         reason: None,
+        install_us: None,
     }
 }
 
@@ -344,6 +335,14 @@ fn runs_page_in_submission_order_with_filters(backend: &dyn Backend) {
     assert_eq!(store.runs(&thread).expect("page").len(), 9);
     let both = RunQuery { limit: 100, thread_id: Some("t".into()), state: Some(RunState::Queued), ..thread };
     assert_eq!(store.runs(&both).expect("page").len(), 4, "exe_03, 09, 15, 21");
+    let newest = RunQuery { limit: 3, newest_first: true, ..RunQuery::default() };
+    let page: Vec<(Millis, String)> =
+        store.runs(&newest).expect("page").iter().map(|run| (run.submitted_at, run.id.clone())).collect();
+    assert_eq!(page, seen.iter().rev().take(3).cloned().collect::<Vec<_>>(), "the newest three, newest first");
+    let older = RunQuery { after: page.last().cloned(), ..newest };
+    let next: Vec<String> = store.runs(&older).expect("page").into_iter().map(|run| run.id).collect();
+    let expected: Vec<String> = seen.iter().rev().skip(3).take(3).map(|(_, id)| id.clone()).collect();
+    assert_eq!(next, expected, "`after` is older than, newest first");
 }
 
 fn events_page_in_arrival_order_once_each(backend: &dyn Backend) {

@@ -259,6 +259,9 @@ pub struct RunQuery {
     pub limit: usize,
     pub state: Option<RunState>,
     pub thread_id: Option<String>,
+    /// Newest submission first (the status page's latest runs), `after`
+    /// then meaning "older than"; oldest first otherwise (the API's pages).
+    pub newest_first: bool,
 }
 
 /// Which store `--store` names: a PostgreSQL URL (`postgres://` or

@@ -598,7 +598,8 @@ impl Store for PostgresStore {
         if let Some((submitted_at, id)) = &query.after {
             values.push(Box::new(submitted_at.0));
             values.push(Box::new(id.clone()));
-            clauses.push(format!("(submitted_at, id) > (${}, ${})", values.len() - 1, values.len()));
+            let beyond = if query.newest_first { "<" } else { ">" };
+            clauses.push(format!("(submitted_at, id) {beyond} (${}, ${})", values.len() - 1, values.len()));
         }
         if let Some(state) = query.state {
             values.push(Box::new(state.as_str()));
@@ -610,7 +611,8 @@ impl Store for PostgresStore {
         }
         values.push(Box::new(to_i64(query.limit as u64)));
         let filter = if clauses.is_empty() { String::new() } else { format!("WHERE {}", clauses.join(" AND ")) };
-        let sql = format!("SELECT id, doc FROM runs {filter} ORDER BY submitted_at, id LIMIT ${}", values.len());
+        let order = if query.newest_first { "submitted_at DESC, id DESC" } else { "submitted_at, id" };
+        let sql = format!("SELECT id, doc FROM runs {filter} ORDER BY {order} LIMIT ${}", values.len());
         let params: Vec<&(dyn ToSql + Sync)> =
             values.iter().map(|value| value.as_ref() as &(dyn ToSql + Sync)).collect();
         self.driver.block_on(async {

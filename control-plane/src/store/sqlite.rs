@@ -413,7 +413,8 @@ impl Store for SqliteStore {
         if let Some((submitted_at, id)) = &query.after {
             values.push(submitted_at.0.into());
             values.push(id.clone().into());
-            clauses.push(format!("(submitted_at, id) > (?{}, ?{})", values.len() - 1, values.len()));
+            let beyond = if query.newest_first { "<" } else { ">" };
+            clauses.push(format!("(submitted_at, id) {beyond} (?{}, ?{})", values.len() - 1, values.len()));
         }
         if let Some(state) = query.state {
             values.push(state.as_str().to_owned().into());
@@ -424,7 +425,8 @@ impl Store for SqliteStore {
             clauses.push(format!("thread_id = ?{}", values.len()));
         }
         let filter = if clauses.is_empty() { String::new() } else { format!("WHERE {}", clauses.join(" AND ")) };
-        let sql = format!("SELECT id, doc FROM runs {filter} ORDER BY submitted_at, id LIMIT {}", query.limit);
+        let order = if query.newest_first { "submitted_at DESC, id DESC" } else { "submitted_at, id" };
+        let sql = format!("SELECT id, doc FROM runs {filter} ORDER BY {order} LIMIT {}", query.limit);
         let connection = self.connection();
         self.query_docs(&connection, "runs", &sql, rusqlite::params_from_iter(values))
     }

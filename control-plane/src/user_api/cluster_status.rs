@@ -57,15 +57,22 @@ pub(crate) struct ReplicaInfo {
 )]
 pub(crate) async fn cluster(State(state): State<AppState>, headers: HeaderMap) -> Result<Response, Problem> {
     authorize(&state, &headers)?;
-    let Some(cluster) = state.cluster.clone() else {
-        return Err(Problem::new(StatusCode::NOT_FOUND, "not a replicated deployment: the store is a SQLite file"));
-    };
+    match info(&state).await? {
+        Some(info) => Ok(Json(info).into_response()),
+        None => Err(Problem::new(StatusCode::NOT_FOUND, "not a replicated deployment: the store is a SQLite file")),
+    }
+}
+
+/// What `GET /v1/cluster` answers (the status page shows it too); `None`
+/// when the deployment is not replicated.
+pub(crate) async fn info(state: &AppState) -> Result<Option<ClusterInfo>, Problem> {
+    let Some(cluster) = state.cluster.clone() else { return Ok(None) };
     let view = cluster.view.borrow().clone();
     let lease = std::sync::Arc::clone(&cluster.lease);
     let replicas = tokio::task::spawn_blocking(move || lease.replicas()).await.map_err(|join| {
         Problem::new(StatusCode::INTERNAL_SERVER_ERROR, format!("reading the replicas panicked: {join}"))
     })??;
-    let info = ClusterInfo {
+    Ok(Some(ClusterInfo {
         replica_id: view.replica_id,
         role: view.role.as_str().to_owned(),
         leader: view.leader.map(|(id, url)| ReplicaInfo { id, url, seen_at: None }),
@@ -75,6 +82,5 @@ pub(crate) async fn cluster(State(state): State<AppState>, headers: HeaderMap) -
             .into_iter()
             .map(|ReplicaRow { id, url, seen_at }| ReplicaInfo { id, url, seen_at: Some(seen_at.rfc3339()) })
             .collect(),
-    };
-    Ok(Json(info).into_response())
+    }))
 }

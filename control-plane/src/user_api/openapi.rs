@@ -158,6 +158,7 @@ fn constrain(schemas: &mut serde_json::Map<String, Value>) {
     set("Repo/properties/expected_sha", "pattern", json!(NO_NUL));
     set("SetupStep/properties/name", "pattern", json!(NOT_BLANK));
     set("SetupStep/properties/cwd", "pattern", json!(RELATIVE_PATH));
+    set("SetupStep/properties/inputs/items", "pattern", json!(RELATIVE_PATH));
     set("SetupStep/properties", "command", serde_json::to_value(command_schema()).expect("a schema serialises"));
     set("GitCredential/properties/protocol", "pattern", json!(NOT_EMPTY));
     set("GitCredential/properties/host", "pattern", json!(NOT_EMPTY));

@@ -143,8 +143,13 @@ pub(crate) async fn list(
     let Page { limit, cursor: after } = page(&params)?;
     let run_state = state_param(&params, RunState::ALL, RunState::as_str, "run")?;
     let thread_id = thread_param(&params)?;
-    let query =
-        RunQuery { after: after.map(|(at, id)| (Millis(at), id)), limit: limit + 1, state: run_state, thread_id };
+    let query = RunQuery {
+        after: after.map(|(at, id)| (Millis(at), id)),
+        limit: limit + 1,
+        state: run_state,
+        thread_id,
+        newest_first: false,
+    };
     let mut runs = from_store(&state, move |store| store.runs(&query)).await?;
     let next_cursor = (runs.len() > limit).then(|| {
         runs.truncate(limit);
@@ -185,6 +190,17 @@ pub(crate) async fn log(
     let (Path(RunPath { id: run_id }), params) = (run_id?, query(params, &["offset", "limit"])?);
     let from = number(&params, "offset")?.unwrap_or(0);
     let limit = number(&params, "limit")?;
+    log_answer(state, run_id, from, limit).await
+}
+
+/// The answer of a log read from `from`, at most `limit` bytes (the status
+/// page's log link reads it too, whole).
+pub(crate) async fn log_answer(
+    state: AppState,
+    run_id: String,
+    from: u64,
+    limit: Option<u64>,
+) -> Result<Response, Problem> {
     find(&state, &run_id).await?;
     let id = run_id.clone();
     let ledger = from_store(&state, move |store| store.log_ledger(&id)).await?.unwrap_or_default();

@@ -149,6 +149,9 @@ fn check_workspace(workspace: &Workspace) -> Result<(), ApiError> {
         if let Some(cwd) = &step.cwd {
             check_relative(&format!("workspace.setup[{i}].cwd"), cwd)?;
         }
+        for (j, input) in step.inputs.iter().flatten().enumerate() {
+            check_relative(&format!("workspace.setup[{i}].inputs[{j}]"), input)?;
+        }
     }
     Ok(())
 }
@@ -319,6 +322,9 @@ impl Found {
             if let Some(cwd) = &step.cwd {
                 self.check(|| format!("workspace.setup[{i}].cwd"), cwd);
             }
+            for (j, input) in step.inputs.iter().flatten().enumerate() {
+                self.check(|| format!("workspace.setup[{i}].inputs[{j}]"), input);
+            }
         }
     }
 }
@@ -425,6 +431,12 @@ mod tests {
                     r#"{{"command": ["ls"], "workspace": {{"setup": [{{"name": "s", "command": ["make", "{nul}"]}}]}}}}"#
                 ),
                 "workspace.setup[0].command[1]",
+            ),
+            (
+                format!(
+                    r#"{{"command": ["ls"], "workspace": {{"setup": [{{"name": "s", "command": ["make"], "inputs": ["{nul}"]}}]}}}}"#
+                ),
+                "workspace.setup[0].inputs[0]",
             ),
         ];
         for (body, expected) in &cases {

@@ -296,11 +296,12 @@ impl Inner {
         if setup.inline_attachments {
             run.attachments = Some(setup.listed_attachments(&execution_id));
         }
-        let assignment = ServerMessage::Assignment(Assignment {
+        let assignment = ServerMessage::Assignment(Box::new(Assignment {
             execution_id: execution_id.clone(),
             run_credential: Secret::new(run_credential.clone()),
             run,
-        })
+            trace_context: None,
+        }))
         .encode()
         .expect("an assignment always encodes");
         self.standbys.get_mut(token).expect("checked above").execution = Some(execution_id.clone());

@@ -134,6 +134,8 @@ pub async fn settle(server: &ServerProcess, journal: &Mutex<Journal>, settle: Du
             .collect();
         if open.is_empty() && runs.len() >= submitted {
             observe(journal, &json!({ "runs": runs }));
+            let took = settle.saturating_sub(deadline.saturating_duration_since(tokio::time::Instant::now()));
+            eprintln!("soak: every run settled {:.1} s after the last submission", took.as_secs_f64());
             return runs;
         }
         assert!(

@@ -38,6 +38,9 @@ pub(super) fn agent_env(launch: &AgentLaunch) -> Vec<String> {
         format!("{}={}", vars::HEARTBEAT_INTERVAL, humantime::format_duration(launch.heartbeat_interval)),
         format!("{}={}", vars::LOG, launch.log_filter),
     ];
+    if let Some(endpoint) = &launch.otlp_endpoint {
+        env.push(format!("{}={endpoint}", vars::OTLP_ENDPOINT));
+    }
     // The server is reached at its address on the sandboxes' own bridge
     // network, which is not loopback: plain http there is allowed only by
     // saying so (docs/deploy.md, "Docker provider").
@@ -158,8 +161,12 @@ mod tests {
             token: Secret::new("sby_secret_value"),
             heartbeat_interval: Duration::from_millis(500),
             log_filter: "info".into(),
+            otlp_endpoint: None,
         };
         let env = agent_env(&launch);
+        assert!(!env.iter().any(|entry| entry.starts_with("STANDBY_OTLP_ENDPOINT")), "only when traces are exported");
+        let traced = AgentLaunch { otlp_endpoint: Some("http://collector:4318".into()), ..launch.clone() };
+        assert!(agent_env(&traced).contains(&"STANDBY_OTLP_ENDPOINT=http://collector:4318".to_owned()));
         assert!(env.contains(&"STANDBY_SERVER_URL=http://172.30.0.1:8080".to_owned()));
         assert!(env.contains(&"STANDBY_TOKEN_FILE=/dev/stdin".to_owned()));
         assert!(env.contains(&"STANDBY_HEARTBEAT_INTERVAL=500ms".to_owned()));

@@ -21,6 +21,9 @@ use crate::provider::{SandboxProvider as _, stop_idle};
 pub(super) struct Own {
     pub sandbox_id: String,
     pub running: bool,
+    /// Running, paused (a snapshot's commit pauses it) or restarting: a
+    /// container whose processes a clean stop must end.
+    pub live: bool,
     /// Stopped after having run (not one being created).
     pub exited: bool,
 }
@@ -39,7 +42,8 @@ pub(super) async fn own_containers(inner: &DockerInner) -> Vec<Own> {
             .filter_map(|summary| {
                 let sandbox_id = summary.labels.as_ref()?.get(container::SANDBOX_LABEL)?.clone();
                 let state = summary.state.map(|state| state.to_string()).unwrap_or_default();
-                Some(Own { sandbox_id, running: state == "running", exited: state == "exited" })
+                let live = matches!(state.as_str(), "running" | "paused" | "restarting");
+                Some(Own { sandbox_id, running: state == "running", live, exited: state == "exited" })
             })
             .collect(),
         Err(error) => {

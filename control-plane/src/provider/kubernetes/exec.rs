@@ -43,6 +43,9 @@ pub(super) fn agent_argv(launch: &AgentLaunch) -> Vec<String> {
         "--log".to_owned(),
         launch.log_filter.clone(),
     ];
+    if let Some(endpoint) = &launch.otlp_endpoint {
+        argv.extend(["--otlp-endpoint".to_owned(), endpoint.clone()]);
+    }
     // The server is reached at a cluster address, not loopback: plain http
     // there is allowed only by saying so (docs/deploy.md, "Kubernetes").
     if launch.server_url.starts_with("http://") {
@@ -199,6 +202,9 @@ mod tests {
         assert!(joined.contains("--heartbeat-interval 500ms"), "{joined}");
         assert!(argv.last().is_some_and(|flag| flag == "--insecure"), "plain http said so: {joined}");
         assert!(!joined.contains(launch.token.expose()), "no credential in an exec's command");
+        assert!(!joined.contains("--otlp-endpoint"), "only when traces are exported");
+        let traced = AgentLaunch { otlp_endpoint: Some("http://collector:4318".into()), ..launch };
+        assert!(agent_argv(&traced).join(" ").contains("--otlp-endpoint http://collector:4318"));
     }
 
     #[test]

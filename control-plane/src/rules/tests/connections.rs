@@ -68,7 +68,7 @@ fn the_run_credential_connecting_revokes_the_standby_credential_and_replays_the_
     assert!(revoked < step.writes.len());
     assert_eq!(closes(&step), [standby_conn]);
     let replay = sends(&step, run_conn);
-    assert_eq!(replay, [ServerMessage::Assignment(assignment.clone())]);
+    assert_eq!(replay, [ServerMessage::Assignment(Box::new(assignment.clone()))]);
     let record = world.run(&run_id);
     assert_eq!(record.state, RunState::Confirmed);
     assert_eq!(record.current().and_then(|a| a.delivery_confirmed_at), Some(world.now));
@@ -76,7 +76,7 @@ fn the_run_credential_connecting_revokes_the_standby_credential_and_replays_the_
     // A reconnection with the run credential gets the replay again.
     world.machine.disconnected(run_conn);
     let (_, again, step) = world.connect(&assignment.run_credential);
-    assert_eq!(sends(&step, again), [ServerMessage::Assignment(assignment)]);
+    assert_eq!(sends(&step, again), [ServerMessage::Assignment(Box::new(assignment))]);
     assert_eq!(
         world.run(&run_id).current().and_then(|a| a.delivery_confirmed_at),
         record.current().and_then(|a| a.delivery_confirmed_at)
@@ -137,4 +137,46 @@ fn the_replica_holding_a_socket_is_recorded_with_its_connection() {
         })
         .collect();
     assert_eq!(written, [Some(holder)]);
+}
+
+fn traced(step: &Step) -> Vec<&RunRecord> {
+    step.effects
+        .iter()
+        .filter_map(|effect| match effect {
+            Effect::Traced(run) => Some(run.as_ref()),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Traced, the assignment names its attempt's delivery span as the agent's
+/// parent (the replay the same), and the run is handed over for its spans
+/// once, when `started` is first recorded. Untraced, neither happens.
+#[test]
+fn a_traced_run_carries_its_delivery_span_and_is_handed_over_once_started() {
+    let mut config = config(1);
+    config.trace = true;
+    let mut world = World::with(config);
+    let Warm { run_id, assignment, .. } = world.warm_run();
+    let context = assignment.trace_context.clone().expect("traced");
+    let parent = context.parent().expect("well formed");
+    assert_eq!(parent.trace_id, crate::rules::trace::trace_id(&run_id));
+    assert_eq!(parent.parent_id, crate::rules::trace::delivery_span_id(&run_id, 1));
+    let (_, run_conn, step) = world.connect(&assignment.run_credential);
+    assert_eq!(
+        sends(&step, run_conn),
+        [ServerMessage::Assignment(Box::new(assignment))],
+        "the replay names the same span"
+    );
+    let step = world.event(&run_id, "s1", EventKind::Started);
+    let handed = traced(&step);
+    assert_eq!(handed.len(), 1);
+    assert!(handed[0].current().is_some_and(|attempt| attempt.started_at.is_some()));
+    assert!(traced(&world.event(&run_id, "s2", EventKind::Started)).is_empty(), "once");
+
+    let mut world = World::new(1);
+    let Warm { run_id, assignment, .. } = world.warm_run();
+    assert_eq!(assignment.trace_context, None);
+    world.connect(&assignment.run_credential);
+    assert!(traced(&world.event(&run_id, "s1", EventKind::Started)).is_empty());
 }

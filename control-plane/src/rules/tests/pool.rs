@@ -23,7 +23,7 @@ struct Sim {
 #[derive(Debug)]
 enum Action {
     Connect(String, Secret),
-    Run(Assignment),
+    Run(Box<Assignment>),
     Exit(String),
 }
 
@@ -303,4 +303,21 @@ fn a_large_pool_fills_a_bounded_batch_per_step() {
     assert_eq!(launches(&world.tick()).len(), super::super::pool::TOP_UP_BATCH, "one batch in the first step");
     assert_eq!(launches(&world.tick()).len(), 10, "the rest in the next");
     assert!(launches(&world.tick()).is_empty());
+}
+
+#[test]
+fn at_most_max_preparing_standbys_prepare_at_once() {
+    let mut config = config(5);
+    config.pool_policy.max_preparing = 2;
+    let mut world = World::with(config);
+    let first = launches(&world.tick());
+    assert_eq!(first.len(), 2, "two prepare, three wait");
+    assert!(launches(&world.tick()).is_empty(), "none more while both prepare");
+
+    let (_, conn, _) = world.connect(&first[0].token);
+    world.heartbeat(conn, AgentState::Ready);
+    assert_eq!(launches(&world.tick()).len(), 1, "one ready: one more prepares");
+    let (_, conn, _) = world.connect(&first[1].token);
+    world.heartbeat(conn, AgentState::Ready);
+    assert_eq!(launches(&world.tick()).len(), 1);
 }
