@@ -34,6 +34,7 @@ use standby_e2e::{AgentProcess, TestServer};
 use standby_protocol::layout::StateDir;
 use standby_protocol::{EventKind, ExitCode};
 use tempfile::TempDir;
+use tokio::sync::watch;
 
 /// Bound on every wait; generous because the machine is shared with
 /// compilers and each Python SDK process takes a second to start.
@@ -73,25 +74,36 @@ enum Answers {
     Canned,
     /// Declares none (rmcp then refuses them itself).
     Nothing,
-    /// Declares sampling and never answers.
+    /// Declares sampling and never answers: waits until the request is
+    /// cancelled.
     Never,
 }
 
-/// An rmcp client's handler: records the prompts it is asked to sample.
+/// An rmcp client's handler: records the prompts it is asked to sample,
+/// and how many of them were cancelled before an answer.
 #[derive(Clone)]
 struct Harness {
     name: &'static str,
     answers: Answers,
     prompts: Arc<Mutex<Vec<String>>>,
+    cancelled: Arc<watch::Sender<usize>>,
 }
 
 impl Harness {
     fn new(name: &'static str, answers: Answers) -> Self {
-        Self { name, answers, prompts: Arc::default() }
+        Self { name, answers, prompts: Arc::default(), cancelled: Arc::new(watch::Sender::new(0)) }
     }
 
     fn prompts(&self) -> Vec<String> {
         self.prompts.lock().unwrap_or_else(PoisonError::into_inner).clone()
+    }
+
+    /// Waits until `count` requests were cancelled; how many were, at most
+    /// [`WAIT`] later.
+    async fn wait_cancelled(&self, count: usize) -> usize {
+        let mut cancelled = self.cancelled.subscribe();
+        let _ = tokio::time::timeout(WAIT, cancelled.wait_for(|cancelled| *cancelled >= count)).await;
+        *cancelled.borrow()
     }
 }
 
@@ -109,7 +121,7 @@ impl ClientHandler for Harness {
     async fn create_message(
         &self,
         params: CreateMessageRequestParams,
-        _context: RequestContext<RoleClient>,
+        context: RequestContext<RoleClient>,
     ) -> Result<CreateMessageResult, ErrorData> {
         let params = serde_json::to_value(params).expect("params serialize");
         let prompt = params["messages"][0]["content"]["text"].as_str().unwrap_or_default().to_owned();
@@ -117,7 +129,11 @@ impl ClientHandler for Harness {
         match self.answers {
             Answers::Canned => Ok(typed(json!({"model": "canned", "role": "assistant",
                 "content": {"type": "text", "text": format!("{} completes: {prompt}", self.name)}}))),
-            Answers::Never => std::future::pending().await,
+            Answers::Never => {
+                context.ct.cancelled().await;
+                self.cancelled.send_modify(|cancelled| *cancelled += 1);
+                Err(ErrorData::new(ErrorCode::INTERNAL_ERROR, "cancelled", None))
+            }
             Answers::Nothing => Err(ErrorData::new(ErrorCode::METHOD_NOT_FOUND, "not declared", None)),
         }
     }
@@ -323,7 +339,14 @@ async fn a_client_that_never_answers_and_a_flood_of_requests_are_bounded() {
         assert!(refused >= 300 - 256, "round {round}: at most 256 wait at clients: {outcome}");
         assert!(timed_out >= 1, "round {round}: the bridge had room: {outcome}");
     }
-    assert!(silent.prompts().len() <= 2 * 256, "the client was handed no more than the bound");
+    let handed = silent.prompts().len();
+    assert!(handed <= 2 * 256, "the client was handed no more than the bound");
+    // Every request the server gave up reaches the client as a
+    // cancellation. Waiting for them is also what lets the client close:
+    // rmcp's transport, closed while messages still stream in, waits on
+    // its full queue to the handler forever.
+    let cancelled = silent.wait_cancelled(handed).await;
+    assert_eq!(cancelled, handed, "the requests handed to the client that were cancelled");
     assert_eq!(agent.watch(call(&client, "echo", json!({"text": "still here"}))).await, "still here");
     let _ = client.cancel().await;
     agent.signal(nix::sys::signal::Signal::SIGTERM);

@@ -36,18 +36,20 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use serde_json::Value;
 use standby_protocol::McpClientCapability;
+use tokio::sync::mpsc::OwnedPermit;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
-use super::connection::{BRIDGE_ERROR, Connection, MAX_MESSAGE_BYTES, Message, error_answer};
+use super::connection::{BRIDGE_ERROR, Connection, MAX_MESSAGE_BYTES, MAX_SERVER_REQUESTS, Message, error_answer};
 use super::routing::{self, Candidate};
 
 /// Sessions kept per server; the least recently used goes first.
 const MAX_SESSIONS: usize = 64;
-/// Messages queued for one session's stream; more are dropped.
-const STREAM_QUEUE: usize = 64;
+/// Messages queued for one session's stream, beyond the room kept for the
+/// cancellations of the server requests it holds; more are refused.
+const STREAM_QUEUE: usize = 64 + MAX_SERVER_REQUESTS;
 /// How long closing waits for open HTTP connections to finish.
 const CLOSE_GRACE: Duration = Duration::from_secs(2);
 const SESSION_HEADER: &str = "mcp-session-id";
@@ -288,15 +290,19 @@ impl Backend {
         routing::route(&candidates).map(str::to_owned)
     }
 
-    /// A server's request (or its cancellation) for one session, queued
-    /// even before the client opened its stream. Whether it was taken
-    /// (false: no such session, or its queue is full or closed).
-    pub(super) fn deliver_request(&self, session: &str, message: Value) -> bool {
-        let taken = lock(&self.sessions).get(session).is_some_and(|session| session.outbox.try_send(message).is_ok());
-        if !taken {
+    /// Room in one session's queue for a server's request and for its
+    /// cancellation later, reserved together so that the client is always
+    /// told of a request the server gave up; queued even before the client
+    /// opened its stream. `None` when there is no such session, or its
+    /// queue is closed or has no room for both.
+    pub(super) fn reserve(&self, session: &str) -> Option<(OwnedPermit<Value>, OwnedPermit<Value>)> {
+        let outbox = lock(&self.sessions).get(session).map(|session| session.outbox.clone());
+        let reserved =
+            outbox.and_then(|outbox| outbox.clone().try_reserve_owned().ok().zip(outbox.try_reserve_owned().ok()));
+        if reserved.is_none() {
             debug!(server = %self.name, "a server's request for an MCP session was not taken: its queue is full or closed");
         }
-        taken
+        reserved
     }
 
     /// Answers a client's request, or says why it cannot be answered.

@@ -29,6 +29,7 @@ use rmcp::transport::async_rw::JsonRpcMessageCodec;
 use serde_json::{Map, Value, json};
 use standby_protocol::McpClientCapability;
 use tokio::process::{ChildStdin, ChildStdout};
+use tokio::sync::mpsc::OwnedPermit;
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
@@ -45,7 +46,7 @@ pub(super) const MAX_MESSAGE_BYTES: usize = 4 << 20;
 /// Requests waiting for a server's answer, all clients together.
 const MAX_IN_FLIGHT: usize = 256;
 /// Server-to-client requests waiting for a client's answer.
-const MAX_SERVER_REQUESTS: usize = 256;
+pub(super) const MAX_SERVER_REQUESTS: usize = 256;
 /// Messages queued for the server's stdin.
 const OUTGOING_QUEUE: usize = 64;
 /// JSON-RPC error code of the failures the bridge answers itself.
@@ -148,14 +149,13 @@ pub(super) struct Connection {
     server: String,
     outgoing: mpsc::Sender<Value>,
     pending: Mutex<PendingTable>,
-    /// The server's requests handed to a client, waiting for its answer.
-    server_requests: Mutex<ServerRequests>,
+    /// The server's requests handed to a client, waiting for its answer,
+    /// each with the room its cancellation takes in the client's stream.
+    server_requests: Mutex<ServerRequests<OwnedPermit<Value>>>,
     next_id: AtomicU64,
     /// The server's `InitializeResult`, once the handshake succeeded.
     initialized: OnceLock<Message>,
     tasks: Mutex<Vec<JoinHandle<()>>>,
-    /// The endpoint, whose sessions the server's requests go to.
-    backend: Weak<Backend>,
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -176,7 +176,6 @@ impl Connection {
             next_id: AtomicU64::new(1),
             initialized: OnceLock::new(),
             tasks: Mutex::new(Vec::new()),
-            backend: backend.clone(),
         });
         let writer = tokio::spawn(write_loop(server.to_owned(), stdin, queue));
         let reader = tokio::spawn(read_loop(server.to_owned(), stdout, Arc::downgrade(&connection), backend));
@@ -325,11 +324,9 @@ impl Connection {
     /// ignored).
     fn abandon_server_requests(&self) {
         let abandoned = lock(&self.server_requests).drain();
-        let Some(backend) = self.backend.upgrade() else { return };
-        for (bridge_id, session) in abandoned {
-            let cancel = json!({"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {
-                "requestId": bridge_id, "reason": "the MCP server stopped (it exited or was restarted)"}});
-            backend.deliver_request(&session, cancel);
+        for (bridge_id, room) in abandoned {
+            room.send(json!({"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {
+                "requestId": bridge_id, "reason": "the MCP server stopped (it exited or was restarted)"}}));
         }
     }
 
@@ -364,14 +361,14 @@ impl Connection {
             (Some("notifications/cancelled"), None) => {
                 let server_id = message.get("params").and_then(|params| params.get("requestId")).cloned();
                 let found = server_id.and_then(|server_id| lock(&self.server_requests).cancelled(&server_id));
-                let Some((bridge_id, session)) = found else {
+                let Some((bridge_id, room)) = found else {
                     debug!(server = %self.server, "a cancellation of no request handed to a client was dropped");
                     return;
                 };
                 if let Some(params) = message.get_mut("params").and_then(Value::as_object_mut) {
                     params.insert("requestId".to_owned(), bridge_id.into());
                 }
-                backend.deliver_request(&session, Value::Object(message));
+                room.send(Value::Object(message));
             }
             (Some("notifications/progress"), None) => {
                 let token =
@@ -421,17 +418,17 @@ impl Connection {
             let name = routing::name(capability);
             return refuse(METHOD_NOT_FOUND, &format!("no client of the standby MCP bridge declared {name}"));
         };
+        let Some((room, cancellation_room)) = backend.reserve(&session) else {
+            return refuse(BRIDGE_ERROR, "the client's session ended, or its stream is full");
+        };
         let bridge_id = backend.next_request_id();
-        if !lock(&self.server_requests).admit(bridge_id, id.clone(), &session) {
+        if !lock(&self.server_requests).admit(bridge_id, id.clone(), &session, cancellation_room) {
             let why =
                 format!("{MAX_SERVER_REQUESTS} requests of MCP server {:?} already wait for clients", self.server);
             return refuse(BRIDGE_ERROR, &why);
         }
         message.insert("id".to_owned(), bridge_id.into());
-        if !backend.deliver_request(&session, Value::Object(message)) && lock(&self.server_requests).withdraw(bridge_id)
-        {
-            refuse(BRIDGE_ERROR, "the client's session ended, or its stream is full");
-        }
+        room.send(Value::Object(message));
     }
 
     /// Fails the request an unreadable answer was meant for; a line that

@@ -8,17 +8,23 @@
 //! numbering, they start again with each process and may equal a client's
 //! own request ids, so a client's answer is matched by the bridge's id and
 //! only from the session the request went to.
+//!
+//! Each entry holds a `ticket`: the room its cancellation takes in the
+//! session's stream, reserved when the request was handed, so that a client
+//! is always told of a request the server gave up (its handler would
+//! otherwise wait forever). Settled otherwise, the ticket is dropped.
 
 use std::collections::HashMap;
 
 use serde_json::Value;
 
 /// One server request waiting for its client's answer.
-#[derive(Debug, Clone, PartialEq)]
-struct Outstanding {
+#[derive(Debug)]
+struct Outstanding<T> {
     /// The id the server gave it, restored on the answer.
     server_id: Value,
     session: String,
+    ticket: T,
 }
 
 /// What a client's answer is to the books.
@@ -35,30 +41,25 @@ pub(super) enum Answered {
 
 /// The server requests waiting for clients' answers, at most `limit`.
 #[derive(Debug)]
-pub(super) struct ServerRequests {
+pub(super) struct ServerRequests<T> {
     limit: usize,
-    entries: HashMap<u64, Outstanding>,
+    entries: HashMap<u64, Outstanding<T>>,
 }
 
-impl ServerRequests {
+impl<T> ServerRequests<T> {
     pub(super) fn new(limit: usize) -> Self {
         Self { limit, entries: HashMap::new() }
     }
 
-    /// Records a request sent to `session` under `bridge_id`; false (and
-    /// nothing recorded) when `limit` requests already wait.
-    pub(super) fn admit(&mut self, bridge_id: u64, server_id: Value, session: &str) -> bool {
+    /// Records a request about to be sent to `session` under `bridge_id`,
+    /// with its cancellation's `ticket`; false (and nothing recorded) when
+    /// `limit` requests already wait.
+    pub(super) fn admit(&mut self, bridge_id: u64, server_id: Value, session: &str, ticket: T) -> bool {
         if self.entries.len() >= self.limit {
             return false;
         }
-        self.entries.insert(bridge_id, Outstanding { server_id, session: session.to_owned() });
+        self.entries.insert(bridge_id, Outstanding { server_id, session: session.to_owned(), ticket });
         true
-    }
-
-    /// Forgets a request that could not be delivered after all; false
-    /// when it was already settled otherwise (its session ended).
-    pub(super) fn withdraw(&mut self, bridge_id: u64) -> bool {
-        self.entries.remove(&bridge_id).is_some()
     }
 
     /// A client's answer, under the id it was given (`id`), from `session`.
@@ -74,10 +75,10 @@ impl ServerRequests {
     }
 
     /// The server cancelled its request `server_id` (it gave up waiting):
-    /// the bridge id and session to tell, once.
-    pub(super) fn cancelled(&mut self, server_id: &Value) -> Option<(u64, String)> {
+    /// the bridge id and the ticket to tell its client with, once.
+    pub(super) fn cancelled(&mut self, server_id: &Value) -> Option<(u64, T)> {
         let bridge_id = self.entries.iter().find(|(_, entry)| &entry.server_id == server_id).map(|(id, _)| *id)?;
-        self.entries.remove(&bridge_id).map(|entry| (bridge_id, entry.session))
+        self.entries.remove(&bridge_id).map(|entry| (bridge_id, entry.ticket))
     }
 
     /// A session ended: the server ids of its requests, which the server
@@ -89,9 +90,9 @@ impl ServerRequests {
     }
 
     /// The process is gone: every waiting request, as the bridge id and
-    /// session whose client is told it was cancelled.
-    pub(super) fn drain(&mut self) -> Vec<(u64, String)> {
-        self.entries.drain().map(|(id, entry)| (id, entry.session)).collect()
+    /// the ticket to tell its client it was cancelled with.
+    pub(super) fn drain(&mut self) -> Vec<(u64, T)> {
+        self.entries.drain().map(|(id, entry)| (id, entry.ticket)).collect()
     }
 
     #[cfg(test)]
@@ -109,7 +110,7 @@ mod tests {
     #[test]
     fn an_answer_is_forwarded_once_under_the_servers_id_and_only_from_its_session() {
         let mut books = ServerRequests::new(4);
-        assert!(books.admit(7, json!(0), "a"));
+        assert!(books.admit(7, json!(0), "a", ()));
         assert_eq!(books.answer(&json!(7), Some("b")), Answered::OtherSession, "another session cannot answer it");
         assert_eq!(books.answer(&json!(7), None), Answered::OtherSession, "nor a sessionless client");
         assert_eq!(books.answer(&json!("7"), Some("a")), Answered::Unknown, "the bridge's ids are numbers");
@@ -121,20 +122,19 @@ mod tests {
     #[test]
     fn at_most_limit_requests_wait() {
         let mut books = ServerRequests::new(2);
-        assert!(books.admit(1, json!("x"), "a"));
-        assert!(books.admit(2, json!("y"), "a"));
-        assert!(!books.admit(3, json!("z"), "b"), "full");
-        assert!(books.withdraw(2));
-        assert!(!books.withdraw(2), "once");
-        assert!(books.admit(3, json!("z"), "b"), "room again");
+        assert!(books.admit(1, json!("x"), "a", ()));
+        assert!(books.admit(2, json!("y"), "a", ()));
+        assert!(!books.admit(3, json!("z"), "b", ()), "full");
+        assert_eq!(books.answer(&json!(2), Some("a")), Answered::Forward(json!("y")));
+        assert!(books.admit(3, json!("z"), "b", ()), "room again");
     }
 
     #[test]
     fn a_servers_cancellation_names_the_request_by_its_own_id() {
         let mut books = ServerRequests::new(4);
-        books.admit(5, json!(1), "a");
-        books.admit(6, json!(2), "b");
-        assert_eq!(books.cancelled(&json!(2)), Some((6, "b".to_owned())));
+        books.admit(5, json!(1), "a", "ticket 5");
+        books.admit(6, json!(2), "b", "ticket 6");
+        assert_eq!(books.cancelled(&json!(2)), Some((6, "ticket 6")));
         assert_eq!(books.cancelled(&json!(2)), None, "once");
         assert_eq!(books.answer(&json!(6), Some("b")), Answered::Unknown, "a late answer is ignored");
         assert_eq!(books.answer(&json!(5), Some("a")), Answered::Forward(json!(1)));
@@ -143,13 +143,13 @@ mod tests {
     #[test]
     fn an_ended_session_and_a_gone_process_leave_nothing_waiting() {
         let mut books = ServerRequests::new(4);
-        books.admit(1, json!(10), "a");
-        books.admit(2, json!(11), "b");
-        books.admit(3, json!(12), "a");
+        books.admit(1, json!(10), "a", "ticket 1");
+        books.admit(2, json!(11), "b", "ticket 2");
+        books.admit(3, json!(12), "a", "ticket 3");
         let mut ended = books.session_ended("a");
         ended.sort_by_key(|id| id.as_u64());
         assert_eq!(ended, [json!(10), json!(12)]);
-        assert_eq!(books.drain(), [(2, "b".to_owned())]);
+        assert_eq!(books.drain(), [(2, "ticket 2")]);
         assert_eq!(books.len(), 0);
     }
 }
