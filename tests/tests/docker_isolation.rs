@@ -57,6 +57,25 @@ fn probe(sandbox: &str, ip: &str, port: u16, send: &str) -> Probe {
     }
 }
 
+/// Asserts that a probe from `sandbox` to `ip:port` is refused; otherwise
+/// fails naming `what` with the host's firewall as it stood (the jumps of
+/// `FORWARD`, `DOCKER-USER` and `INPUT`, and the chains of the sandbox's
+/// network), so that a leak shows which rule was missing.
+fn assert_refused(sandbox: &str, ip: &str, port: u16, what: &str) {
+    let reply = probe(sandbox, ip, port, "");
+    if reply != Probe::Refused {
+        let network = docker::inspect(sandbox, "{{range $name, $_ := .NetworkSettings.Networks}}{{$name}}{{end}}");
+        let bridge = network.as_deref().and_then(bridge).unwrap_or_default();
+        let listed = |args: &[&str]| {
+            let output = Command::new("iptables").arg("-w").args(args).output().expect("run iptables");
+            String::from_utf8_lossy(&output.stdout).into_owned()
+        };
+        let hooks = ["FORWARD", "DOCKER-USER", "INPUT"].map(|chain| listed(&["-S", chain])).join("");
+        let ours = firewall_rules("iptables", &bridge).join("\n");
+        panic!("{what}: {reply:?}, not refused; the hooks:\n{hooks}the rules naming {bridge:?}:\n{ours}");
+    }
+}
+
 /// A container's address on its network.
 fn address(sandbox: &str) -> String {
     docker::inspect(sandbox, "{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}").expect("an address")
@@ -233,7 +252,7 @@ async fn neighbours_and_the_host(runtime: &[&str]) {
             matches!(probe(&first, "127.0.0.1", 7000, ""), Probe::Reached(_)).then_some(())
         })
         .await;
-    assert_eq!(probe(&second, &address(&first), 7000, ""), Probe::Refused, "another sandbox's port");
+    assert_refused(&second, &address(&first), 7000, "another sandbox's port");
 
     // The server, at the gateway: reached.
     let port = server.addr().port();
@@ -243,9 +262,9 @@ async fn neighbours_and_the_host(runtime: &[&str]) {
     // Any other port of the host, at this gateway or another of its
     // addresses (the default bridge's): refused.
     let host_port = host_listener();
-    assert_eq!(probe(&first, &at_gateway, host_port, ""), Probe::Refused, "a host port at the gateway");
+    assert_refused(&first, &at_gateway, host_port, "a host port at the gateway");
     let other = other_host_address(&at_gateway);
-    assert_eq!(probe(&first, &other, host_port, ""), Probe::Refused, "a host port at the host's {other}");
+    assert_refused(&first, &other, host_port, &format!("a host port at the host's {other}"));
 
     // The server's chains are in place while it serves, and gone after its
     // clean stop.
@@ -275,8 +294,8 @@ async fn egress(runtime: &[&str]) {
     let sandbox = server.ready_standby().await;
     let public = probe(&sandbox, PUBLIC, port, "");
     assert!(reached_at(&public, PUBLIC), "public: the public stand-in is reached: {public:?}");
-    assert_eq!(probe(&sandbox, PRIVATE, port, ""), Probe::Refused, "public: a private address");
-    assert_eq!(probe(&sandbox, METADATA, port, ""), Probe::Refused, "public: the metadata address");
+    assert_refused(&sandbox, PRIVATE, port, "public: a private address");
+    assert_refused(&sandbox, METADATA, port, "public: the metadata address");
     let status = server.process.take().expect("the server runs").stop(Signal::SIGTERM).await;
     assert!(status.success(), "standby-server exited {status}");
 
@@ -285,11 +304,11 @@ async fn egress(runtime: &[&str]) {
     args.extend_from_slice(runtime);
     let server = Server::start_on(&docker::image(), &args).await;
     let sandbox = server.ready_standby().await;
-    assert_eq!(probe(&sandbox, PUBLIC, port, ""), Probe::Refused, "none: the public stand-in");
+    assert_refused(&sandbox, PUBLIC, port, "none: the public stand-in");
     let private = probe(&sandbox, PRIVATE, port, "");
     assert!(reached_at(&private, PRIVATE), "none: the allowed address is reached: {private:?}");
-    assert_eq!(probe(&sandbox, PRIVATE, port + 1, ""), Probe::Refused, "none: the allowed address, another port");
-    assert_eq!(probe(&sandbox, METADATA, port, ""), Probe::Refused, "none: the metadata address");
+    assert_refused(&sandbox, PRIVATE, port + 1, "none: the allowed address, another port");
+    assert_refused(&sandbox, METADATA, port, "none: the metadata address");
     server.stop().await;
     drop(world);
 }
