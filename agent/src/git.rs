@@ -423,6 +423,26 @@ pub async fn refresh_index(dest: &Path) -> Result<(), GitError> {
     git.run("update-index", &["update-index", "-q", "--refresh"]).await.map(drop)
 }
 
+/// Makes git in the clone in `dest` compare a file with its index entry by
+/// size and whole-second modification time only (`core.checkStat
+/// minimal`, `core.trustCtime false`). A clone copied into another
+/// filesystem (a sandbox made from a snapshot image) has new inode
+/// numbers and change times for every file: with git's default checks its
+/// first `status` reads and hashes every file again (0.48 s for 2,000
+/// files of 11 KB on the Engine's `fuse-overlayfs`, against 0.01 s
+/// without), on the refresh that a cold run from the snapshot waits for,
+/// and once per sandbox of a pool filling at once. Written to the clone's
+/// own config, so that the run's git commands in it do not pay it either.
+/// What git then no longer sees: a change that keeps a file's size and
+/// the second of its modification time (git's check for files changed
+/// within the index's own second still applies).
+pub async fn trust_copied_files(dest: &Path) -> Result<(), GitError> {
+    let no_env = BTreeMap::new();
+    let git = Git { url: "the checkout", dir: dest, extra_env: &no_env };
+    git.run("config", &["config", "core.checkStat", "minimal"]).await?;
+    git.run("config", &["config", "core.trustCtime", "false"]).await.map(drop)
+}
+
 /// Whether the checkout in `dest` is still as a preparation left it: at
 /// `sha`, with no tracked file changed (untracked files, such as a setup
 /// step's output, do not count). `git status` also brings the index's stat

@@ -200,6 +200,7 @@ async fn refresh_snapshot(
         let dest = resolve_inside(root, &repo.path)
             .map_err(|source| PrepareError::Path { what: format!("path of repo {url}"), source })?;
         let Some(recorded) = state.repos.iter_mut().find(|r| r.path == repo.path) else { continue };
+        git::trust_copied_files(&dest).await?;
         if !git::untouched_at(&dest, &recorded.sha).await? {
             info!(path = repo.path, "a clone changed since the snapshot: left as it is");
             continue;
@@ -642,6 +643,45 @@ mod tests {
         assert_eq!(crate::git::tests::git(&app, &["rev-parse", "HEAD"]), before);
         assert_eq!(read(&app.join("README")), "a turn's change");
         assert_eq!(read(&root.path().join("runs")), "run\n");
+    }
+
+    /// A snapshot's files reach the new sandbox with other inode numbers
+    /// and change times (here: `cp -a`): the clone is taken as untouched
+    /// without git reading every file again, and a change of a file's size
+    /// is still seen.
+    #[tokio::test]
+    async fn a_copied_clone_is_compared_by_size_and_time_and_a_change_is_still_seen() {
+        let upstream = Upstream::new();
+        let made = tempfile::tempdir().expect("a temporary directory");
+        let ws = workspace(vec![upstream.repo("app", None)], vec![step("count", "echo run >> runs")]);
+        prepare(made.path(), &ws, None).await.expect("prepared in the snapshot's sandbox");
+        let copy = |changed: Option<&str>| {
+            let to = tempfile::tempdir().expect("a temporary directory");
+            let copied = std::process::Command::new("cp")
+                .args(["-a", &format!("{}/.", made.path().display()), &to.path().display().to_string()])
+                .status()
+                .expect("run cp");
+            assert!(copied.success());
+            if let Some(text) = changed {
+                std::fs::write(to.path().join("app/README"), text).expect("writable");
+            }
+            to
+        };
+        let upstream_head = upstream.commit("NEWS", "since the snapshot");
+
+        let untouched = copy(None);
+        let app = untouched.path().join("app");
+        prepare(untouched.path(), &ws, Some("snap-1")).await.expect("refreshed");
+        assert_eq!(crate::git::tests::git(&app, &["config", "core.checkStat"]), "minimal");
+        assert_eq!(crate::git::tests::git(&app, &["config", "core.trustCtime"]), "false");
+        assert_eq!(crate::git::tests::git(&app, &["rev-parse", "HEAD"]), upstream_head, "taken as untouched: moved");
+
+        let changed = copy(Some("a turn's change, longer than the file was"));
+        let app = changed.path().join("app");
+        let before = crate::git::tests::git(&app, &["rev-parse", "HEAD"]);
+        prepare(changed.path(), &ws, Some("snap-1")).await.expect("refreshed");
+        assert_eq!(crate::git::tests::git(&app, &["rev-parse", "HEAD"]), before, "the changed clone is left");
+        assert_eq!(read(&app.join("README")), "a turn's change, longer than the file was");
     }
 
     #[tokio::test]
