@@ -22,7 +22,7 @@ use crate::process::{child_env, register, unregister};
 mod clean;
 mod watch;
 
-pub use clean::Snapshot;
+pub use clean::{Snapshot, StatCheck};
 
 /// `http.lowSpeedLimit` (bytes per second) and `http.lowSpeedTime`
 /// (seconds): a transfer slower than the limit for that long fails.

@@ -161,7 +161,9 @@ pub async fn prepare(
     // Last: setup has written what it writes. A full check per clone, so off the runtime.
     let checkouts = {
         let (root, workspace) = (root.to_path_buf(), workspace.clone());
-        crate::process::off_runtime(move || snapshots(&root, &workspace)).await.unwrap_or_default()
+        crate::process::off_runtime(move || snapshots(&root, &workspace, git::StatCheck::Full))
+            .await
+            .unwrap_or_default()
     };
 
     let state = State {
@@ -244,7 +246,9 @@ async fn refresh_snapshot(
     refresh_indexes(root, workspace, setup_from).await;
     let checkouts = {
         let (root, workspace) = (root.to_path_buf(), workspace.clone());
-        crate::process::off_runtime(move || snapshots(&root, &workspace)).await.unwrap_or_default()
+        crate::process::off_runtime(move || snapshots(&root, &workspace, git::StatCheck::SizeAndSecond))
+            .await
+            .unwrap_or_default()
     };
     state.snapshot = Some(snapshot.to_owned());
     state.prepared_at_unix_ms = unix_ms(SystemTime::now());
@@ -279,14 +283,15 @@ async fn refresh_indexes(root: &Path, workspace: &Workspace, cloned_at: Instant)
 }
 
 /// Every clone of `workspace` that [`git::Snapshot::take`] can record,
-/// watched from now on where it can be ([`git::Snapshot::watched`]).
-fn snapshots(root: &Path, workspace: &Workspace) -> BTreeMap<String, git::Snapshot> {
+/// watched from now on where it can be ([`git::Snapshot::watched`]), its
+/// files compared by `check` (as git compares them in these clones).
+fn snapshots(root: &Path, workspace: &Workspace, check: git::StatCheck) -> BTreeMap<String, git::Snapshot> {
     workspace
         .repos
         .iter()
         .filter_map(|repo| {
             let dest = resolve_inside(root, &repo.path).ok()?;
-            Some((repo.path.clone(), git::Snapshot::watched(&dest)?))
+            Some((repo.path.clone(), git::Snapshot::watched(&dest, check)?))
         })
         .collect()
 }
@@ -682,6 +687,43 @@ mod tests {
         prepare(changed.path(), &ws, Some("snap-1")).await.expect("refreshed");
         assert_eq!(crate::git::tests::git(&app, &["rev-parse", "HEAD"]), before, "the changed clone is left");
         assert_eq!(read(&app.join("README")), "a turn's change, longer than the file was");
+    }
+
+    /// The copy's other inode numbers and change times stay in its index
+    /// (git no longer compares them there): the run's clean check does not
+    /// either, and the clone is watched from the refresh on, as a fresh
+    /// one is.
+    #[tokio::test]
+    async fn a_clone_copied_from_a_snapshot_is_known_clean_without_git() {
+        let upstream = Upstream::new();
+        let made = tempfile::tempdir().expect("a temporary directory");
+        let ws = workspace(vec![upstream.repo("app", None)], vec![]);
+        prepare(made.path(), &ws, None).await.expect("prepared in the snapshot's sandbox");
+        // A snapshot is older than the sandboxes made from it: its files
+        // were written seconds before its index, none of them racy.
+        let files = crate::git::tests::git(&made.path().join("app"), &["ls-files"]);
+        let touched = std::process::Command::new("touch")
+            .current_dir(made.path().join("app"))
+            .args(["-h", "-d", "@1700000000"])
+            .args(files.lines())
+            .status()
+            .expect("run touch");
+        assert!(touched.success());
+        crate::git::tests::git(&made.path().join("app"), &["update-index", "--refresh"]);
+        let copy = tempfile::tempdir().expect("a temporary directory");
+        let copied = std::process::Command::new("cp")
+            .args(["-a", &format!("{}/.", made.path().display()), &copy.path().display().to_string()])
+            .status()
+            .expect("run cp");
+        assert!(copied.success());
+
+        let refreshed = prepare(copy.path(), &ws, Some("snap-1")).await.expect("refreshed");
+        let app = copy.path().join("app");
+        let snapshot = refreshed.checkouts.get("app").expect("the refreshed clone is recorded");
+        assert_eq!(snapshot.still_clean(&app), Ok(()), "the run's refresh needs no git");
+        assert_eq!(snapshot.unchanged(&app), Ok(()), "watched since the refresh: no file is read either");
+        let full = crate::git::Snapshot::take(&app, crate::git::StatCheck::Full).expect("a detached clone");
+        assert!(full.still_clean(&app).is_err(), "every field compared: the copy's inode numbers differ");
     }
 
     #[tokio::test]

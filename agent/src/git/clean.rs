@@ -142,25 +142,45 @@ pub(crate) fn parse_index(bytes: &[u8], oid_len: usize) -> Result<Vec<Entry>, Un
     Ok(entries)
 }
 
-/// Whether the file's `lstat` says it is what the index recorded. A file
-/// modified in the same second as the index was written or later is
+/// Which stat fields git compares in a clone to take a tracked file as
+/// unchanged, by the clone's `core.checkStat` and `core.trustCtime`: the
+/// agent's own check asks no more of a file than git would.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StatCheck {
+    /// git's default: every field the index records.
+    Full,
+    /// `core.checkStat minimal` and `core.trustCtime false`, which
+    /// [`crate::git::trust_copied_files`] sets in a clone copied from a
+    /// snapshot: the size and the whole second of the modification time.
+    /// The copy's new inode numbers and change times do not count, and git
+    /// does not write them into the index either, so a check of every
+    /// field would never find such a clone clean.
+    SizeAndSecond,
+}
+
+/// Whether the file's `lstat` says it is what the index recorded, by the
+/// fields `check` compares (the kind and the executable bit always). A
+/// file modified in the same second as the index was written or later is
 /// "racily clean" to git, which then reads its content: here it is simply
 /// not known clean.
-pub(crate) fn matches(entry: &Stat, file: &Stat, index_mtime: (u32, u32)) -> bool {
+pub(crate) fn matches(entry: &Stat, file: &Stat, index_mtime: (u32, u32), check: StatCheck) -> bool {
     let same_kind = match entry.mode & MODE_TYPE {
         MODE_FILE => file.mode & MODE_TYPE == MODE_FILE && (entry.mode & 0o100 == file.mode & 0o100),
         MODE_SYMLINK => file.mode & MODE_TYPE == MODE_SYMLINK,
         _ => false,
     };
     let racy = entry.mtime.0 >= index_mtime.0;
-    same_kind
-        && !racy
-        && entry.mtime == file.mtime
-        && entry.ctime == file.ctime
-        && entry.ino == file.ino
-        && entry.uid == file.uid
-        && entry.gid == file.gid
-        && entry.size == file.size
+    let same_fields = match check {
+        StatCheck::Full => {
+            entry.mtime == file.mtime
+                && entry.ctime == file.ctime
+                && entry.ino == file.ino
+                && entry.uid == file.uid
+                && entry.gid == file.gid
+        }
+        StatCheck::SizeAndSecond => entry.mtime.0 == file.mtime.0,
+    };
+    same_kind && !racy && same_fields && entry.size == file.size
 }
 
 /// The index file as a file: git replaces it on every write.
@@ -194,16 +214,18 @@ pub struct Snapshot {
     /// Armed before the full check that vouched for the clone (see
     /// [`Snapshot::watched`]).
     watch: Option<Arc<TreeWatch>>,
+    /// The fields a tracked file is compared by, as git compares them.
+    check: StatCheck,
 }
 
 impl Snapshot {
     /// Records the clone in `dest` (a `.git` directory, detached `HEAD`);
     /// `None` when it is not such a clone.
-    pub fn take(dest: &Path) -> Option<Self> {
+    pub fn take(dest: &Path, check: StatCheck) -> Option<Self> {
         let git_dir = dest.join(".git");
         let sha = detached_head(&git_dir)?;
         let index = FileIdentity::of(&std::fs::metadata(git_dir.join("index")).ok()?);
-        Some(Self { sha, index, watch: None })
+        Some(Self { sha, index, watch: None, check })
     }
 
     /// Records the clone as [`Snapshot::take`] does, then watches it: the
@@ -212,8 +234,8 @@ impl Snapshot {
     /// an event. Without a watch (too many directories, the user's inotify
     /// limit, a clone not known clean) the snapshot is `take`'s, and why is
     /// logged.
-    pub fn watched(dest: &Path) -> Option<Self> {
-        let mut snapshot = Self::take(dest)?;
+    pub fn watched(dest: &Path, check: StatCheck) -> Option<Self> {
+        let mut snapshot = Self::take(dest, check)?;
         let armed = snapshot
             .entries(dest)
             .map_err(|why| why.to_string())
@@ -259,7 +281,7 @@ impl Snapshot {
         for entry in &entries {
             let file =
                 std::fs::symlink_metadata(dest.join(&entry.path)).map_err(|_| NotClean::File(entry.path.clone()))?;
-            if !matches(&entry.stat, &Stat::of(&file), index_mtime) {
+            if !matches(&entry.stat, &Stat::of(&file), index_mtime, self.check) {
                 return Err(NotClean::File(entry.path.clone()));
             }
         }
@@ -385,12 +407,31 @@ mod tests {
     #[test]
     fn a_file_matches_only_with_the_same_stat_data_and_written_before_the_index() {
         let recorded = stat(100);
-        assert!(matches(&recorded, &recorded, (101, 0)));
-        assert!(!matches(&recorded, &recorded, (100, 900)), "same second as the index: racy");
-        assert!(!matches(&recorded, &Stat { size: 13, ..recorded }, (101, 0)));
-        assert!(!matches(&recorded, &Stat { mtime: (100, 6), ..recorded }, (101, 0)));
-        assert!(!matches(&recorded, &Stat { mode: 0o100755, ..recorded }, (101, 0)), "the executable bit");
-        assert!(!matches(&recorded, &Stat { mode: 0o120777, ..recorded }, (101, 0)), "a symlink now");
+        let full = StatCheck::Full;
+        assert!(matches(&recorded, &recorded, (101, 0), full));
+        assert!(!matches(&recorded, &recorded, (100, 900), full), "same second as the index: racy");
+        assert!(!matches(&recorded, &Stat { size: 13, ..recorded }, (101, 0), full));
+        assert!(!matches(&recorded, &Stat { mtime: (100, 6), ..recorded }, (101, 0), full));
+        assert!(!matches(&recorded, &Stat { ino: 8, ..recorded }, (101, 0), full));
+        assert!(!matches(&recorded, &Stat { ctime: (100, 6), ..recorded }, (101, 0), full));
+        assert!(!matches(&recorded, &Stat { mode: 0o100755, ..recorded }, (101, 0), full), "the executable bit");
+        assert!(!matches(&recorded, &Stat { mode: 0o120777, ..recorded }, (101, 0), full), "a symlink now");
+    }
+
+    /// A clone copied from a snapshot: git compares sizes and whole
+    /// seconds of modification times there, and so does the agent.
+    #[test]
+    fn a_copied_clone_s_file_matches_by_size_and_second() {
+        let recorded = stat(100);
+        let copied = Stat { ino: 8, ctime: (250, 1), uid: 1000, gid: 1000, mtime: (100, 6), ..recorded };
+        let minimal = StatCheck::SizeAndSecond;
+        assert!(matches(&recorded, &copied, (101, 0), minimal));
+        assert!(!matches(&recorded, &copied, (101, 0), StatCheck::Full));
+        assert!(!matches(&recorded, &copied, (100, 900), minimal), "same second as the index: racy");
+        assert!(!matches(&recorded, &Stat { size: 13, ..copied }, (101, 0), minimal));
+        assert!(!matches(&recorded, &Stat { mtime: (99, 5), ..copied }, (101, 0), minimal));
+        assert!(!matches(&recorded, &Stat { mode: 0o100755, ..copied }, (101, 0), minimal), "the executable bit");
+        assert!(!matches(&recorded, &Stat { mode: 0o120777, ..copied }, (101, 0), minimal), "a symlink now");
     }
 
     /// A clone whose index was written a second after its files.
@@ -415,7 +456,7 @@ mod tests {
     #[tokio::test]
     async fn a_prepared_clone_is_clean_until_a_tracked_file_head_or_index_changes() {
         let (_upstream, _work, dest) = prepared_clone().await;
-        let snapshot = Snapshot::take(&dest).expect("a detached clone");
+        let snapshot = Snapshot::take(&dest, StatCheck::Full).expect("a detached clone");
         assert_eq!(snapshot.sha(), git(&dest, &["rev-parse", "HEAD"]));
         assert_eq!(snapshot.still_clean(&dest), Ok(()));
 
@@ -428,12 +469,12 @@ mod tests {
         assert_eq!(snapshot.still_clean(&dest), Err(NotClean::Index), "git rewrote the index");
 
         let (_upstream, _work, dest) = prepared_clone().await;
-        let snapshot = Snapshot::take(&dest).expect("a detached clone");
+        let snapshot = Snapshot::take(&dest, StatCheck::Full).expect("a detached clone");
         std::fs::remove_file(dest.join("README")).expect("removable");
         assert_eq!(snapshot.still_clean(&dest), Err(NotClean::File("README".into())));
 
         let (upstream, _work, dest) = prepared_clone().await;
-        let snapshot = Snapshot::take(&dest).expect("a detached clone");
+        let snapshot = Snapshot::take(&dest, StatCheck::Full).expect("a detached clone");
         let newer = upstream.commit("README", "second");
         git(&dest, &["fetch", "--quiet", "origin"]);
         std::fs::write(dest.join(".git/HEAD"), format!("{newer}\n")).expect("writable");
@@ -444,7 +485,7 @@ mod tests {
     /// the check to the full one, which finds what changed.
     async fn after(change: impl FnOnce(&Path)) -> (Result<(), FullCheck>, Result<(), NotClean>) {
         let (_upstream, _work, dest) = prepared_clone().await;
-        let snapshot = Snapshot::watched(&dest).expect("a detached clone");
+        let snapshot = Snapshot::watched(&dest, StatCheck::Full).expect("a detached clone");
         assert_eq!(snapshot.unchanged(&dest), Ok(()), "armed, and nothing happened");
         change(&dest);
         (snapshot.unchanged(&dest), snapshot.still_clean(&dest))
@@ -453,8 +494,11 @@ mod tests {
     #[tokio::test]
     async fn a_watched_clone_is_known_unchanged_without_reading_its_files() {
         let (_upstream, _work, dest) = prepared_clone().await;
-        assert_eq!(Snapshot::take(&dest).expect("a detached clone").unchanged(&dest), Err(FullCheck::Unwatched));
-        let snapshot = Snapshot::watched(&dest).expect("a detached clone");
+        assert_eq!(
+            Snapshot::take(&dest, StatCheck::Full).expect("a detached clone").unchanged(&dest),
+            Err(FullCheck::Unwatched)
+        );
+        let snapshot = Snapshot::watched(&dest, StatCheck::Full).expect("a detached clone");
         assert_eq!(snapshot.unchanged(&dest), Ok(()));
         // What the full check ignores, the watch ignores too.
         std::fs::write(dest.join("src/untracked.txt"), "setup output").expect("writable");
@@ -515,7 +559,7 @@ mod tests {
         // A parent moved: the path names another clone, and no event
         // reaches the old one's watch.
         let (upstream, work, dest) = prepared_clone().await;
-        let snapshot = Snapshot::watched(&dest).expect("a detached clone");
+        let snapshot = Snapshot::watched(&dest, StatCheck::Full).expect("a detached clone");
         let moved = work.path().with_extension("moved");
         std::fs::rename(work.path(), &moved).expect("renamable");
         std::fs::create_dir(work.path()).expect("writable");
@@ -536,6 +580,6 @@ mod tests {
     async fn a_clone_on_a_branch_has_no_snapshot() {
         let (_upstream, _work, dest) = prepared_clone().await;
         git(&dest, &["checkout", "--quiet", "-B", "work"]);
-        assert!(Snapshot::take(&dest).is_none());
+        assert!(Snapshot::take(&dest, StatCheck::Full).is_none());
     }
 }
