@@ -661,12 +661,7 @@ mod tests {
         let ws = workspace(vec![upstream.repo("app", None)], vec![step("count", "echo run >> runs")]);
         prepare(made.path(), &ws, None).await.expect("prepared in the snapshot's sandbox");
         let copy = |changed: Option<&str>| {
-            let to = tempfile::tempdir().expect("a temporary directory");
-            let copied = std::process::Command::new("cp")
-                .args(["-a", &format!("{}/.", made.path().display()), &to.path().display().to_string()])
-                .status()
-                .expect("run cp");
-            assert!(copied.success());
+            let to = copied_sandbox(made.path());
             if let Some(text) = changed {
                 std::fs::write(to.path().join("app/README"), text).expect("writable");
             }
@@ -687,6 +682,19 @@ mod tests {
         prepare(changed.path(), &ws, Some("snap-1")).await.expect("refreshed");
         assert_eq!(crate::git::tests::git(&app, &["rev-parse", "HEAD"]), before, "the changed clone is left");
         assert_eq!(read(&app.join("README")), "a turn's change, longer than the file was");
+    }
+
+    /// A copy of the workspace `made` as a sandbox made from its snapshot
+    /// finds it: the same contents and modification times, other inode
+    /// numbers and change times.
+    fn copied_sandbox(made: &Path) -> tempfile::TempDir {
+        let to = tempfile::tempdir().expect("a temporary directory");
+        let copied = std::process::Command::new("cp")
+            .args(["-a", &format!("{}/.", made.display()), &to.path().display().to_string()])
+            .status()
+            .expect("run cp");
+        assert!(copied.success());
+        to
     }
 
     /// The copy's other inode numbers and change times stay in its index
@@ -710,12 +718,7 @@ mod tests {
             .expect("run touch");
         assert!(touched.success());
         crate::git::tests::git(&made.path().join("app"), &["update-index", "--refresh"]);
-        let copy = tempfile::tempdir().expect("a temporary directory");
-        let copied = std::process::Command::new("cp")
-            .args(["-a", &format!("{}/.", made.path().display()), &copy.path().display().to_string()])
-            .status()
-            .expect("run cp");
-        assert!(copied.success());
+        let copy = copied_sandbox(made.path());
 
         let refreshed = prepare(copy.path(), &ws, Some("snap-1")).await.expect("refreshed");
         let app = copy.path().join("app");
