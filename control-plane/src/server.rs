@@ -204,9 +204,25 @@ async fn delay_execution_calls(
     next: axum::middleware::Next,
 ) -> Response {
     if request.uri().path().starts_with("/v1/executions/") {
-        tokio::time::sleep(latency).await;
+        sleep_precisely(latency).await;
     }
     next.run(request).await
+}
+
+/// Sleeps `latency` to within a few tens of microseconds. tokio's timer
+/// fires on the first millisecond tick after its deadline (50 ms slept
+/// as 50.7–51.0 ms), so the last millisecond is slept on a blocking
+/// thread, whose sleep is as precise as the kernel's timers.
+async fn sleep_precisely(latency: Duration) {
+    const TICK: Duration = Duration::from_millis(1);
+    let until = std::time::Instant::now() + latency;
+    if let Some(coarse) = latency.checked_sub(TICK) {
+        tokio::time::sleep(coarse).await;
+    }
+    let rest = until.saturating_duration_since(std::time::Instant::now());
+    if !rest.is_zero() {
+        let _ = tokio::task::spawn_blocking(move || std::thread::sleep(rest)).await;
+    }
 }
 
 /// A started server.
@@ -556,7 +572,21 @@ impl<P: SandboxProvider> RunningServer<P> {
 
 #[cfg(test)]
 mod tests {
-    use super::{advertise_url, auto_stop_to_restore};
+    use std::time::{Duration, Instant};
+
+    use super::{advertise_url, auto_stop_to_restore, sleep_precisely};
+
+    /// The injected latency is never shorter than asked, whatever part of
+    /// it tokio's timer sleeps (how much longer is the benchmark's to tell).
+    #[tokio::test]
+    async fn an_injected_latency_is_never_cut_short() {
+        for latency in [Duration::ZERO, Duration::from_micros(300), Duration::from_millis(1), Duration::from_millis(7)]
+        {
+            let start = Instant::now();
+            sleep_precisely(latency).await;
+            assert!(start.elapsed() >= latency, "{latency:?} slept as {:?}", start.elapsed());
+        }
+    }
 
     #[test]
     fn a_replica_advertises_its_own_address_unless_told_and_an_unspecified_one_is_refused() {
