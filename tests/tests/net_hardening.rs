@@ -388,6 +388,47 @@ async fn a_follow_up_turn_finds_none_of_the_first_turns_credentials() {
     server.assert_no_violations();
 }
 
+/// An agent killed before its cleanup leaves its run's files in
+/// `.standby/`: the next run finds its own files there, and none of them
+/// (they are removed while its calls are out, and its own are written
+/// only after that).
+#[tokio::test]
+async fn a_run_after_one_killed_before_its_cleanup_finds_only_its_own_files() {
+    let server = TestServer::start().await;
+    let dir = scratch();
+    let ws = dir.path().join("workspace");
+    std::fs::create_dir(&ws).expect("create the workspace");
+    let state = StateDir::of(&ws);
+    std::fs::create_dir_all(state.attachments_dir()).expect("create the attachments directory");
+    std::fs::write(state.metadata_file(), b"{\"turn\": \"stale-metadata\"}").expect("stale metadata");
+    std::fs::write(state.git_credentials(), b"https://x:stale-pass@git.example\n").expect("stale credentials");
+    std::fs::write(state.attachments_dir().join("stale.md"), b"stale attachment").expect("stale attachment");
+
+    let token = server.add_standby();
+    let mut agent =
+        ready_agent(&server, &token, dir.path(), &json!({"workspace": {}}), |agent| agent.workspace(&ws)).await;
+    let script = format!(
+        "cat '{metadata}' '{credentials}'; ls -A '{attachments}'; echo run done",
+        metadata = state.metadata_file().display(),
+        credentials = state.git_credentials().display(),
+        attachments = state.attachments_dir().display(),
+    );
+    let execution = sh(&script)
+        .metadata(json!({"turn": "this-run"}))
+        .attachment("own.md", b"this run's attachment")
+        .git_credential("https", "git.example", "x-access-token", "own-pass-4713");
+    let run = server.assign(&token, execution);
+    let code = agent.wait_exit(EXIT).await;
+    assert_exit(&agent, code, ExitCode::Success, "the run finished");
+    let log = String::from_utf8_lossy(&server.log(&run)).into_owned();
+    assert!(log.contains("run done"), "{log}");
+    assert!(log.contains("this-run") && log.contains("own.md"), "the run's own files are missing: {log}");
+    // Its password is redacted from the log; its user name is not.
+    assert!(log.contains("https://x-access-token:"), "the run's git credential is missing: {log}");
+    assert!(!log.contains("stale"), "the run found a killed run's files: {log}");
+    server.assert_no_violations();
+}
+
 // ---- the spec before the switch ---------------------------------------------
 
 #[tokio::test]
