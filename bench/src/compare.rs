@@ -3,7 +3,10 @@
 //! to the warm start or the follow-ups moves: warm parallel and cold at
 //! each latency, and the Tier 2 and Tier 1 follow-ups. Both builds' servers
 //! run at once and take turns run by run, so a busy machine slows both
-//! alike; what is reported is each median and their ratio.
+//! alike; what is reported is each median, their ratio, and the runs
+//! compared pair by pair (the same iteration's two runs): the median
+//! difference, how many pairs the candidate won, and a sign test of that
+//! split, which tells a change from the machine's noise.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -27,6 +30,61 @@ pub struct Row {
     pub candidate: Option<Summary>,
     /// `median(candidate) / median(baseline)`: under 1 is faster.
     pub ratio: Option<f64>,
+    pub paired: Option<Paired>,
+}
+
+/// The two builds' runs of the same iteration (or follow-up turn),
+/// compared: a drift of the machine during the benchmark moves both.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Paired {
+    pub pairs: usize,
+    /// Median of candidate − baseline, in ms: under 0 is faster.
+    pub median_difference_ms: f64,
+    /// Pairs the candidate ran faster (a tie counts for neither).
+    pub candidate_faster: usize,
+    /// Pairs the baseline ran faster.
+    pub baseline_faster: usize,
+    /// Two-sided sign test: the chance of a split at least this uneven
+    /// when neither build is faster. Under 0.05, the change is the likely
+    /// cause; over it, the pairs cannot tell it from noise.
+    pub sign_test_p: f64,
+}
+
+/// Pairs `baseline` and `candidate` runs by their key (iteration or turn).
+fn paired(baseline: &[(usize, f64)], candidate: &[(usize, f64)]) -> Option<Paired> {
+    let baseline: BTreeMap<usize, f64> = baseline.iter().copied().collect();
+    let mut differences: Vec<f64> = candidate.iter().filter_map(|(key, c)| baseline.get(key).map(|b| c - b)).collect();
+    if differences.is_empty() {
+        return None;
+    }
+    differences.sort_by(f64::total_cmp);
+    let n = differences.len();
+    let median_difference_ms =
+        if n % 2 == 1 { differences[n / 2] } else { (differences[n / 2 - 1] + differences[n / 2]) / 2.0 };
+    let candidate_faster = differences.iter().filter(|d| **d < 0.0).count();
+    let baseline_faster = differences.iter().filter(|d| **d > 0.0).count();
+    Some(Paired {
+        pairs: n,
+        median_difference_ms,
+        candidate_faster,
+        baseline_faster,
+        sign_test_p: sign_test(candidate_faster, baseline_faster),
+    })
+}
+
+/// Two-sided sign test of `wins` against `losses`: twice the binomial
+/// (p = ½) tail at the rarer side, at most 1.
+fn sign_test(wins: usize, losses: usize) -> f64 {
+    let n = wins + losses;
+    let rarer = wins.min(losses);
+    // C(n, i) / 2^n, summed for i = 0..=rarer, built up term by term.
+    let mut term = 0.5_f64.powi(i32::try_from(n).unwrap_or(i32::MAX));
+    let mut tail = term;
+    for i in 0..rarer {
+        term *= (n - i) as f64 / (i + 1) as f64;
+        tail += term;
+    }
+    (2.0 * tail).min(1.0)
 }
 
 /// One build's warm parallel runs at one latency, step by step (medians
@@ -77,10 +135,13 @@ fn step_medians(samples: &[&Sample]) -> BTreeMap<String, f64> {
     by_part.into_iter().filter_map(|(part, values)| Some((part, summarize(&values)?.median))).collect()
 }
 
-fn row(what: String, latency_ms: u64, baseline: &[f64], candidate: &[f64]) -> Row {
-    let (baseline, candidate) = (summarize(baseline), summarize(candidate));
+/// One row from each build's runs, keyed by iteration (or turn).
+fn row(what: String, latency_ms: u64, baseline: &[(usize, f64)], candidate: &[(usize, f64)]) -> Row {
+    let paired = paired(baseline, candidate);
+    let values = |runs: &[(usize, f64)]| runs.iter().map(|(_, value)| *value).collect::<Vec<_>>();
+    let (baseline, candidate) = (summarize(&values(baseline)), summarize(&values(candidate)));
     let ratio = baseline.zip(candidate).map(|(b, c)| c.median / b.median.max(0.01));
-    Row { what, latency_ms, baseline, candidate, ratio }
+    Row { what, latency_ms, baseline, candidate, ratio, paired }
 }
 
 /// `follow_up_latency_ms`: `None` compares the warm parallel path alone
@@ -116,11 +177,11 @@ pub async fn run(
             steps.push(StepRow { build, latency_ms, medians: step_medians(&these) });
         }
         for &path in paths {
-            let of = |build: &str, f: fn(&Sample) -> f64| -> Vec<f64> {
+            let of = |build: &str, f: fn(&Sample) -> f64| -> Vec<(usize, f64)> {
                 samples
                     .iter()
                     .filter(|s| s.build == build && s.path == path && s.latency_ms == latency_ms)
-                    .map(f)
+                    .map(|s| (s.iteration, f(s)))
                     .collect()
             };
             for (what, f) in [
@@ -132,8 +193,12 @@ pub async fn run(
         }
     }
     for &tier in tiers {
-        let of = |build: &str| -> Vec<f64> {
-            follow_ups.iter().filter(|s| s.build == build && s.tier == tier).map(|s| s.submit_to_start_ms).collect()
+        let of = |build: &str| -> Vec<(usize, f64)> {
+            follow_ups
+                .iter()
+                .filter(|s| s.build == build && s.tier == tier)
+                .map(|s| (s.turn, s.submit_to_start_ms))
+                .collect()
         };
         rows.push(row(
             format!("follow-up {}, submit → start", tier.label()),
@@ -150,4 +215,30 @@ pub async fn run(
         samples,
         follow_up_samples: follow_ups,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_sign_test_is_the_binomial_tail_at_both_sides() {
+        assert!((sign_test(0, 10) - 2.0 / 1024.0).abs() < 1e-12);
+        assert!((sign_test(8, 16) - 0.151_586).abs() < 1e-5, "{}", sign_test(8, 16));
+        assert!((sign_test(16, 8) - sign_test(8, 16)).abs() < 1e-12, "symmetric");
+        assert_eq!(sign_test(5, 5), 1.0);
+        assert_eq!(sign_test(0, 0), 1.0, "no pairs tell nothing");
+    }
+
+    #[test]
+    fn runs_pair_by_their_key_and_ties_count_for_neither_build() {
+        let baseline = [(0, 10.0), (1, 12.0), (2, 9.0), (3, 11.0), (7, 50.0)];
+        let candidate = [(0, 9.0), (1, 12.0), (2, 8.0), (3, 13.0), (9, 1.0)];
+        let pairs = paired(&baseline, &candidate).expect("four pairs");
+        assert_eq!(pairs.pairs, 4, "keys 7 and 9 have no partner");
+        assert_eq!((pairs.candidate_faster, pairs.baseline_faster), (2, 1));
+        // Differences −1, 0, −1, +2: sorted −1, −1, 0, 2.
+        assert_eq!(pairs.median_difference_ms, -0.5);
+        assert!(paired(&baseline, &[(5, 1.0)]).is_none());
+    }
 }

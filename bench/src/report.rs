@@ -546,19 +546,25 @@ fn compare_table(out: &mut String, compare: &CompareResults) {
     let _ = writeln!(
         out,
         "## Side by side with a baseline build\n\nBaseline: the binaries in `{}`; candidate: this run's. Both builds' \
-         servers run at once and take turns run by run ({} runs each per row).\n\n\
-         | what | injected | baseline p50 | candidate p50 | candidate / baseline |\n|---|---:|---:|---:|---:|",
+         servers run at once and take turns run by run ({} runs each per row). Paired: the same iteration's two \
+         runs, candidate − baseline (median), the pairs each build won, and the sign test's p of that split (under \
+         0.05: the change, not the machine's noise, is the likely cause).\n\n\
+         | what | injected | baseline p50 | candidate p50 | candidate / baseline | paired Δ p50 | won (candidate : baseline) | sign test p |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|",
         compare.baseline_bin_dir, compare.runs,
     );
     for row in &compare.rows {
         let _ = writeln!(
             out,
-            "| {} | {} ms | {} | {} | {} |",
+            "| {} | {} ms | {} | {} | {} | {} | {} | {} |",
             row.what,
             row.latency_ms,
             or_dash(row.baseline.map(|s| format!("{} ms", ms(s.median)))),
             or_dash(row.candidate.map(|s| format!("{} ms", ms(s.median)))),
             or_dash(row.ratio.map(|r| format!("{r:.2}×"))),
+            or_dash(row.paired.map(|p| format!("{:+.2} ms", p.median_difference_ms))),
+            or_dash(row.paired.map(|p| format!("{} : {}", p.candidate_faster, p.baseline_faster))),
+            or_dash(row.paired.map(|p| format!("{:.3}", p.sign_test_p))),
         );
     }
     let _ = writeln!(
