@@ -53,19 +53,13 @@ pub struct Paired {
 /// Pairs `baseline` and `candidate` runs by their key (iteration or turn).
 fn paired(baseline: &[(usize, f64)], candidate: &[(usize, f64)]) -> Option<Paired> {
     let baseline: BTreeMap<usize, f64> = baseline.iter().copied().collect();
-    let mut differences: Vec<f64> = candidate.iter().filter_map(|(key, c)| baseline.get(key).map(|b| c - b)).collect();
-    if differences.is_empty() {
-        return None;
-    }
-    differences.sort_by(f64::total_cmp);
-    let n = differences.len();
-    let median_difference_ms =
-        if n % 2 == 1 { differences[n / 2] } else { (differences[n / 2 - 1] + differences[n / 2]) / 2.0 };
+    let differences: Vec<f64> = candidate.iter().filter_map(|(key, c)| baseline.get(key).map(|b| c - b)).collect();
+    let summary = summarize(&differences)?;
     let candidate_faster = differences.iter().filter(|d| **d < 0.0).count();
     let baseline_faster = differences.iter().filter(|d| **d > 0.0).count();
     Some(Paired {
-        pairs: n,
-        median_difference_ms,
+        pairs: summary.n,
+        median_difference_ms: summary.median,
         candidate_faster,
         baseline_faster,
         sign_test_p: sign_test(candidate_faster, baseline_faster),
