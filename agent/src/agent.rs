@@ -600,6 +600,11 @@ async fn prepare_all(
             })
             .map_err(|e| PrepFailure::Failed(format!("idle shell `{}`: {e}", shell_argv.join(" "))))?
     };
+    let state_root = root.clone();
+    process::off_runtime(move || crate::hygiene::ready_state_dir(&state_root))
+        .await
+        .unwrap_or_else(|| Err(std::io::Error::other("the task failed")))
+        .map_err(|e| PrepFailure::Failed(format!("writing {}: {e}", StateDir::of(root).path().display())))?;
     tracing::info!(fingerprint = %workspace.fingerprint, skipped = workspace.skipped, "ready");
     Ok(Prepared { shell: Some(shell), mcp, fingerprint: workspace.fingerprint, checkouts: workspace.checkouts })
 }

@@ -1,15 +1,15 @@
 //! Per-turn hygiene: the files that hold one run's data are removed when
-//! the run ends (exited, cancelled, failed), and again before a run is
-//! installed (a previous agent on the workspace may have been killed before
-//! it could clean up), so a follow-up turn in the same sandbox never sees
-//! an earlier turn's data.
+//! the run ends (exited, cancelled, failed), and again when the standby is
+//! ready, before any run can be installed (a previous agent on the
+//! workspace may have been killed before it could clean up), so a
+//! follow-up turn in the same sandbox never sees an earlier turn's data.
 //!
 //! Removed: the attachments directory, `metadata.json`, the git credential
 //! store, and every `credential.helper` entry in a prepared repo's own
 //! configuration that points at that store. Cloud credentials and secrets
 //! are only ever in the run's environment, which ends with the run.
 
-use std::io::ErrorKind;
+use std::io::{self, ErrorKind};
 use std::path::Path;
 
 use standby_protocol::Repo;
@@ -41,9 +41,27 @@ pub(crate) async fn remove_run_files(root: &Path, repos: &[Repo]) {
     }
 }
 
+/// `.standby/` as a run must find it: ignored by git, and without an
+/// earlier run's files. Blocking, for the end of preparation: done after
+/// the assignment it took the first millisecond of every warm start, ahead
+/// of the install calls (docs/benchmarks.md).
+pub(crate) fn ready_state_dir(root: &Path) -> io::Result<()> {
+    // `.standby/` holds credentials; a repo checked out at the workspace
+    // root must never pick them up with `git add -A`. Written only when it
+    // is not already so (an earlier turn left it).
+    let gitignore = StateDir::of(root).gitignore();
+    if std::fs::read(&gitignore).ok().as_deref() != Some(b"*\n".as_slice()) {
+        crate::paths::write_run_file_now(&gitignore, b"*\n", 0o644)?;
+    }
+    // Only the files, to keep git out of preparation's end: a helper entry
+    // left behind points at the next run's store or at nothing.
+    remove_files(root);
+    Ok(())
+}
+
 /// The files of [`remove_run_files`], without the repos' configuration:
 /// blocking, for a caller already off the runtime.
-pub(crate) fn remove_files(root: &Path) {
+fn remove_files(root: &Path) {
     let state_dir = StateDir::of(root);
     for file in [state_dir.metadata_file(), state_dir.git_credentials()] {
         match std::fs::remove_file(&file) {
@@ -94,5 +112,27 @@ mod tests {
         assert_eq!(git(&app, &["config", "--local", "--get-all", "credential.helper"]).trim(), "cache");
         // Nothing left: a second pass is a no-op.
         remove_run_files(root, &[repo]).await;
+    }
+
+    #[test]
+    fn a_ready_state_dir_is_ignored_by_git_and_holds_no_earlier_runs_files() {
+        let root = tempfile::tempdir().expect("a temporary directory");
+        let root = root.path();
+        let state_dir = StateDir::of(root);
+        std::fs::create_dir_all(state_dir.attachments_dir()).expect("create the attachments dir");
+        std::fs::write(state_dir.attachments_dir().join("spec.md"), "spec").expect("write");
+        std::fs::write(state_dir.metadata_file(), "{}").expect("write");
+        std::fs::write(state_dir.git_credentials(), "https://u:turn1@git.example\n").expect("write");
+        // A `.gitignore` someone changed is written again.
+        std::fs::write(state_dir.gitignore(), "metadata.json\n").expect("write");
+
+        ready_state_dir(root).expect("the state directory is made ready");
+
+        assert_eq!(std::fs::read_to_string(state_dir.gitignore()).expect("read"), "*\n");
+        assert!(!state_dir.attachments_dir().exists());
+        assert!(!state_dir.metadata_file().exists() && !state_dir.git_credentials().exists());
+        // Ready already: a second pass changes nothing and does not fail.
+        ready_state_dir(root).expect("ready again");
+        assert_eq!(std::fs::read_to_string(state_dir.gitignore()).expect("read"), "*\n");
     }
 }

@@ -19,7 +19,6 @@
 
 use std::collections::{BTreeMap, HashSet};
 use std::future::Future;
-use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::Duration;
@@ -37,7 +36,7 @@ use crate::config::InstallPlan;
 use crate::git::Snapshot;
 use crate::lifecycle::InstallFailure;
 use crate::mcp::McpSupervisor;
-use crate::paths::{resolve_inside, write_run_file, write_run_file_now};
+use crate::paths::{resolve_inside, write_run_file};
 use crate::shell::IdleShell;
 
 mod attachments;
@@ -133,15 +132,6 @@ impl Steps {
 /// `kill_on_drop`), and nothing the run would do has happened.
 pub async fn install(input: &InstallInput, prepared: &mut Prepared) -> Result<Installed, InstallFailure> {
     let steps = Steps(Mutex::new(Vec::new()));
-    let root = input.root.clone();
-    crate::process::off_runtime(move || state_dir_ready(&root))
-        .await
-        .unwrap_or_else(|| Err(io::Error::other("the task failed")))
-        .map_err(|e| {
-            let dir = StateDir::of(&input.root);
-            InstallFailure::new(Stage::Check, Cause::Sandbox, format!("writing {}: {e}", dir.path().display()))
-        })?;
-
     let Prepared { shell, mcp, fingerprint: prepared_fingerprint, .. } = prepared;
     let mcp_restart = steps.time(Stage::Mcp, restart_mcp(mcp, &input.run.mcp_env));
     let rest = async {
@@ -196,23 +186,6 @@ pub async fn install(input: &InstallInput, prepared: &mut Prepared) -> Result<In
         steps: steps.into_inner(),
         degraded: failed_mcp,
     })
-}
-
-/// `.standby/` as a run finds it, in one trip off the runtime: ignored by
-/// git, and without an earlier run's files.
-fn state_dir_ready(root: &Path) -> io::Result<()> {
-    // `.standby/` holds credentials; a repo checked out at the workspace
-    // root must never pick them up with `git add -A`. Written only when it
-    // is not already so (preparation left it, or an earlier turn).
-    let gitignore = StateDir::of(root).gitignore();
-    if std::fs::read(&gitignore).ok().as_deref() != Some(b"*\n".as_slice()) {
-        write_run_file_now(&gitignore, b"*\n", 0o644)?;
-    }
-    // A previous turn's agent may have been killed before its cleanup. Only
-    // the files, to keep git off the critical path: a helper entry left
-    // behind points at this run's store or at nothing.
-    crate::hygiene::remove_files(root);
-    Ok(())
 }
 
 async fn restart_mcp(mcp: &mut McpSupervisor, mcp_env: &BTreeMap<String, String>) -> Vec<String> {
