@@ -390,7 +390,8 @@ async fn a_follow_up_turn_finds_none_of_the_first_turns_credentials() {
 
 /// An agent killed before its cleanup leaves its run's files in
 /// `.standby/`: the next run finds its own files there, and none of them
-/// (the install removes them before it writes its own).
+/// (the next agent removes them when its preparation ends, before it is
+/// ready for a run).
 #[tokio::test]
 async fn a_run_after_one_killed_before_its_cleanup_finds_only_its_own_files() {
     let server = TestServer::start().await;
