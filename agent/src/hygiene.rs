@@ -42,9 +42,9 @@ pub(crate) async fn remove_run_files(root: &Path, repos: &[Repo]) {
 }
 
 /// `.standby/` as a run must find it: ignored by git, and without an
-/// earlier run's files. Blocking, for the end of preparation: done after
-/// the assignment it took the first millisecond of every warm start, ahead
-/// of the install calls (docs/benchmarks.md).
+/// earlier run's files. Blocking; called when preparation ends, because
+/// done after the assignment it held back every install call by about a
+/// millisecond (docs/benchmarks.md).
 pub(crate) fn ready_state_dir(root: &Path) -> io::Result<()> {
     // `.standby/` holds credentials; a repo checked out at the workspace
     // root must never pick them up with `git add -A`. Written only when it
