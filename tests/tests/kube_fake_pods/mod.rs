@@ -100,10 +100,13 @@ async fn exec_exit_3_is_a_non_zero_exit_code_status() {
 async fn an_exec_background_process_dies_with_its_pod() {
     let (cluster, client) = cluster().await;
     let pods: Api<Pod> = Api::default_namespaced(client);
-    let created = pods.create(&PostParams::default(), &pod("p", "sleep 1000", None)).await.expect("create");
+    // `exec`: dash forks a `-c` command, and a fork made after the pod is
+    // Running would count as the exec's process. The pod is only PID 1.
+    let created = pods.create(&PostParams::default(), &pod("p", "exec sleep 1000", None)).await.expect("create");
     running(&pods, "p").await;
     let pid1 = cluster.pod_processes("p").expect("PID 1");
     let before = namespace_members(pid1);
+    assert_eq!(before, [pid1], "the pod's only process is its PID 1");
     let mut attached = pods
         .exec("p", ["sh", "-c", "sleep 1000 </dev/null >/dev/null 2>&1 &"], &AttachParams::default().stderr(false))
         .await
