@@ -5,8 +5,12 @@
 //!
 //! - a container killed (`docker kill`: its PID 1 and every agent die);
 //! - a container frozen for longer than the silence limit, then thawed:
-//!   every process in it but its PID 1 stopped (`SIGSTOP`, sent from a
-//!   `docker exec`), then continued: its agent comes back late. Not
+//!   every process in it but its PID 1 and a `runc init` stopped
+//!   (`SIGSTOP`, sent from a `docker exec`), then continued: its agent
+//!   comes back late. A `runc init` is an exec on its way in (the server
+//!   launching an agent); stopped, it holds that exec and every later
+//!   Engine call on the container, as a pause does (seen here: the freeze's
+//!   own exec, the thaw and the server's stop hung). Not
 //!   `docker pause`: on this Engine (docker.io 20.10.24) an exec into a
 //!   container the cgroup freezer holds never returns, and the unpause
 //!   then waits behind it, so the server's agent launch racing a pause
@@ -61,6 +65,19 @@ const HOLD: Duration = Duration::from_millis(2500);
 const SETTLE: Duration = Duration::from_secs(60);
 const LINES: usize = 12;
 const CANCEL_CHANCE: f64 = 0.05;
+
+/// The freeze, run by bash in the container: SIGSTOP to each process
+/// listed in its `/proc` but PID 1, the shell itself and a `runc init`
+/// (named `runc:[2:INIT]` until it execs). A process that started after
+/// the listing is left running.
+const FREEZE: &str = r#"for p in /proc/[0-9]*; do
+  n=${p#/proc/}
+  if [ "$n" = 1 ] || [ "$n" = $$ ]; then continue; fi
+  { read -r name < "$p/comm"; } 2>/dev/null || continue
+  case "$name" in runc*) continue ;; esac
+  kill -STOP "$n" 2>/dev/null
+done
+true"#;
 
 /// How long one docker CLI call of the injector may take: an Engine that
 /// does not answer must not hold the soak past its harness bound.
@@ -150,10 +167,9 @@ async fn injector(server: Current, network: String, journal: Arc<Mutex<Journal>>
         let done = match kind {
             "kill" => cli(&["kill", &container]).await.is_some(),
             "freeze" => {
-                // `kill -1` from the exec's shell (bash: dash's `kill`
-                // takes no -1): every process of the container but its
-                // PID 1 and that shell.
-                let frozen = cli(&["exec", &container, "bash", "-c", "kill -STOP -1"]).await.is_some();
+                // Every process of the container but its PID 1, this
+                // shell and a `runc init` (the module's doc).
+                let frozen = cli(&["exec", &container, "bash", "-c", FREEZE]).await.is_some();
                 if frozen {
                     tokio::time::sleep(HOLD).await;
                 }
