@@ -297,6 +297,15 @@ async fn one_live_socket_per_credential_and_a_silent_one_is_replaced() {
         .await;
     second.send(heartbeat(AgentState::Ready, None)).await.expect("a heartbeat");
     closed_by_server(&mut first).await;
+    // The claim took the first socket off the standby before the upgrade
+    // was answered; the second counts once its connection task has
+    // registered it. A run submitted in between goes cold (seen under load).
+    spooled
+        .server
+        .until("the standby a candidate on its new socket", WAIT, async || {
+            (spooled.candidates().await == 1).then_some(())
+        })
+        .await;
     // Exactly one socket, the new one, gets the assignment.
     let id = spooled.server.submit(&run_with_secrets("socket-secret-5")).await;
     let assignment = next_assignment_frame(&mut second).await;
