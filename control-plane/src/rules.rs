@@ -305,8 +305,12 @@ struct Live {
     /// costs no compute.
     exited: bool,
     ever_ready: bool,
-    /// Its filesystem is being kept as a snapshot: no run is placed on it.
+    /// Its filesystem is being kept as a snapshot: no run is placed on it,
+    /// and it is not silent (the provider pauses it for the commit).
     snapshotting: bool,
+    /// When its snapshot's commit ended: its silence counts from then, not
+    /// from its last heartbeat before the pause.
+    snapshot_ended_at: Option<Millis>,
     /// Start it again ([`Effect::Resume`]) once its current agent exits.
     resume_after_exit: bool,
     /// Its agent fetched its spec (with the standby credential).
@@ -329,6 +333,7 @@ impl Live {
             exited: agent == Agent::Exited,
             ever_ready: false,
             snapshotting: false,
+            snapshot_ended_at: None,
             resume_after_exit: false,
             spec_served: false,
             assignment_withheld: false,

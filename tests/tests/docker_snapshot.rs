@@ -33,12 +33,15 @@ fn spec(test: &str) -> Value {
     })
 }
 
-/// The snapshot images of `spec`'s workspace.
+/// The snapshot images of `spec`'s workspace grown from the image under
+/// test: one a run of an earlier build left on the Engine is another's.
 fn snapshots_of(spec: &Value) -> Vec<String> {
     let workspace: standby_protocol::Workspace =
         serde_json::from_value(spec["workspace"].clone()).expect("a workspace");
-    let filter = format!("label=standby.snapshot.fingerprint={}", standby_protocol::fingerprint(&workspace));
-    docker::docker(&["images", "--filter", &filter, "--format", "{{.Repository}}:{{.Tag}}"])
+    let fingerprint = format!("label=standby.snapshot.fingerprint={}", standby_protocol::fingerprint(&workspace));
+    let base = docker::docker(&["image", "inspect", "--format", "{{.Id}}", &docker::image()]).expect("the base image");
+    let base = format!("label=standby.snapshot.base={base}");
+    docker::docker(&["images", "--filter", &fingerprint, "--filter", &base, "--format", "{{.Repository}}:{{.Tag}}"])
         .unwrap_or_default()
         .lines()
         .map(str::to_owned)
@@ -166,21 +169,38 @@ async fn a_cold_sandbox_starts_from_the_snapshot_and_refreshes_instead_of_settin
         return;
     }
     let spec = spec(test);
+    // The commit pauses the standby: heartbeats far enough apart that its
+    // socket outlives a commit slowed by a loaded machine, as it does with
+    // the default interval (15 s).
     let server = Server::start_with_spec(
         &docker::image(),
         &spec,
-        &["--pool-size", "1", "--snapshot-keep", "2", "--warm-idle", "0s", "--park-stopped", "false"],
+        &[
+            "--pool-size",
+            "1",
+            "--snapshot-keep",
+            "2",
+            "--warm-idle",
+            "0s",
+            "--park-stopped",
+            "false",
+            "--heartbeat-interval",
+            "2s",
+        ],
     )
     .await;
-    let standby = server.ready_standby().await;
     let images = server.until("the snapshot image", async || Some(snapshots_of(&spec)).filter(|i| !i.is_empty())).await;
+    // The image is listed before the server has it as the snapshot of its
+    // workspace; the standby it was made of is placed nowhere until then.
+    let standby = server.ready_standby().await;
 
     // The pool's one standby takes the first run; the second is cold.
     let body = json!({"command": ["sh", "-c", "cat .setup-runs; sleep 3"]});
     let (first, second) = futures::join!(server.submit(&body), server.submit(&body));
-    // The cold agent's log is read while its run sleeps: the server deletes
-    // it with the sandbox once the run ended.
-    let (refreshed, agent_log) = server
+    // The cold agent's log and its container's image are read while its
+    // run sleeps: the server deletes both with the sandbox once the run
+    // ended.
+    let (refreshed, agent_log, made_from) = server
         .until("the cold sandbox's agent refreshing from the snapshot", async || {
             for id in [&first, &second] {
                 let run = server.run(id).await;
@@ -191,7 +211,7 @@ async fn a_cold_sandbox_starts_from_the_snapshot_and_refreshes_instead_of_settin
                 let log = server.data_dir().join(format!("sandbox-logs/{sandbox}.log"));
                 let log = std::fs::read_to_string(log).unwrap_or_default();
                 if log.contains("refreshing it instead of cloning") {
-                    return Some((sandbox.to_owned(), log));
+                    return Some((sandbox.to_owned(), log, inspect(sandbox, "{{.Config.Image}}")));
                 }
             }
             None
@@ -203,7 +223,7 @@ async fn a_cold_sandbox_starts_from_the_snapshot_and_refreshes_instead_of_settin
     assert_eq!((warm["path"].as_str(), cold["path"].as_str()), (Some("warm"), Some("cold")), "{warm}\n{cold}");
     assert_eq!(sandbox_of(&warm), standby);
     let cold_sandbox = sandbox_of(&cold);
-    assert_eq!(inspect(&cold_sandbox, "{{.Config.Image}}").as_ref(), Some(&images[0]), "made from the snapshot");
+    assert_eq!(made_from.as_ref(), Some(&images[0]), "made from the snapshot");
     assert_eq!(server.text_log(&cold).await.trim(), "run", "the snapshot's setup, not run again");
     assert_eq!(refreshed, cold_sandbox, "the cold sandbox's agent refreshed from the snapshot:\n{agent_log}");
     server.stop().await;

@@ -106,6 +106,7 @@ impl Rules {
         }
         if let Some(mut live) = self.sandboxes.get_mut(sandbox_id) {
             live.snapshotting = false;
+            live.snapshot_ended_at = Some(now);
         }
         self.dispatch_queued(now, &mut step);
         self.expire_standbys(now, &mut step);

@@ -41,7 +41,8 @@ impl Rules {
     }
 
     /// Whether `live` went silent: a standby (with its agent running) not
-    /// heard from within the silence limit, or a sandbox bound to a run
+    /// heard from within the silence limit (counted from its snapshot's
+    /// end when it was paused for one), or a sandbox bound to a run
     /// whose delivery is unconfirmed not heard from within it since the
     /// commit. A confirmed run is written off only after the far longer
     /// [`super::RulesConfig::run_silence`]: its agent may be busy
@@ -53,9 +54,15 @@ impl Rules {
         let lost = |reason| Silent { sandbox_id: record.id.clone(), state: record.state, run_id: None, reason };
         match record.state {
             SandboxState::Retired | SandboxState::Parked | SandboxState::Resuming => None,
+            // Paused by the provider for its snapshot's commit, which can
+            // outlast the silence limit (a large workspace): unheard, not
+            // silent.
+            SandboxState::Standby if live.snapshotting => None,
             SandboxState::Standby => {
                 let silent = match &live.heartbeat {
-                    Some(heartbeat) => now > heartbeat.at.plus(silence),
+                    Some(heartbeat) => {
+                        now > heartbeat.at.max(live.snapshot_ended_at.unwrap_or(Millis(0))).plus(silence)
+                    }
                     None => now > connect_by,
                 };
                 (silent && !live.exited).then(|| lost("no heartbeat within three intervals"))

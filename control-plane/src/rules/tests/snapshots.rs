@@ -67,6 +67,35 @@ fn a_standby_being_snapshotted_takes_no_run_until_the_provider_answers() {
     assert_eq!(sent[0].1.execution_id, warm_run);
 }
 
+/// The provider pauses a standby for its snapshot's commit, which can take
+/// longer than the silence limit: it is not retired meanwhile, and its
+/// silence counts from the commit's end.
+#[test]
+fn a_standby_paused_for_a_long_snapshot_is_not_retired_as_silent() {
+    let mut world = World::with(RulesConfig { snapshots: true, ..config(1) });
+    let pool = ready_each(&mut world);
+    let (launched, conn, _) = &pool[0];
+    let silence = i64::try_from(world.machine.config.silence().as_millis()).expect("fits");
+
+    world.advance(silence * 10);
+    assert!(retires(&world.tick()).is_empty(), "retired while paused for its commit");
+    let fingerprint = fingerprint(&Workspace::default());
+    let taken = Input::SnapshotTaken { sandbox_id: launched.sandbox_id.clone(), fingerprint, outcome: Ok(()) };
+    let step = world.machine.handle(world.now, taken);
+    world.keep(step);
+    world.advance(silence);
+    assert!(retires(&world.tick()).is_empty(), "its silence counts from the commit's end");
+    let live = world.machine.sandboxes.get(&launched.sandbox_id).expect("live");
+    assert!(!world.machine.is_candidate(world.now, live), "no run for it until it is heard again");
+
+    world.heartbeat(*conn, AgentState::Ready);
+    let live = world.machine.sandboxes.get(&launched.sandbox_id).expect("live");
+    assert!(world.machine.is_candidate(world.now, live), "a candidate once heard after the commit");
+
+    world.advance(silence + 1);
+    assert_eq!(retires(&world.tick()), vec![launched.sandbox_id.clone()], "silent after that: retired");
+}
+
 #[test]
 fn a_failed_snapshot_is_tried_again_only_after_a_while() {
     let mut world = World::with(RulesConfig { snapshots: true, ..config(1) });
